@@ -1,0 +1,56 @@
+"""The `cbgen` command line: the app wired here, one module per command, errors mapped to messages in one place."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+
+from cbgen.cli import config_cmd, run
+from cbgen.errors import CbgenError, ExitCode
+
+app = typer.Typer(
+    name="cbgen",
+    help="Offline batch generation with LLMs on Hugging Face transformers' continuous batching.\n\n"
+    "Give it a file of prompts; it answers every one and writes sharded outputs plus run.json.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("run", epilog=run.EPILOG)(run.run)
+app.add_typer(config_cmd.app, name="config")
+
+DEBUG_VARIABLE = "CBGEN_DEBUG"
+
+
+def run_cli(argv: list[str] | None = None) -> int:
+    """Runs the CLI on `argv` and returns the exit code; every error becomes one line on stderr.
+
+    Tracebacks are printed only when CBGEN_DEBUG=1.
+    """
+    debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    try:
+        app(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except CbgenError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"Error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:  # noqa: BLE001 - the one place that turns any crash into a message
+        if debug:
+            traceback.print_exc()
+        message = (str(e).strip().splitlines() or [""])[0]
+        print(f"Error: unexpected {type(e).__name__}: {message} (set {DEBUG_VARIABLE}=1 to see the traceback)",
+              file=sys.stderr)
+        return ExitCode.INTERNAL
+    return ExitCode.OK
+
+
+def main() -> None:
+    sys.exit(run_cli())

@@ -1,0 +1,37 @@
+"""`cbgen config`: show the effective job configuration, or write a commented template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from cbgen.cli._options import ConfigFile, job_options
+from cbgen.config import CONFIG_TEMPLATE, build_config
+from cbgen.errors import CbgenError
+
+app = typer.Typer(help="Inspect and create job configuration files.", no_args_is_help=True)
+
+
+@app.command("show")
+@job_options
+def show(config: ConfigFile = None, *, overrides: dict[tuple[str, str], tuple[Any, str]]):
+    """Print the effective configuration (defaults < --config file < flags) as YAML.
+
+    Example: cbgen config show --config job.yaml --page-size 64
+    """
+    typer.echo(build_config(config, overrides).to_yaml(), nl=False)
+
+
+@app.command("init")
+def init(
+    path: Annotated[str, typer.Argument(help="Where to write the template.")] = "job.yaml",
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing file.")] = False,
+):
+    """Write a commented job-file template with every option and its default."""
+    target = Path(path)
+    if target.exists() and not force:
+        raise CbgenError(f"'{target}' already exists; pass --force to replace it")
+    target.write_text(CONFIG_TEMPLATE, encoding="utf-8")
+    typer.echo(f"wrote {target}; edit it, then: cbgen run --config {target} PROMPTS.jsonl")

@@ -1,0 +1,160 @@
+"""Progress of a job: a Rich display on a terminal, a plain line every few seconds elsewhere (cron, Slurm logs)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn
+from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from cbgen.job import RunSummary
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.done = 0
+        self.failed = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
+        self.done += sequences
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated_tokens
+        self.failed += failed
+
+    @property
+    def tokens_per_second(self) -> float:
+        elapsed = time.perf_counter() - self.started
+        return self.generated_tokens / elapsed if elapsed > 0 else 0.0
+
+
+class _TokensPerSecond(ProgressColumn):
+    def __init__(self, counters: _Counters) -> None:
+        super().__init__()
+        self.counters = counters
+
+    def render(self, task) -> Text:
+        failed = f", {self.counters.failed} failed" if self.counters.failed else ""
+        return Text(f"{self.counters.tokens_per_second:,.1f} tok/s{failed}", style="cyan")
+
+
+class RichProgress:
+    """Requests done / total, generated tokens per second, elapsed time and ETA, on stderr."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.counters = _Counters()
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            _TokensPerSecond(self.counters),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = None
+
+    def stage(self, message: str) -> None:
+        self.console.log(message)
+
+    def start(self, total: int | None) -> None:
+        self.counters.started = time.perf_counter()
+        self.progress.start()
+        self.task = self.progress.add_task("generating", total=total)
+
+    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
+        self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
+        self.progress.advance(self.task, sequences)
+
+    def finish(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+class PlainProgress:
+    """One line every `interval` seconds, for logs that are not terminals."""
+
+    def __init__(self, console: Console, interval: float = 5.0) -> None:
+        self.console = console
+        self.interval = interval
+        self.counters = _Counters()
+        self.total: int | None = None
+        self.last = 0.0
+
+    def stage(self, message: str) -> None:
+        self._line(message)
+
+    def start(self, total: int | None) -> None:
+        self.total = total
+        self.counters.started = self.last = time.perf_counter()
+        self._line(f"generating {total if total is not None else 'all'} sequences")
+
+    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
+        self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
+        now = time.perf_counter()
+        if now - self.last >= self.interval:
+            self.last = now
+            self._report()
+
+    def finish(self) -> None:
+        self._report()
+
+    def _report(self) -> None:
+        c = self.counters
+        done = f"{c.done}/{self.total}" if self.total else str(c.done)
+        eta = ""
+        elapsed = time.perf_counter() - c.started
+        if self.total and c.done:
+            eta = f", ETA {_duration(elapsed / c.done * (self.total - c.done))}"
+        self._line(f"{done} sequences, {c.tokens_per_second:.1f} generated tok/s, {c.failed} failed, "
+                   f"elapsed {_duration(elapsed)}{eta}")
+
+    def _line(self, message: str) -> None:
+        self.console.print(f"[cbgen {time.strftime('%H:%M:%S')}] {message}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def make_progress(console: Console, quiet: bool):
+    from cbgen.job import NullProgress
+
+    if quiet:
+        return NullProgress()
+    return RichProgress(console) if console.is_terminal else PlainProgress(console)
+
+
+def summary_table(summary: RunSummary) -> Table:
+    throughput = summary.throughput()
+    table = Table(title="cbgen run summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("model", summary.model),
+        ("requests", f"{summary.requests} ({summary.sequences} sequences)"),
+        ("succeeded / failed", f"{summary.succeeded} / {summary.failed}"),
+        ("prompt / generated tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
+        ("generated tokens/s", f"{throughput['generated_tokens_per_s']:,.1f}"),
+        ("prompt + generated tokens/s", f"{throughput['total_tokens_per_s']:,.1f}"),
+        ("model load / generation / total", " / ".join(_duration(summary.timings.get(k, 0.0))
+                                                        for k in ("model_load_s", "generation_s", "total_s"))),
+        ("KV cache", f"{summary.kv_cache.get('num_blocks')} blocks of {summary.kv_cache.get('page_size')} tokens "
+                     f"({summary.kv_cache.get('chosen_by')})"),
+        ("output", f"{summary.output_dir} ({len(summary.shards)} shards + run.json)"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

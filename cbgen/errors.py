@@ -1,0 +1,23 @@
+"""The one error type for user mistakes, and the exit codes cbgen documents."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Process exit codes (also listed in `cbgen run --help` and the README)."""
+
+    OK = 0  # every request succeeded
+    SOME_FAILED = 1  # the run finished, some requests failed; they are in the output with their error
+    USAGE = 2  # usage, configuration or input-file error: nothing was generated
+    INTERNAL = 3  # an unexpected error inside cbgen or a library (set CBGEN_DEBUG=1 for the traceback)
+
+
+class CbgenError(Exception):
+    """A mistake the user can fix: the message names the file, line or key and says how to fix it.
+
+    The CLI prints it as one line and exits with code 2.
+    """
+
+    exit_code = ExitCode.USAGE

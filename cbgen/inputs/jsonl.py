@@ -1,0 +1,98 @@
+"""JSON Lines input: one JSON object per line, from a file (optionally gzipped) or stdin."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from cbgen.errors import CbgenError
+from cbgen.inputs.base import Reader, describe_type
+
+
+class JsonlReader(Reader):
+    """Reads a JSONL file line by line; `path=None` reads stdin. Blank lines are skipped and not counted."""
+
+    def __init__(self, path: str | Path | None, *, prompt_column: str | None = None, id_column: str | None = None,
+                 keep_columns: Sequence[str] = ()) -> None:
+        super().__init__("<stdin>" if path is None else str(path), prompt_column=prompt_column,
+                         id_column=id_column, keep_columns=keep_columns)
+        self.path = None if path is None else Path(path)
+        if self.path is not None:
+            with self._open() as f:  # fail now, not mid-job, on a missing, unreadable or non-gzip file
+                f.read(1)
+
+    def _open(self) -> IO[bytes]:
+        assert self.path is not None
+        try:
+            if self.path.name.lower().endswith(".gz"):
+                f = gzip.open(self.path, "rb")
+                try:
+                    f.peek(1)  # gzip.open is lazy: read the header to check it
+                except BaseException:
+                    f.close()
+                    raise
+                return f
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            raise CbgenError(f"input file '{self.name}' does not exist") from None
+        except IsADirectoryError:
+            raise CbgenError(f"input file '{self.name}' is a directory, not a JSONL file") from None
+        except PermissionError:
+            raise CbgenError(f"cannot read input file '{self.name}': permission denied") from None
+        except (gzip.BadGzipFile, EOFError):
+            raise CbgenError(f"input file '{self.name}' is not a valid gzip file") from None
+
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        """Yield `(line_number, line)` for the non-blank lines, counting from 1 over all physical lines."""
+        if self.path is None:
+            lines: Iterator[tuple[int, bytes]] = enumerate(sys.stdin.buffer, 1)
+            yield from ((n, line) for n, line in lines if line.strip())
+            return
+        try:
+            with self._open() as f:
+                yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+        except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream shows up only here
+            raise CbgenError(f"cannot read input file '{self.name}': {e}") from None
+
+    def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+        for n, line in self._lines():
+            location = f"{self.name}:{n}"
+            try:
+                text = line.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield location, None, f"invalid UTF-8 at byte {e.start} of the line: {e.reason}"
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield location, None, f"invalid JSON: {e.msg} at column {e.colno}"
+                continue
+            if isinstance(row, dict):
+                yield location, row, None
+            else:
+                yield location, None, f"expected a JSON object per line, got {describe_type(row)}"
+
+    def _ids(self) -> Iterator[tuple[int, Any]]:
+        for n, line in self._lines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # also UnicodeDecodeError: such rows become error records later
+                continue
+            if isinstance(row, dict):
+                yield n, row.get(self.id_column)
+
+    def _where(self, position: int, first: int) -> tuple[str, str]:
+        return f"{self.name}:{position}", f"first seen on line {first}"
+
+    def check_ids(self) -> None:
+        """See `Reader.check_ids`; stdin cannot be read twice, so it is not checked."""
+        if self.path is not None:
+            super().check_ids()
+
+    def count(self) -> int | None:
+        """The number of non-blank lines, counted by streaming the file; None for stdin."""
+        return None if self.path is None else sum(1 for _ in self._lines())

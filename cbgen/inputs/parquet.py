@@ -1,0 +1,116 @@
+"""Parquet input: one file, or a directory of `*.parquet` files read in name order, streamed in batches."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cbgen.errors import CbgenError
+from cbgen.inputs.base import PROMPT_FIELDS, Reader
+
+BATCH_SIZE = 1024
+
+
+class ParquetReader(Reader):
+    """Reads only the needed columns, 1024 rows at a time; the columns are checked against every file's schema."""
+
+    def __init__(self, path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
+                 keep_columns: Sequence[str] = ()) -> None:
+        super().__init__(str(path), prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns)
+        local = Path(path)
+        self.files = sorted(str(f) for f in local.glob("*.parquet")) if local.is_dir() else [str(path)]
+        if not self.files:
+            raise CbgenError(f"input directory '{self.name}' contains no .parquet files")
+        schemas = [_read_schema(file) for file in self.files]
+        # Per file: without --prompt-column one file may hold `prompt` and the next `messages`.
+        self._columns = [self._resolve_columns(file, schema.names) for file, (schema, _) in zip(self.files, schemas)]
+        self._schema = schemas[0][0]
+        self._starts = [0, *accumulate(n for _, n in schemas)]  # global position of each file's first row
+
+    def _resolve_columns(self, file: str, names: list[str]) -> list[str]:
+        """The columns to read from `file`, or a `CbgenError` naming the missing one and the columns there are."""
+        shown = ", ".join(names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "")
+        if self.prompt_column is not None:
+            if self.prompt_column not in names:
+                raise CbgenError(f"'{file}' has no column '{self.prompt_column}' (--prompt-column); its columns are: "
+                                 f"{shown}")
+            prompt_columns = [self.prompt_column]
+        else:
+            prompt_columns = [c for c in PROMPT_FIELDS if c in names]
+            if not prompt_columns:
+                raise CbgenError(f"'{file}' has none of the columns prompt, messages, input_ids; its columns are: "
+                                 f"{shown}; name the prompt column with --prompt-column")
+        for flag, columns in (("--id-column", [self.id_column] if self.id_column else []),
+                              ("--keep-columns", self.keep_columns)):
+            for column in columns:
+                if column not in names:
+                    raise CbgenError(f"'{file}' has no column '{column}' ({flag}); its columns are: {shown}")
+        return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
+                                   *self.keep_columns]))
+
+    @property
+    def kept_schema(self) -> pa.Schema:
+        """The kept columns as typed in the (first) file, so outputs can keep their Arrow types."""
+        return pa.schema([self._schema.field(c) for c in self.keep_columns])
+
+    def _batches(self, per_file: list[list[str]]) -> Iterator[tuple[str, pa.RecordBatch]]:
+        """The batches of every file in turn, reading only `per_file[i]` from file i."""
+        for file, columns in zip(self.files, per_file):
+            try:
+                with pq.ParquetFile(file) as f:
+                    yield from ((file, batch) for batch in f.iter_batches(batch_size=BATCH_SIZE, columns=columns))
+            except (pa.ArrowException, OSError) as e:
+                raise CbgenError(f"cannot read input file '{file}': {_first_line(e)}") from None
+
+    def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+        file, n = None, 0
+        for batch_file, batch in self._batches(self._columns):
+            if batch_file != file:
+                file, n = batch_file, 0
+            for row in batch.to_pylist():
+                n += 1
+                yield f"{file} row {n}", row, None
+
+    def _ids(self) -> Iterator[tuple[int, Any]]:
+        assert self.id_column is not None
+        position = 0
+        for _, batch in self._batches([[self.id_column]] * len(self.files)):
+            for value in batch.column(0).to_pylist():
+                yield position, value
+                position += 1
+
+    def _locate(self, position: int) -> tuple[str, int]:
+        i = bisect_right(self._starts, position) - 1
+        return self.files[i], position - self._starts[i] + 1
+
+    def _where(self, position: int, first: int) -> tuple[str, str]:
+        (file, row), (first_file, first_row) = self._locate(position), self._locate(first)
+        earlier = f"row {first_row}" if first_file == file else f"{first_file} row {first_row}"
+        return f"{file} row {row}", f"first seen in {earlier}"
+
+    def count(self) -> int:
+        """The number of rows, from the files' metadata."""
+        return self._starts[-1]
+
+
+def _read_schema(file: str) -> tuple[pa.Schema, int]:
+    """The Arrow schema and row count of `file`, from its footer only."""
+    try:
+        with pq.ParquetFile(file) as f:
+            return f.schema_arrow, f.metadata.num_rows
+    except FileNotFoundError:
+        raise CbgenError(f"input file '{file}' does not exist") from None
+    except PermissionError:
+        raise CbgenError(f"cannot read input file '{file}': permission denied") from None
+    except (pa.ArrowException, OSError) as e:
+        raise CbgenError(f"input file '{file}' is not a valid Parquet file: {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -1,0 +1,79 @@
+"""The shape of an output row, and its Parquet schema."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+# One output row per returned sequence, with its keys in this order; `logprobs` follows when the job asked for
+# logprobs, then the kept input columns.
+BASE_FIELDS: tuple[str, ...] = (
+    "id",
+    "sample_index",
+    "text",  # None when the request failed
+    "token_ids",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "finish_reason",  # "stop" | "length" | "error"
+    "error",  # None unless finish_reason is "error"
+)
+RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs"))
+
+_BASE_TYPES: dict[str, pa.DataType] = {
+    "id": pa.string(),
+    "sample_index": pa.int32(),
+    "text": pa.string(),
+    "token_ids": pa.list_(pa.int32()),
+    "num_prompt_tokens": pa.int32(),
+    "num_generated_tokens": pa.int32(),
+    "finish_reason": pa.string(),
+    "error": pa.string(),
+}
+
+
+def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequence[str]) -> pa.Schema | None:
+    """The Parquet schema of the output rows, or None while a kept column's type is still unknown.
+
+    Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
+    column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
+    """
+    fields = [pa.field(name, type_) for name, type_ in _BASE_TYPES.items()]
+    if logprobs:
+        fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    for name in kept_names:
+        if kept_schema is None or kept_schema.get_field_index(name) < 0:
+            return None
+        fields.append(pa.field(name, kept_schema.field(name).type))
+    return pa.schema(fields)
+
+
+def infer_kept_schema(rows: Iterable[Mapping[str, Any]], kept_names: Sequence[str]) -> pa.Schema:
+    """Types for kept columns from sample rows, so JSONL input can still be written as Parquet.
+
+    Each column takes the type pyarrow infers from its non-null values in `rows` (int and float mixed give float,
+    dicts with different keys merge into one struct). A column with no non-null value, values pyarrow cannot
+    unify, or a type that still contains null (e.g. lists that are all empty) falls back to string: a string
+    column never locks a later shard out, as the writer JSON-encodes non-string values into it.
+    """
+    rows = list(rows)
+    fields = []
+    for name in kept_names:
+        values = [row.get(name) for row in rows if row.get(name) is not None]
+        type_: pa.DataType = pa.string()
+        if values:
+            try:
+                inferred = pa.array(values).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                inferred = pa.string()
+            if not _contains_null(inferred):
+                type_ = inferred
+        fields.append(pa.field(name, type_))
+    return pa.schema(fields)
+
+
+def _contains_null(type_: pa.DataType) -> bool:
+    if pa.types.is_null(type_):
+        return True
+    return any(_contains_null(type_.field(i).type) for i in range(type_.num_fields))

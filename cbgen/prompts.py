@@ -1,0 +1,98 @@
+"""Rendering records into token ids, and ordering requests so that shared prefixes hit the KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from cbgen.records import PromptRecord
+
+
+@dataclass(slots=True)
+class Request:
+    """A record ready for the engine: its token ids, or the reason it cannot be generated."""
+
+    record: PromptRecord
+    input_ids: list[int] | None = None
+    error: str | None = None
+
+
+class Renderer:
+    """Turns records into token ids with the tokenizer: chat turns through the chat template (with the generation
+    prompt), text as one user turn unless `raw_prompts` (or the tokenizer has no chat template), ids as given."""
+
+    def __init__(self, tokenizer, *, vocab_size: int, raw_prompts: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
+        self.raw_prompts = raw_prompts or not self.has_chat_template
+
+    def render(self, record: PromptRecord) -> Request:
+        if record.error is not None:
+            return Request(record, error=record.error)
+        try:
+            if record.input_ids is not None:
+                ids = list(record.input_ids)
+                bad = next((t for t in ids if t >= self.vocab_size), None)
+                if bad is not None:
+                    return Request(record, error=f"input_ids: token id {bad} is outside the vocabulary (size {self.vocab_size})")
+            elif record.messages is not None:
+                if not self.has_chat_template:
+                    return Request(record, error="the tokenizer has no chat template: give 'prompt' text or 'input_ids'")
+                ids = self._chat(record.messages)
+            else:
+                ids = self._text(record.prompt or "")
+        except Exception as e:  # a template may raise anything (jinja errors, role-order checks): it is the row's fault
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return Request(record, error=f"cannot render the prompt: {first_line}")
+        if not ids:
+            return Request(record, error="the prompt renders to zero tokens")
+        return Request(record, input_ids=ids)
+
+    def _chat(self, messages: list[dict]) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    def _text(self, text: str) -> list[int]:
+        if self.raw_prompts:
+            return list(self.tokenizer(text)["input_ids"])
+        return self._chat([{"role": "user", "content": text}])
+
+    def render_all(self, records: Iterable[PromptRecord]) -> Iterator[Request]:
+        for record in records:
+            yield self.render(record)
+
+
+def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahead: int) -> Iterator[Request]:
+    """Reorders requests, `lookahead` at a time, so prefix sharing can work.
+
+    The engine reuses a KV block only once a request has computed it: identical prefixes submitted together (as a
+    sort would place them) all compute it themselves. So within each window of `lookahead` requests this yields one
+    leader per distinct prefix (the first `key_tokens` tokens) first, then the followers grouped by prefix, sorted by
+    their ids so that longer common prefixes sit together. Failed requests are passed through first, at once.
+    Every request is yielded exactly once.
+    """
+    buffer: list[Request] = []
+    for request in requests:
+        if request.input_ids is None:
+            yield request
+            continue
+        buffer.append(request)
+        if len(buffer) >= lookahead:
+            yield from _leaders_then_followers(buffer, key_tokens)
+            buffer = []
+    yield from _leaders_then_followers(buffer, key_tokens)
+
+
+def _leaders_then_followers(buffer: list[Request], key_tokens: int) -> list[Request]:
+    groups: dict[tuple[int, ...], list[Request]] = {}
+    for request in buffer:
+        groups.setdefault(tuple(request.input_ids[:key_tokens]), []).append(request)
+    leaders, followers = [], []
+    for members in groups.values():
+        members.sort(key=lambda r: r.input_ids)
+        leaders.append(members[0])
+        followers.extend(members[1:])
+    return leaders + followers
