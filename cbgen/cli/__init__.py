@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
 import typer
 
 from cbgen.cli import config_cmd, run
-from cbgen.errors import CbgenError, ExitCode
+from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled
 
 app = typer.Typer(
     name="cbgen",
@@ -24,15 +23,13 @@ app = typer.Typer(
 app.command("run", epilog=run.EPILOG)(run.run)
 app.add_typer(config_cmd.app, name="config")
 
-DEBUG_VARIABLE = "CBGEN_DEBUG"
-
 
 def run_cli(argv: list[str] | None = None) -> int:
     """Runs the CLI on `argv` and returns the exit code; every error becomes one line on stderr.
 
     Tracebacks are printed only when CBGEN_DEBUG=1.
     """
-    debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    debug = debug_enabled()
     try:
         app(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
     except SystemExit as e:
