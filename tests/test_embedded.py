@@ -1,0 +1,126 @@
+"""End to end on the embedded SmolLM2-135M-Instruct, through the installed `cbgen` command, in float32 (bf16 greedy
+tokens drift with batch composition even on transformers' own path, so exactness is checked in fp32)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbgen.outputs import read_shards
+from tests.helpers import write_jsonl
+
+pytestmark = pytest.mark.embedded
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a colour of the rainbow.",
+    "Write one sentence about the sea.",
+    "What is 3 + 4?",
+    "Give me a word that rhymes with cat.",
+    "Who wrote Hamlet?",
+]
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+MAX_NEW = 16
+
+
+def cbgen_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cbgen", "run", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("embedded")
+    rows = [{"id": f"m{i}", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
+            for i, q in enumerate(QUESTIONS[:4])]
+    rows += [{"id": f"p{i}", "prompt": q} for i, q in enumerate(QUESTIONS[4:])]
+    return write_jsonl(folder / "prompts.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(prompts):
+    """The same greedy job written as JSONL and as Parquet."""
+    outputs = {}
+    for fmt in ("jsonl", "parquet"):
+        out = prompts.parent / f"out-{fmt}"
+        done = cbgen_cli(prompts, "-o", out, "--id-column", "id", "--dtype", "float32", "--logprobs",
+                         "--max-new-tokens", MAX_NEW, "--output-format", fmt)
+        assert done.returncode == 0, done.stderr
+        outputs[fmt] = out
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cbgen.model import embedded_model_path
+
+    gguf = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    return model, tokenizer
+
+
+def rendered(tokenizer, index: int) -> list[int]:
+    if index < 4:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[index]}]
+    else:
+        messages = [{"role": "user", "content": QUESTIONS[index]}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+
+
+def test_every_id_once_with_real_text(greedy_runs):
+    rows = list(read_shards(greedy_runs["jsonl"]))
+    assert sorted(r["id"] for r in rows) == sorted([f"m{i}" for i in range(4)] + ["p0", "p1"])
+    assert all(r["finish_reason"] in ("stop", "length") and r["text"].strip() for r in rows)
+    assert (greedy_runs["jsonl"] / "run.json").is_file()
+
+
+def test_greedy_tokens_match_model_generate(greedy_runs, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = {r["id"]: r for r in read_shards(greedy_runs["jsonl"])}
+    for index, key in enumerate([f"m{i}" for i in range(4)] + ["p0", "p1"]):
+        ids = rendered(tokenizer, index)
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        assert rows[key]["token_ids"] == expected[0, len(ids):].tolist(), key
+
+
+def test_logprobs_match_log_softmax(greedy_runs, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = {r["id"]: r for r in read_shards(greedy_runs["jsonl"])}
+    for index, key in enumerate([f"m{i}" for i in range(4)] + ["p0", "p1"]):
+        ids, generated = rendered(tokenizer, index), rows[key]["token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1]
+        reference = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(generated)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(rows[key]["logprobs"]), reference, atol=1e-3), key
+
+
+def test_jsonl_and_parquet_agree(greedy_runs):
+    def by_id(out):
+        return sorted(read_shards(out), key=lambda r: r["id"])
+
+    jsonl, parquet = by_id(greedy_runs["jsonl"]), by_id(greedy_runs["parquet"])
+    assert [r["token_ids"] for r in jsonl] == [r["token_ids"] for r in parquet]
+    assert [r["text"] for r in jsonl] == [r["text"] for r in parquet]
+    for a, b in zip(jsonl, parquet):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-6)
+
+
+def test_each_id_n_times_with_num_return_sequences(prompts):
+    out = prompts.parent / "out-n"
+    done = cbgen_cli(prompts, "-o", out, "--id-column", "id", "-n", 3, "--temperature", 0.8, "--seed", 1,
+                     "--max-new-tokens", 4)
+    assert done.returncode == 0, done.stderr
+    rows = list(read_shards(out))
+    assert len(rows) == 3 * 6
+    for key in {r["id"] for r in rows}:
+        assert sorted(r["sample_index"] for r in rows if r["id"] == key) == [0, 1, 2]
