@@ -15,6 +15,7 @@ class ExitCode(IntEnum):
     SOME_FAILED = 1  # the run finished, some requests failed; they are in the output with their error
     USAGE = 2  # usage, configuration or input-file error: nothing was generated
     INTERNAL = 3  # an unexpected error inside cbgen or a library (set CBGEN_DEBUG=1 for the traceback)
+    INTERRUPTED = 130  # Ctrl-C: complete shards are kept
 
 
 class CbgenError(Exception):

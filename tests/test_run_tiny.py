@@ -170,3 +170,15 @@ def test_stdin_and_plain_progress(tiny_model_dir, tmp_path, monkeypatch, capsys)
     assert "[cbgen" in err and "4 sequences" in err  # plain progress lines, not a terminal
     assert "cbgen run summary" in err
     assert len(read_jsonl(out / "part-00000.jsonl")) == 4
+
+
+def test_extra_stop_token_ends_the_sequence(tiny_model_dir, tmp_path):
+    rows = [{"input_ids": [11, 12, 13, 14]}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    assert cbgen(tiny_model_dir, path, "-o", tmp_path / "a", "--max-new-tokens", 10) == 0
+    free = next(read_shards(tmp_path / "a"))["token_ids"]
+    stop = free[3]
+    assert cbgen(tiny_model_dir, path, "-o", tmp_path / "b", "--max-new-tokens", 10, "--stop-token-id", stop) == 0
+    stopped = next(read_shards(tmp_path / "b"))
+    assert stopped["token_ids"] == free[: free.index(stop) + 1]
+    assert stopped["finish_reason"] == "stop"

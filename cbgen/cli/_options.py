@@ -131,7 +131,7 @@ JOB_OPTIONS: list[JobOption] = [
     # Run
     JobOption("run", "max_in_flight", ("--max-in-flight",), int,
               "Requests handed to the engine at once; results are written as they finish, so memory stays "
-              "bounded. Default: twice --max-requests-per-batch.", PANEL_RUN),
+              "bounded. Default: twice --max-requests-per-batch (512 when transformers chooses that).", PANEL_RUN),
     JobOption("run", "quiet", ("--quiet/--no-quiet", "-q"), bool,
               "No progress display and no summary; errors are still printed.", PANEL_RUN),
 ]

@@ -10,6 +10,7 @@ from rich.console import Console
 from cbgen.cli._options import ConfigFile, job_options
 from cbgen.cli.progress import make_progress, summary_table
 from cbgen.config import build_config
+from cbgen.errors import ExitCode
 
 EPILOG = """\
 [bold]Examples[/bold]
@@ -27,7 +28,7 @@ DIR/run.json (configuration, model, versions, counts, timings, throughput).
 
 [bold]Exit codes[/bold]: 0 every request succeeded · 1 some requests failed (they are in the output with their error) ·
 2 usage, configuration or input-file error (nothing generated) · 3 unexpected internal error (CBGEN_DEBUG=1 shows
-the traceback).
+the traceback) · 130 interrupted (Ctrl-C).
 """
 
 
@@ -48,8 +49,12 @@ def run(
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
     job = build_config(config, overrides)
-    console = Console(stderr=True)
-    summary = run_job(job, make_progress(console, job.run.quiet))
+    console = Console(stderr=True, log_path=False)
+    try:
+        summary = run_job(job, make_progress(console, job.run.quiet))
+    except KeyboardInterrupt:
+        console.print(f"Interrupted: complete shards are kept in {job.output.dir}", markup=False)
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
     if not job.run.quiet:
         console.print(summary_table(summary))
     raise typer.Exit(int(summary.exit_code))
