@@ -64,6 +64,11 @@ class OutputSection:
 class RunSection:
     max_in_flight: int | None = None  # None: 2 x max_requests_per_batch on CPU, 512 on CUDA
     quiet: bool = False
+    request_timeout: float | None = None  # seconds from hand-over to the engine; None: no limit
+    max_errors: int | None = None  # stop the job once more requests than this have failed; None: never
+    commit_interval: float = 60.0  # seconds: commit the open shard at least this often, so a kill loses little
+    num_shards: int | None = None  # split the input across this many jobs (default: the Slurm array size)
+    shard_index: int | None = None  # which part this job runs, from 0 (default: the Slurm array task)
 
 
 def _batching_fields() -> dict[str, dataclasses.Field]:
@@ -107,6 +112,11 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "generation.stop_token_ids": (lambda v: all(t >= 0 for t in v), "a list of token ids (integers >= 0)"),
     "output.rows_per_shard": (lambda v: v >= 1, "a positive integer"),
     "run.max_in_flight": (lambda v: v >= 1, "a positive integer"),
+    "run.request_timeout": (lambda v: v > 0, "a positive number of seconds"),
+    "run.max_errors": (lambda v: v >= 0, "an integer of at least 0"),
+    "run.commit_interval": (lambda v: v > 0, "a positive number of seconds"),
+    "run.num_shards": (lambda v: v >= 1, "a positive integer"),
+    "run.shard_index": (lambda v: v >= 0, "an integer of at least 0"),
 }
 
 SECTIONS: dict[str, type] = {
@@ -317,6 +327,11 @@ def check_combinations(job: JobConfig) -> None:
     if g.do_sample is False and sampling:
         flags = ", ".join(f"--{s.replace('_', '-')}" for s in sampling)
         raise CbgenError(f"greedy decoding ignores {flags}: drop --greedy (do_sample: false) or drop {flags}")
+    r = job.run
+    if (r.shard_index is None) != (r.num_shards is None):
+        raise CbgenError("--num-shards and --shard-index go together: give both, or neither (Slurm arrays set them)")
+    if r.num_shards is not None and r.shard_index >= r.num_shards:
+        raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
     if g.num_return_sequences > 1 and not job.do_sample:
         raise CbgenError(
             f"--num-return-sequences {g.num_return_sequences} needs sampling (greedy would return the same text "
@@ -388,4 +403,9 @@ output:
 run:
   max_in_flight: null    # requests handed to the engine at once; null = 2 x max_requests_per_batch on CPU
   quiet: false
+  request_timeout: null  # seconds a request may take once handed to the engine; null = no limit
+  max_errors: null       # stop once more requests than this have failed; null = never
+  commit_interval: 60.0  # seconds between commits of the open shard, so a killed run loses little
+  num_shards: null       # split the input across this many jobs (default: the Slurm array size)
+  shard_index: null      # this job's part, from 0 (default: the Slurm array task)
 """

@@ -9,6 +9,7 @@ the loop dies anyway, the requests in flight are failed with its error and a fre
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ class Completion:
 class _InFlight:
     request: Request
     max_new_tokens: int
-    returned: set[int] = field(default_factory=set)  # sample indices already yielded
+    started: float  # time.monotonic() when handed to the manager
+    done: dict[int, Completion] = field(default_factory=dict)  # sample index -> completion
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Engine:
         eos_token_ids: set[int],
         max_positions: int | None,
         workload_hints=None,
+        request_timeout: float | None = None,
     ) -> None:
         self.model = model
         self.generation_config = generation_config
@@ -77,6 +80,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.max_positions = max_positions
         self.workload_hints = workload_hints
+        self.request_timeout = request_timeout
         self.stats = EngineStats()
         self._manager = None
         self._counter = 0
@@ -136,14 +140,21 @@ class Engine:
         return [Completion(request, i, [], None, "error", error) for i in range(self.n)]
 
     # -------------------------------------------------------------------------------------------------------------- #
-    def run(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        """Yields one Completion per returned sequence of every request, in the order they finish."""
+    def run(self, requests: Iterable[Request], stop: threading.Event | None = None) -> Iterator[list[Completion]]:
+        """Yields the sequences of each request together (sorted by sample index), in the order requests finish.
+
+        When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
+        are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
+        """
         self._start_manager()
         in_flight: dict[str, _InFlight] = {}
         source = iter(requests)
         exhausted = False
         try:
             while True:
+                if stop is not None and stop.is_set():
+                    yield from self._stop_now(in_flight)
+                    return
                 while not exhausted and len(in_flight) < self.max_in_flight:
                     request = next(source, None)
                     if request is None:
@@ -151,67 +162,97 @@ class Engine:
                         break
                     reason = request.error or self.never_fits(request)
                     if reason is not None:
-                        yield from self._fail(request, reason)
+                        yield self._fail(request, reason)
                         continue
+                    if not self._manager.is_running():  # died on an earlier request: never feed a dead loop
+                        yield from self._recover(in_flight)
                     key = f"r{self._counter}"
                     self._counter += 1
                     max_new = self._max_new_for(len(request.input_ids))
-                    if not self._manager.is_running():  # died on an earlier request: never feed a dead loop
-                        yield from self._recover(in_flight)
                     accepted = self._manager.add_request(request.input_ids, request_id=key, max_new_tokens=max_new)
                     if accepted is None:
-                        yield from self._fail(request, "the engine refused the request (it was stopping)")
+                        yield self._fail(request, "the engine refused the request (it was stopping)")
                         continue
-                    in_flight[key] = _InFlight(request, max_new)
+                    in_flight[key] = _InFlight(request, max_new, time.monotonic())
                 if exhausted and not in_flight:
                     return
+                if self.request_timeout is not None:
+                    yield from self._expire(in_flight)
                 result = self._manager.get_result(timeout=0.05)
                 if result is None:
                     if not self._manager.is_running():
                         yield from self._recover(in_flight)
                     continue
-                if not result.is_finished():
-                    continue
-                completion = self._complete(result, in_flight)
-                if completion is not None:
-                    yield completion
+                if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
+                    yield group
         finally:
             self._stop_manager()
 
-    def _complete(self, result, in_flight: dict[str, _InFlight]) -> Completion | None:
+    def _complete(self, result, in_flight: dict[str, _InFlight]) -> list[Completion] | None:
+        """Records one finished sequence; returns the request's sequences once all of them are in."""
         key, _, child = result.request_id.partition(CHILD_MARK)
         entry = in_flight.get(key)
-        if entry is None:  # a late result for a request already failed by a recovery
+        if entry is None:  # a late result for a request already failed (recovery) or cancelled (timeout)
             return None
         sample_index = int(child) + 1 if child else 0
-        entry.returned.add(sample_index)
-        if len(entry.returned) == self.n:
-            del in_flight[key]
         tokens = list(result.generated_tokens)
         logprobs = [float(x) for x in result.logprobs] if result.logprobs else None
         if result.error is not None:
-            return Completion(entry.request, sample_index, tokens, logprobs, "error", str(result.error))
-        if tokens and tokens[-1] in self.eos_token_ids:
-            reason = "stop"
+            reason, error = "error", str(result.error)
+        elif tokens and tokens[-1] in self.eos_token_ids:
+            reason, error = "stop", None
         elif len(tokens) >= entry.max_new_tokens:
-            reason = "length"
+            reason, error = "length", None
         else:
-            reason = "stop"
-        return Completion(entry.request, sample_index, tokens, logprobs, reason)
+            reason, error = "stop", None
+        entry.done[sample_index] = Completion(entry.request, sample_index, tokens, logprobs, reason, error)
+        if len(entry.done) < self.n:
+            return None
+        del in_flight[key]
+        return [entry.done[i] for i in range(self.n)]
 
-    def _recover(self, in_flight: dict[str, _InFlight]) -> Iterator[Completion]:
-        """The manager's loop has died: drain what it finished, fail the rest with its error, start a fresh one."""
+    def _close_with_error(self, key: str, in_flight: dict[str, _InFlight], error: str) -> list[Completion]:
+        """Ends a request now: the sequences it finished, plus an error for each one it did not."""
+        entry = in_flight.pop(key)
+        return [
+            entry.done.get(i) or Completion(entry.request, i, [], None, "error", error) for i in range(self.n)
+        ]
+
+    def _expire(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
+        """Cancels requests that have run longer than --request-timeout. The manager returns nothing for a
+        cancelled request, so cbgen records the failure itself."""
+        now = time.monotonic()
+        for key, entry in list(in_flight.items()):
+            if now - entry.started <= self.request_timeout:
+                continue
+            for sample in range(self.n):
+                if sample not in entry.done:
+                    self._manager.cancel_request(key if sample == 0 else f"{key}{CHILD_MARK}{sample - 1}")
+            error = f"timed out after {self.request_timeout:g} s (--request-timeout)"
+            yield self._close_with_error(key, in_flight, error)
+
+    def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
+        """Stops the manager at once and yields the requests that had finished all their sequences."""
+        manager, self._manager = self._manager, None
+        manager.stop(block=True, timeout=20, hard_stop=True)
+        while (result := manager.get_result(timeout=0)) is not None:
+            # a hard stop fails what was running: those requests are left for a resume, not reported as failed
+            if result.is_finished() and result.error is None and (group := self._complete(result, in_flight)):
+                yield group
+        manager.destroy()
+        in_flight.clear()
+
+    def _recover(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
+        """The manager's loop has died: take what it finished, fail the rest with its error, start a fresh one."""
         manager = self._manager
         while (result := manager.get_result(timeout=0)) is not None:
-            if result.is_finished() and (completion := self._complete(result, in_flight)) is not None:
-                yield completion
+            if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
+                yield group
         fatal = getattr(manager.background_thread_status, "fatal_error", None)
         error = f"the generation loop stopped: {fatal}" if fatal else "the generation loop stopped unexpectedly"
         log.warning("%s; restarting it (%d requests in flight failed)", error, len(in_flight))
-        for entry in in_flight.values():
-            for i in sorted(set(range(self.n)) - entry.returned):
-                yield Completion(entry.request, i, [], None, "error", error)
-        in_flight.clear()
+        for key in list(in_flight):
+            yield self._close_with_error(key, in_flight, error)
         self._stop_manager()
         self.stats.restarts += 1
         self._start_manager()

@@ -15,7 +15,9 @@ class ExitCode(IntEnum):
     SOME_FAILED = 1  # the run finished, some requests failed; they are in the output with their error
     USAGE = 2  # usage, configuration or input-file error: nothing was generated
     INTERNAL = 3  # an unexpected error inside cbgen or a library (set CBGEN_DEBUG=1 for the traceback)
-    INTERRUPTED = 130  # Ctrl-C: complete shards are kept
+    TOO_MANY_ERRORS = 4  # stopped once more requests than --max-errors had failed; resumable
+    STOPPED = 75  # stopped by SIGTERM or Ctrl-C before the end; resumable (EX_TEMPFAIL: run it again)
+    INTERRUPTED = 130  # a second Ctrl-C: stopped at once; still resumable
 
 
 class CbgenError(Exception):

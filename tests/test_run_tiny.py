@@ -71,7 +71,8 @@ def test_jsonl_and_parquet_outputs_agree(tiny_model_dir, chat_file, tmp_path):
     assert as_jsonl == as_parquet
     assert [r["lang"] for r in as_jsonl] == ["en"] * len(CHATS)
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
-        "part-00000.parquet", "part-00001.parquet", "part-00002.parquet", "run.json"]
+        ".cbgen.lock", "fingerprint.json", "part-00000.parquet", "part-00001.parquet", "part-00002.parquet",
+        "run.json"]
 
 
 def test_parquet_input_and_run_manifest(tiny_model_dir, tmp_path):

@@ -7,7 +7,7 @@ import traceback
 
 import typer
 
-from cbgen.cli import config_cmd, run
+from cbgen.cli import collect_cmds, config_cmd, run
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled
 
 app = typer.Typer(
@@ -21,6 +21,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("run", epilog=run.EPILOG)(run.run)
+app.command("status")(collect_cmds.status)
+app.command("merge")(collect_cmds.merge)
 app.add_typer(config_cmd.app, name="config")
 
 

@@ -134,6 +134,20 @@ JOB_OPTIONS: list[JobOption] = [
               "bounded. Default: twice --max-requests-per-batch (512 when transformers chooses that).", PANEL_RUN),
     JobOption("run", "quiet", ("--quiet/--no-quiet", "-q"), bool,
               "No progress display and no summary; errors are still printed.", PANEL_RUN),
+    JobOption("run", "request_timeout", ("--request-timeout",), float,
+              "Seconds a request may take once handed to the engine; a slower one is cancelled and recorded "
+              "as failed.", PANEL_RUN, metavar="SECONDS"),
+    JobOption("run", "max_errors", ("--max-errors",), int,
+              "Stop the job (resumable) once more than this many requests have failed.", PANEL_RUN),
+    JobOption("run", "commit_interval", ("--commit-interval",), float,
+              "Commit the open shard at least every this many seconds, so a killed job loses little work.  "
+              "[default: 60]", PANEL_RUN, metavar="SECONDS"),
+    JobOption("run", "num_shards", ("--num-shards",), int,
+              "Split the input into this many parts by a stable hash of the id, one per job; each writes to "
+              "DIR/shard-IIIII-of-NNNNN. Default: the Slurm array size (SLURM_ARRAY_TASK_COUNT).", PANEL_RUN),
+    JobOption("run", "shard_index", ("--shard-index",), int,
+              "Which part this job runs, from 0. Default: the Slurm array task (SLURM_ARRAY_TASK_ID minus "
+              "SLURM_ARRAY_TASK_MIN).", PANEL_RUN),
 ]
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, Optional
 
 import typer
@@ -12,24 +17,24 @@ from cbgen.cli.progress import make_progress, summary_table
 from cbgen.config import build_config
 from cbgen.errors import ExitCode
 
-EPILOG = """\
-[bold]Examples[/bold]
-
-  cbgen run prompts.jsonl --page-size 128                  [dim]# writes ./cbgen-out/[/dim]\n
-  cbgen run prompts.parquet -o out/ --model Qwen/Qwen3-4B --config job.yaml --max-new-tokens 512 --logprobs\n
-  cat prompts.jsonl | cbgen run - -o out/ --temperature 0.7 -n 4
-
-[bold]Input rows[/bold] (JSONL or Parquet) carry one of: [cyan]prompt[/cyan] (text), [cyan]messages[/cyan] (chat turns,
-rendered with the model's chat template) or [cyan]input_ids[/cyan] (token ids).
-
-[bold]Output[/bold]: DIR/part-00000.jsonl ... (one row per returned sequence: id, sample_index, text, token_ids,
-num_prompt_tokens, num_generated_tokens, finish_reason stop|length|error, error, [logprobs], kept columns) and
-DIR/run.json (configuration, model, versions, counts, timings, throughput).
-
-[bold]Exit codes[/bold]: 0 every request succeeded · 1 some requests failed (they are in the output with their error) ·
-2 usage, configuration or input-file error (nothing generated) · 3 unexpected internal error (CBGEN_DEBUG=1 shows
-the traceback) · 130 interrupted (Ctrl-C).
-"""
+EPILOG = (
+    "[bold]Examples[/bold]\n\n"
+    "  cbgen run prompts.jsonl --page-size 128   [dim]# writes ./cbgen-out/[/dim]\n\n"
+    "  cbgen run prompts.parquet -o out/ --model Qwen/Qwen3-4B --config job.yaml --max-new-tokens 512 --logprobs\n\n"
+    "  cat prompts.jsonl | cbgen run - -o out/ --temperature 0.7 -n 4\n\n"
+    "[bold]Input rows[/bold] (JSONL or Parquet) carry one of: prompt (text), messages (chat turns, rendered with the "
+    "model's chat template) or input_ids (token ids).\n\n"
+    "[bold]Output[/bold]: DIR/part-00000.jsonl ... with one row per returned sequence (id, sample_index, text, "
+    "token_ids, num_prompt_tokens, num_generated_tokens, finish_reason stop|length|error, error, \\[logprobs], kept "
+    "columns), and DIR/run.json (configuration, model, versions, counts, timings, throughput).\n\n"
+    "[bold]Resuming[/bold]: run the same command again on the same output directory; finished requests are never "
+    "generated again. A directory holding a different job (model, input or generation settings) is refused unless "
+    "--overwrite.\n\n"
+    "[bold]Exit codes[/bold]: 0 every request succeeded · 1 some requests failed (they are in the output with their "
+    "error) · 2 usage, configuration or input-file error (nothing generated) · 3 unexpected internal error "
+    "(CBGEN_DEBUG=1 shows the traceback) · 4 stopped after more than --max-errors failures · 75 stopped by SIGTERM or "
+    "Ctrl-C · 130 stopped at once by a second Ctrl-C. After 4, 75 and 130 the job resumes when run again."
+)
 
 
 @job_options
@@ -50,11 +55,33 @@ def run(
         overrides[("input", "path")] = (input_path, "INPUT")
     job = build_config(config, overrides)
     console = Console(stderr=True, log_path=False)
-    try:
-        summary = run_job(job, make_progress(console, job.run.quiet))
-    except KeyboardInterrupt:
-        console.print(f"Interrupted: complete shards are kept in {job.output.dir}", markup=False)
-        raise typer.Exit(ExitCode.INTERRUPTED) from None
+    stop = threading.Event()
+    with graceful_stop(stop, console):
+        summary = run_job(job, make_progress(console, job.run.quiet), stop)
     if not job.run.quiet:
         console.print(summary_table(summary))
+    if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):
+        console.print(f"{summary.status}: complete results are in {summary.output_dir}; run the same command again "
+                      "to resume", markup=False, highlight=False)
     raise typer.Exit(int(summary.exit_code))
+
+
+@contextmanager
+def graceful_stop(stop: threading.Event, console: Console) -> Iterator[None]:
+    """SIGTERM (Slurm preemption, `kill`) and the first Ctrl-C set `stop`: the job admits nothing more, writes what
+    has finished and exits resumable. A second Ctrl-C exits at once; the committed shards still allow a resume."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            os._exit(ExitCode.INTERRUPTED)
+        stop.set()
+        name = signal.Signals(signum).name
+        console.print(f"{name} received: stopping; finished results are being written, then the job exits "
+                      "resumable (Ctrl-C again to stop at once)", markup=False, highlight=False)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

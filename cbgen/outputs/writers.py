@@ -81,14 +81,30 @@ class ShardWriter(ABC):
 
     def write(self, row: dict[str, Any]) -> None:
         """Add one row to the open shard, committing the shard when it is full."""
+        self.write_group([row])
+
+    def write_group(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Add rows that belong together (the sequences of one request) to the same shard, then commit the shard
+        if it is full: a resume then finds a request either whole or not at all."""
         if self._closed:
             raise ValueError("write() on a closed shard writer")
         with self._guard():
             if self._file is None:
                 self._file = open(self._temp_path(), "wb")
-            self._write_row(row)
-        self._rows_in_shard += 1
+            for row in rows:
+                self._write_row(row)
+        self._rows_in_shard += len(rows)
         if self._rows_in_shard >= self.rows_per_shard:
+            self._commit()
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows written to the open shard but not committed yet."""
+        return self._rows_in_shard
+
+    def commit(self) -> None:
+        """Commit the open shard now, however few rows it holds (a time-based checkpoint)."""
+        if self._file is not None and not self._closed:
             self._commit()
 
     def close(self) -> None:
@@ -261,20 +277,26 @@ def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
     return writers[fmt](directory, **kwargs)
 
 
-def read_shards(directory: Path) -> Iterator[dict[str, Any]]:
-    """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped."""
+def shard_paths(directory: Path) -> list[tuple[int, Path]]:
+    """The committed shards in `directory` as (number, path), in order; temporary shards are not listed."""
     directory = Path(directory)
     if not directory.is_dir():
-        return
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _SHARD_RE.match(p.name))]
-    for _, path in sorted(found):
+        return []
+    return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _SHARD_RE.match(p.name)))
+
+
+def read_shards(directory: Path, columns: Sequence[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
+    `columns` limits what is read from Parquet shards (JSONL rows are always read whole)."""
+    for _, path in shard_paths(directory):
         if path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     if line.strip():
                         yield json.loads(line)
         else:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=ParquetShardWriter.ROW_GROUP):
+            parquet = pq.ParquetFile(path)
+            for batch in parquet.iter_batches(batch_size=ParquetShardWriter.ROW_GROUP, columns=columns):
                 yield from batch.to_pylist()
 
 

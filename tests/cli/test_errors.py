@@ -121,7 +121,7 @@ def test_earlier_results_are_not_mixed(prompts, tmp_path, capsys):
     out.mkdir()
     (out / "part-00000.jsonl").write_text("{}\n")
     code, err = run(["run", prompts, "-o", out], capsys)
-    assert_one_line_error(code, err, r"already holds results of an earlier run; pass --overwrite")
+    assert_one_line_error(code, err, r"holds shards but no fingerprint.json.*pass --overwrite to replace them")
 
 
 def test_missing_embedded_model_says_how_to_install(prompts, tmp_path, capsys, monkeypatch):

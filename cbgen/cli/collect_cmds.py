@@ -1,0 +1,85 @@
+"""`cbgen status` and `cbgen merge`: how far a job is, and one result from the shards of a split job."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cbgen.errors import ExitCode
+
+InputOverride = Annotated[
+    Optional[str],  # noqa: UP045 (typer)
+    typer.Option("--input", help="The job's input file, if it has moved since the run (or was read from stdin).",
+                 metavar="FILE"),
+]
+
+
+def status(
+    directory: Annotated[str, typer.Argument(help="The job's output directory (-o of cbgen run).")],
+    input_path: InputOverride = None,
+):
+    """Report done / failed / remaining requests of a job, shard by shard.
+
+    Exit code 0 when every request is done, 1 when some are not (or failed), 2 for a directory that holds no job.
+    """
+    from cbgen.collect import job_status
+
+    rows = job_status(directory, input_path)
+    table = Table(title=f"cbgen status: {directory}", title_justify="left")
+    for column in ("directory", "done", "failed", "remaining", "state"):
+        table.add_column(column, justify="right" if column in ("done", "failed", "remaining") else "left")
+    for row in rows:
+        if row.running:
+            state = "running"
+        elif row.remaining == 0:
+            state = "complete"
+        elif row.remaining is None or row.status == "not started":
+            state = row.status or "unknown"
+        else:
+            state = "incomplete: run it again to resume"
+        table.add_row(row.path.name if row.shard else str(row.path), str(row.done), str(row.failed),
+                      "?" if row.remaining is None else str(row.remaining), state)
+    if len(rows) > 1:
+        remaining = [r.remaining for r in rows]
+        table.add_row("total", str(sum(r.done for r in rows)), str(sum(r.failed for r in rows)),
+                      "?" if None in remaining else str(sum(remaining)), "", style="bold")
+    Console().print(table)
+    incomplete = any(r.remaining != 0 or r.failed for r in rows)
+    raise typer.Exit(ExitCode.SOME_FAILED if incomplete else ExitCode.OK)
+
+
+def merge(
+    directory: Annotated[str, typer.Argument(help="The output directory of a job run with --num-shards or as a "
+                                             "Slurm array (it holds shard-IIIII-of-NNNNN directories).")],
+    output: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Where to write the merged shards. "  # noqa: UP045
+                                                  "[default: DIRECTORY/merged]", metavar="DIR")] = None,
+    input_path: InputOverride = None,
+):
+    """Check that every input id is present exactly once across the shards of a split job, then merge them.
+
+    Nothing is written when ids are missing or repeated; the message says which, and which shard to rerun.
+    Exit code 0 when merged, 1 when the shards are incomplete, 2 for a usage error.
+    """
+    from cbgen.collect import merge_shards
+
+    report = merge_shards(directory, output, input_path)
+    console = Console(stderr=True)
+    if report.complete:
+        typer.echo(f"merged {report.rows} rows into {report.output}")
+        raise typer.Exit(ExitCode.OK)
+    for shard, ids in sorted(report.missing.items()):
+        shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+        not_started = " (it never started)" if shard in report.shards_not_started else ""
+        console.print(f"shard {shard}{not_started}: {len(ids)} ids missing: {shown}; rerun it with --shard-index "
+                      f"{shard} (Slurm: --array={shard}) to finish it", markup=False, highlight=False)
+    if report.duplicated:
+        console.print(f"{len(report.duplicated)} ids appear more than once: {', '.join(report.duplicated[:10])}",
+                      markup=False, highlight=False)
+    if report.unexpected:
+        console.print(f"{len(report.unexpected)} ids are not in the input: {', '.join(report.unexpected[:10])}",
+                      markup=False, highlight=False)
+    console.print("nothing was merged", markup=False)
+    raise typer.Exit(ExitCode.SOME_FAILED)

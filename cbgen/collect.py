@@ -1,0 +1,190 @@
+"""Looking at finished or running jobs: `cbgen status` (how far a job is) and `cbgen merge` (one result from the
+shards of a job split across Slurm array tasks)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cbgen.errors import CbgenError
+from cbgen.inputs import open_reader
+from cbgen.job import shard_of
+from cbgen.outputs import open_writer, read_shards
+from cbgen.outputs.rundir import FINGERPRINT_FILE, LOCK_FILE, MANIFEST_FILE, DirectoryLock, read_json, scan_done
+from cbgen.outputs.rundir import write_json_atomic
+
+_SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
+
+
+@dataclass
+class RunDirectory:
+    """One output directory of a job (the whole job, or one shard of it)."""
+
+    path: Path
+    job: dict[str, Any]  # the job configuration stored beside the fingerprint
+    fingerprint: dict[str, Any]
+    shard: tuple[int, int] | None
+
+    @property
+    def num_return_sequences(self) -> int:
+        return self.job["generation"]["num_return_sequences"]
+
+
+def find_run_directories(base: Path) -> list[RunDirectory]:
+    """The run directories under `base`: `base` itself, or its `shard-IIIII-of-NNNNN` subdirectories."""
+    base = Path(base)
+    if not base.is_dir():
+        raise CbgenError(f"'{base}' is not a directory; give the output directory of a cbgen run (-o)")
+    candidates = [base] if (base / FINGERPRINT_FILE).is_file() else []
+    candidates += sorted(p for p in base.iterdir() if _SHARD_DIR.match(p.name) and p.is_dir())
+    found = []
+    for path in candidates:
+        stored = read_json(path / FINGERPRINT_FILE)
+        if stored is None:
+            continue  # a shard that has not started yet
+        match = _SHARD_DIR.match(path.name)
+        shard = (int(match.group(1)), int(match.group(2))) if match and path != base else None
+        found.append(RunDirectory(path, stored.get("job", {}), stored.get("fingerprint", {}), shard))
+    if not found:
+        raise CbgenError(f"'{base}' holds no cbgen run ({FINGERPRINT_FILE} or shard-*-of-* directories)")
+    return found
+
+
+def is_running(path: Path) -> bool:
+    """True while a cbgen process holds the directory's lock."""
+    if not (path / LOCK_FILE).exists():
+        return False
+    try:
+        DirectoryLock(path).acquire().release()
+    except CbgenError:
+        return True
+    return False
+
+
+def expected_ids(job: dict[str, Any], input_path: str | None = None) -> Iterator[str]:
+    """The ids a job's input yields, read with the job's own input settings."""
+    source = input_path or job["input"]["path"]
+    if source in (None, "-"):
+        raise CbgenError("the job read its prompts from stdin, so cbgen cannot list them; pass --input FILE")
+    reader = open_reader(source, prompt_column=job["input"]["prompt_column"], id_column=job["input"]["id_column"])
+    for record in reader:
+        yield record.id
+
+
+@dataclass
+class DirectoryStatus:
+    path: Path
+    shard: tuple[int, int] | None
+    done: int
+    failed: int
+    expected: int | None
+    running: bool
+    status: str | None  # from run.json: complete / stopped / ..., None while running or after a kill
+
+    @property
+    def remaining(self) -> int | None:
+        return None if self.expected is None else self.expected - self.done
+
+
+def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatus]:
+    """Done / failed / remaining requests of every run directory under `base`."""
+    directories = find_run_directories(base)
+    expected: Counter[int | None] | None = Counter()
+    try:
+        count = directories[0].shard[1] if directories[0].shard else None
+        for request_id in expected_ids(directories[0].job, input_path):
+            expected[shard_of(request_id, count) if count else None] += 1
+    except CbgenError:
+        expected = None  # the input is gone or was stdin: remaining is unknown
+    result = []
+    for directory in directories:
+        done = scan_done(directory.path)
+        key = directory.shard[0] if directory.shard else None
+        manifest = read_json(directory.path / MANIFEST_FILE) or {}
+        result.append(DirectoryStatus(directory.path, directory.shard, done.requests, done.failed_requests,
+                                      expected[key] if expected is not None else None,
+                                      is_running(directory.path), manifest.get("status")))
+    count = directories[0].shard[1] if directories[0].shard else None
+    started = {d.shard[0] for d in directories if d.shard}
+    for index in sorted(set(range(count or 0)) - started):
+        path = Path(base) / f"shard-{index:05d}-of-{count:05d}"
+        result.append(DirectoryStatus(path, (index, count), 0, 0, expected[index] if expected is not None else None,
+                                      False, "not started"))
+    return sorted(result, key=lambda r: r.shard or (0, 0))
+
+
+@dataclass
+class MergeReport:
+    output: Path | None
+    rows: int = 0
+    missing: dict[int, list[str]] = field(default_factory=dict)  # shard index -> missing ids
+    duplicated: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    shards_not_started: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not (self.missing or self.duplicated or self.unexpected)
+
+
+def merge_shards(base: Path, output: Path | None = None, input_path: str | None = None) -> MergeReport:
+    """Checks that every input id is present exactly once (with all its sequences) across the shards of a job,
+    then writes them into one directory (default BASE/merged) in shard order. Nothing is written when an id is
+    missing or repeated: the report says which ones, and which shard should hold them."""
+    base = Path(base)
+    directories = [d for d in find_run_directories(base) if d.shard is not None]
+    if not directories:
+        raise CbgenError(f"'{base}' holds no shard-*-of-* directories: only a job run with --num-shards (or as a "
+                         "Slurm array) needs merging")
+    counts = {d.shard[1] for d in directories}
+    if len(counts) > 1:
+        raise CbgenError(f"'{base}' mixes jobs split {sorted(counts)} ways; merge one split at a time")
+    num_shards = counts.pop()
+    reference = directories[0].fingerprint
+    for directory in directories[1:]:
+        if {k: v for k, v in directory.fingerprint.items() if k != "shard"} != {
+            k: v for k, v in reference.items() if k != "shard"
+        }:
+            raise CbgenError(f"'{directory.path}' was written by a different job than '{directories[0].path}'")
+    n = directories[0].num_return_sequences
+    report = MergeReport(output=None)
+    present = {d.shard[0] for d in directories}
+    report.shards_not_started = sorted(set(range(num_shards)) - present)
+
+    seen: Counter[str] = Counter()
+    for directory in directories:
+        for row in read_shards(directory.path, columns=["id"]):
+            seen[row["id"]] += 1
+    for request_id in expected_ids(directories[0].job, input_path):
+        times = seen.pop(request_id, 0)
+        if times == 0:
+            report.missing.setdefault(shard_of(request_id, num_shards), []).append(request_id)
+        elif times != n:
+            report.duplicated.append(request_id)
+    report.unexpected = sorted(seen)
+    if not report.complete:
+        return report
+
+    target = Path(output) if output else base / "merged"
+    job = directories[0].job
+    if target.exists() and any(target.iterdir()):
+        raise CbgenError(f"merge target '{target}' is not empty; remove it or choose another with -o")
+    writer = open_writer(job["output"]["format"], target, rows_per_shard=job["output"]["rows_per_shard"],
+                         logprobs=job["generation"]["logprobs"], kept_names=job["input"]["keep_columns"])
+    with writer:
+        for directory in sorted(directories, key=lambda d: d.shard[0]):
+            for row in read_shards(directory.path):
+                writer.write(row)
+                report.rows += 1
+    write_json_atomic(target / MANIFEST_FILE, {
+        "merged_from": [str(d.path) for d in directories],
+        "rows": report.rows,
+        "shards": [p.name for p in writer.shards],
+        "job": job,
+    })
+    report.output = target
+    return report
