@@ -137,6 +137,8 @@ class Engine:
         return max(1, min(self.max_new_tokens, self.max_positions - prompt_length))
 
     def _fail(self, request: Request, error: str) -> list[Completion]:
+        """Fails a request that never reached the engine; the error names the input line or row."""
+        error = f"{request.record.location}: {error}"
         return [Completion(request, i, [], None, "error", error) for i in range(self.n)]
 
     # -------------------------------------------------------------------------------------------------------------- #

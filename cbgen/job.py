@@ -23,7 +23,8 @@ from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import open_reader
 from cbgen.model import LoadedModel, ModelSource, load_model, resolve_source
 from cbgen.outputs import open_writer
-from cbgen.outputs.rundir import MANIFEST_FILE, DoneIndex, input_identity, open_run_directory, write_json_atomic
+from cbgen.outputs.rundir import MANIFEST_FILE, DoneIndex, input_identity, open_run_directory, read_json
+from cbgen.outputs.rundir import write_json_atomic
 from cbgen.outputs.writers import shard_paths
 from cbgen.prompts import Renderer, Request, prefix_aware_order
 from cbgen.records import PromptRecord
@@ -393,8 +394,12 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         progress.stage(f"resuming: {done.requests} requests already done in {out_dir}, {total} to go")
     if total == 0:
         progress.stage("nothing left to do")
+        manifest = read_json(out_dir / MANIFEST_FILE)
+        if manifest is None:
+            write_manifest(summary, job, None, {})
+        elif manifest.get("status") != Status.COMPLETE:  # stopped just after its last request: it is complete now
+            write_json_atomic(out_dir / MANIFEST_FILE, manifest | {"status": Status.COMPLETE})
         summary.timings["total_s"] = round(time.perf_counter() - started, 3)
-        write_manifest(summary, job, None, {})
         return summary
 
     writer = open_writer(

@@ -176,6 +176,8 @@ def test_bad_input_corpus_never_sinks_the_job(tiny_model_dir, tmp_path):
     answered = {r["id"] for r in rows if r["error"] is None}
     assert answered == {f"good{i}" for i in range(6)}
     errors = [r["error"] for r in rows if r["error"]]
+    assert all(e.startswith(f"{path}:") for e in errors)  # each names its line
+    assert next(r["error"] for r in rows if r["id"] == "empty").startswith(f"{path}:8: ")
     for expected in ("invalid JSON", "expected a JSON object", "invalid UTF-8", "empty", "must be a string",
                      "role 'wizard'", "no prompt field", "outside the vocabulary", "does not fit the model's context",
                      "can never fit in the KV cache"):
