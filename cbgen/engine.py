@@ -8,9 +8,11 @@ the loop dies anyway, the requests in flight are failed with its error and a fre
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from math import ceil
@@ -46,11 +48,79 @@ class _InFlight:
     done: dict[int, Completion] = field(default_factory=dict)  # sample index -> completion
 
 
+class Placement(enum.Enum):
+    ALONE = "alone"  # nothing to share, or its prefix is cached already
+    LEADER = "leader"  # the first of its prefix: computes it
+    PARKED = "parked"  # waits until its leader has computed the prefix
+
+
+class PrefixGate:
+    """Admits the first request of each shared prefix and holds back the others until it has computed that prefix.
+
+    The engine reuses a prefix's KV blocks only once they are computed. Requests sharing a prefix that are admitted
+    together (what a sorted submission does) all compute it themselves, so followers wait here, at most `max_parked`
+    of them, and go as soon as their leader's first token exists. A prefix is the first `key_tokens` tokens (one
+    KV page: shorter prompts have no complete block to share). Prefixes seen computed are remembered (bounded), so
+    later requests sharing them go straight in; if the engine has evicted those blocks meanwhile, they recompute.
+    """
+
+    def __init__(self, key_tokens: int, max_parked: int, enabled: bool = True, memory: int = 65536) -> None:
+        self.key_tokens = key_tokens
+        self.max_parked = max_parked
+        self.enabled = enabled
+        self.memory = memory
+        self.ready: deque[Request] = deque()  # released followers, admitted before anything new
+        self.waiting: dict[tuple[int, ...], list[Request]] = {}  # prefix -> parked followers
+        self._leaders: dict[str, tuple[int, ...]] = {}  # request key -> the prefix it computes
+        self._computing: set[tuple[int, ...]] = set()
+        self._computed: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._parked = 0
+
+    @property
+    def full(self) -> bool:
+        return self._parked >= self.max_parked
+
+    def place(self, request: Request) -> Placement:
+        prefix = self._prefix(request)
+        if prefix is None or prefix in self._computed:
+            return Placement.ALONE
+        if prefix in self._computing:
+            self.waiting.setdefault(prefix, []).append(request)
+            self._parked += 1
+            return Placement.PARKED
+        return Placement.LEADER
+
+    def lead(self, request: Request, key: str) -> None:
+        """`request`, placed as a LEADER, is in the engine under `key`."""
+        prefix = self._prefix(request)
+        self._leaders[key] = prefix
+        self._computing.add(prefix)
+
+    def prefix_computed(self, key: str) -> None:
+        """The request `key` has produced a token (or ended): release the followers of its prefix."""
+        prefix = self._leaders.pop(key, None)
+        if prefix is None:
+            return
+        self._computing.discard(prefix)
+        self._computed[prefix] = None
+        if len(self._computed) > self.memory:
+            self._computed.popitem(last=False)
+        followers = self.waiting.pop(prefix, [])
+        self._parked -= len(followers)
+        self.ready.extend(followers)
+
+    def _prefix(self, request: Request) -> tuple[int, ...] | None:
+        if not self.enabled or len(request.input_ids) <= self.key_tokens:
+            return None
+        return tuple(request.input_ids[: self.key_tokens])
+
+
 @dataclass
 class EngineStats:
     restarts: int = 0
     num_blocks: int | None = None
     page_size: int | None = None
+    prefix_sharing: bool = False
     resolved_config: dict = field(default_factory=dict)
 
 
@@ -70,6 +140,7 @@ class Engine:
         max_positions: int | None,
         workload_hints=None,
         request_timeout: float | None = None,
+        prefix_gating: bool = True,
     ) -> None:
         self.model = model
         self.generation_config = generation_config
@@ -81,6 +152,7 @@ class Engine:
         self.max_positions = max_positions
         self.workload_hints = workload_hints
         self.request_timeout = request_timeout
+        self.prefix_gating = prefix_gating
         self.stats = EngineStats()
         self._manager = None
         self._counter = 0
@@ -97,6 +169,8 @@ class Engine:
         resolved = manager.continuous_batching_config
         self.stats.page_size = resolved.page_size
         self.stats.num_blocks = getattr(cache, "num_blocks", None) or resolved.num_blocks
+        # block sharing is only ever allowed: the cache turns it off for models with sliding-window layers
+        self.stats.prefix_sharing = bool(getattr(cache, "use_prefix_sharing", resolved.allow_block_sharing))
         self.stats.resolved_config = {
             k: v for k, v in vars(resolved).items() if isinstance(v, (int, float, str, bool, tuple, type(None)))
         }
@@ -149,6 +223,8 @@ class Engine:
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
         """
         self._start_manager()
+        gate = PrefixGate(self.stats.page_size or 256, max_parked=4 * self.max_in_flight,
+                          enabled=self.prefix_gating and self.stats.prefix_sharing)
         in_flight: dict[str, _InFlight] = {}
         source = iter(requests)
         exhausted = False
@@ -157,38 +233,59 @@ class Engine:
                 if stop is not None and stop.is_set():
                     yield from self._stop_now(in_flight)
                     return
-                while not exhausted and len(in_flight) < self.max_in_flight:
-                    request = next(source, None)
-                    if request is None:
-                        exhausted = True
+                while len(in_flight) < self.max_in_flight:
+                    if gate.ready:
+                        request, lead = gate.ready.popleft(), False
+                    elif exhausted or gate.full:
                         break
-                    reason = request.error or self.never_fits(request)
-                    if reason is not None:
-                        yield self._fail(request, reason)
-                        continue
+                    else:
+                        request = next(source, None)
+                        if request is None:
+                            exhausted = True
+                            break
+                        reason = request.error or self.never_fits(request)
+                        if reason is not None:
+                            yield self._fail(request, reason)
+                            continue
+                        placement = gate.place(request)
+                        if placement is Placement.PARKED:
+                            continue
+                        lead = placement is Placement.LEADER
                     if not self._manager.is_running():  # died on an earlier request: never feed a dead loop
-                        yield from self._recover(in_flight)
-                    key = f"r{self._counter}"
-                    self._counter += 1
-                    max_new = self._max_new_for(len(request.input_ids))
-                    accepted = self._manager.add_request(request.input_ids, request_id=key, max_new_tokens=max_new)
-                    if accepted is None:
-                        yield self._fail(request, "the engine refused the request (it was stopping)")
-                        continue
-                    in_flight[key] = _InFlight(request, max_new, time.monotonic())
-                if exhausted and not in_flight:
+                        yield from self._recover(in_flight, gate)
+                    yield from self._admit(request, lead, in_flight, gate)
+                if exhausted and not in_flight and not gate.waiting:
                     return
                 if self.request_timeout is not None:
-                    yield from self._expire(in_flight)
+                    yield from self._expire(in_flight, gate)
                 result = self._manager.get_result(timeout=0.05)
                 if result is None:
                     if not self._manager.is_running():
-                        yield from self._recover(in_flight)
+                        yield from self._recover(in_flight, gate)
                     continue
+                key = result.request_id.partition(CHILD_MARK)[0]
+                if result.generated_tokens or result.is_finished():
+                    gate.prefix_computed(key)  # its first token exists: all its prompt's blocks do too
                 if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
                     yield group
         finally:
             self._stop_manager()
+
+    def _admit(self, request: Request, lead: bool, in_flight: dict[str, _InFlight], gate: PrefixGate):
+        """Hands one request to the manager. A leader streams, so its first token tells when its prefix is cached."""
+        key = f"r{self._counter}"
+        self._counter += 1
+        max_new = self._max_new_for(len(request.input_ids))
+        accepted = self._manager.add_request(request.input_ids, request_id=key, max_new_tokens=max_new,
+                                             streaming=lead)
+        if accepted is None:
+            yield self._fail(request, "the engine refused the request (it was stopping)")
+            if lead:
+                gate.prefix_computed(key)
+            return
+        if lead:
+            gate.lead(request, key)
+        in_flight[key] = _InFlight(request, max_new, time.monotonic())
 
     def _complete(self, result, in_flight: dict[str, _InFlight]) -> list[Completion] | None:
         """Records one finished sequence; returns the request's sequences once all of them are in."""
@@ -220,7 +317,7 @@ class Engine:
             entry.done.get(i) or Completion(entry.request, i, [], None, "error", error) for i in range(self.n)
         ]
 
-    def _expire(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
+    def _expire(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """Cancels requests that have run longer than --request-timeout. The manager returns nothing for a
         cancelled request, so cbgen records the failure itself."""
         now = time.monotonic()
@@ -231,6 +328,7 @@ class Engine:
                 if sample not in entry.done:
                     self._manager.cancel_request(key if sample == 0 else f"{key}{CHILD_MARK}{sample - 1}")
             error = f"timed out after {self.request_timeout:g} s (--request-timeout)"
+            gate.prefix_computed(key)  # or not: its followers go ahead and compute it themselves
             yield self._close_with_error(key, in_flight, error)
 
     def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
@@ -244,7 +342,7 @@ class Engine:
         manager.destroy()
         in_flight.clear()
 
-    def _recover(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
+    def _recover(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """The manager's loop has died: take what it finished, fail the rest with its error, start a fresh one."""
         manager = self._manager
         while (result := manager.get_result(timeout=0)) is not None:
@@ -254,6 +352,7 @@ class Engine:
         error = f"the generation loop stopped: {fatal}" if fatal else "the generation loop stopped unexpectedly"
         log.warning("%s; restarting it (%d requests in flight failed)", error, len(in_flight))
         for key in list(in_flight):
+            gate.prefix_computed(key)
             yield self._close_with_error(key, in_flight, error)
         self._stop_manager()
         self.stats.restarts += 1

@@ -444,6 +444,7 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
                 num_requests=(total or window) * n,
             ),
             request_timeout=job.run.request_timeout,
+            prefix_gating=job.run.prefix_gating,
         )
         ordered = prefix_aware_order(
             itertools.chain(head, requests), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD

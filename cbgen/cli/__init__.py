@@ -7,7 +7,7 @@ import traceback
 
 import typer
 
-from cbgen.cli import collect_cmds, config_cmd, run
+from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ app = typer.Typer(
 app.command("run", epilog=run.EPILOG)(run.run)
 app.command("status")(collect_cmds.status)
 app.command("merge")(collect_cmds.merge)
+app.command("bench")(bench_cmd.bench)
 app.add_typer(config_cmd.app, name="config")
 
 

@@ -1,0 +1,294 @@
+"""`cbgen bench`: the same prompts through cbgen's engine path, plain `generate_batch` and static batching with
+`model.generate`, measured side by side in one process, model load excluded from all.
+
+Workloads are built from the model's own tokenizer and chat template, deterministically (a seed per workload):
+
+  mixed          chat questions of varied length; answers end at the model's end-of-sequence token, at most 256
+  shared-prefix  a few long system prompts, each shared by many short questions; short answers
+  long-prompt    long documents to summarise in a few tokens (prefill-heavy)
+  many-small     many short questions, short answers
+
+Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
+(input order, no gate), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig) and `static-B`
+(`model.generate` on left-padded batches of B prompts, in input order).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbgen.config import JobConfig
+from cbgen.engine import Engine
+from cbgen.job import build_generation_config, make_cb_config, plan_batching
+from cbgen.model import LoadedModel
+from cbgen.prompts import Request, prefix_aware_order
+from cbgen.records import PromptRecord
+
+WORDS = (
+    "river mountain engine harvest lantern market window silver garden theory signal orbit canvas thunder "
+    "pattern bridge ocean library winter compass factory meadow crystal voyage rhythm castle planet forest "
+    "machine ember quiet swift bright ancient hidden gentle distant golden frozen curious steady hollow "
+    "measure explain compare describe imagine consider follow gather notice travel wonder balance"
+).split()
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_new_tokens: int
+
+
+@dataclass
+class Measurement:
+    workload: str
+    path: str
+    seconds: float
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.generated_tokens) / self.seconds
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.seconds
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def _chat(tokenizer, user: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+SIZES = {  # requests per workload; "small" fits a 2-core CPU in a few minutes per path
+    "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8},
+    "small": {"mixed": 32, "shared-prefix": 64, "long-prompt": 8, "many-small": 128},
+    "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512},
+}
+
+
+def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None = None) -> list[Workload]:
+    counts = SIZES[size]
+    scale = {"tiny": 0.1, "small": 1.0, "medium": 1.0}[size]
+    out = []
+    for name in names or counts:
+        rng = random.Random(name)
+        n = counts[name]
+        if name == "mixed":
+            prompts = [_chat(tokenizer, " ".join(_sentence(rng, rng.randint(5, 20)) for _ in range(rng.randint(1, 6)))
+                             + " Explain.") for _ in range(n)]
+            out.append(Workload(name, prompts, 256 if size != "tiny" else 16))
+        elif name == "shared-prefix":
+            systems = [" ".join(_sentence(rng, 12) for _ in range(max(1, int(40 * scale)))) for _ in range(4)]
+            prompts = [_chat(tokenizer, f"Question {i}: {_sentence(rng, 8)}", rng.choice(systems)) for i in range(n)]
+            out.append(Workload(name, prompts, 8))
+        elif name == "long-prompt":
+            prompts = [_chat(tokenizer, " ".join(_sentence(rng, 14) for _ in range(max(1, int(70 * scale))))
+                             + " Summarise in one sentence.") for _ in range(n)]
+            out.append(Workload(name, prompts, 16))
+        elif name == "many-small":
+            prompts = [_chat(tokenizer, _sentence(rng, rng.randint(3, 10))) for _ in range(n)]
+            out.append(Workload(name, prompts, 16))
+        else:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(counts)}")
+    return out
+
+
+def _job(workload: Workload, batching: dict[str, Any]) -> JobConfig:
+    job = JobConfig()
+    job.generation.max_new_tokens = workload.max_new_tokens
+    job.batching = dict(batching)
+    return job
+
+
+def _requests(workload: Workload) -> list[Request]:
+    return [Request(PromptRecord(id=str(i), index=i, location=f"{workload.name}#{i}"), input_ids=ids)
+            for i, ids in enumerate(workload.prompts)]
+
+
+class Bench:
+    """Runs workloads through the paths on one loaded model, with one ContinuousBatchingConfig for all CB paths."""
+
+    def __init__(self, loaded: LoadedModel, batching: dict[str, Any] | None = None) -> None:
+        self.loaded = loaded
+        self.batching = batching or {}
+
+    def _plan(self, workload: Workload):
+        job = _job(workload, self.batching)
+        text = self.loaded.model.config.get_text_config()
+        longest = max(len(p) for p in workload.prompts)
+        batching, window, sizing = plan_batching(job, self.loaded, longest, text.max_position_embeddings)
+        generation_config, eos = build_generation_config(job, self.loaded)
+        return job, batching, window, generation_config, eos
+
+    def cbgen(self, workload: Workload, order: str = "gated") -> Measurement:
+        job, batching, window, generation_config, eos = self._plan(workload)
+        text = self.loaded.model.config.get_text_config()
+        engine = Engine(self.loaded.model, generation_config, make_cb_config(batching, job), max_in_flight=window,
+                        max_new_tokens=workload.max_new_tokens, num_return_sequences=1, eos_token_ids=eos,
+                        max_positions=text.max_position_embeddings, prefix_gating=order == "gated")
+        requests = _requests(workload)
+        if order != "input":
+            requests = prefix_aware_order(requests, key_tokens=batching.get("page_size", 256), lookahead=1024)
+        start = time.perf_counter()
+        generated = 0
+        for group in engine.run(requests):
+            assert group[0].finish_reason != "error", group[0].error
+            generated += sum(len(c.token_ids) for c in group)
+        seconds = time.perf_counter() - start
+        path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
+        return Measurement(workload.name, path, seconds, len(workload.prompts),
+                           sum(map(len, workload.prompts)), generated, {"cb": engine.stats.resolved_config})
+
+    def generate_batch(self, workload: Workload) -> Measurement:
+        job, batching, _, generation_config, _ = self._plan(workload)
+        start = time.perf_counter()
+        outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=generation_config,
+                                                   continuous_batching_config=make_cb_config(batching, job))
+        seconds = time.perf_counter() - start
+        assert len(outputs) == len(workload.prompts) and not any(o.error for o in outputs.values())
+        generated = sum(len(o.generated_tokens) for o in outputs.values())
+        return Measurement(workload.name, "generate_batch", seconds, len(workload.prompts),
+                           sum(map(len, workload.prompts)), generated)
+
+    def static(self, workload: Workload, batch_size: int) -> Measurement:
+        """`model.generate` on left-padded batches, in input order; tokens after a sequence's EOS are not counted."""
+        _, _, _, generation_config, eos = self._plan(workload)
+        pad = generation_config.pad_token_id
+        model = self.loaded.model
+        generated = 0
+        start = time.perf_counter()
+        for i in range(0, len(workload.prompts), batch_size):
+            batch = workload.prompts[i : i + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
+            for row in out[:, width:].tolist():
+                stop = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+                generated += stop
+        seconds = time.perf_counter() - start
+        return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
+                           sum(map(len, workload.prompts)), generated)
+
+
+def bf16_matmul_flops(seconds: float = 2.0, n: int = 2048) -> float:
+    """The machine's measured dense bf16 matmul rate (FLOP/s), the denominator of model FLOP utilisation."""
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_suite(
+    loaded: LoadedModel,
+    workloads: list[Workload],
+    paths: Sequence[str],
+    static_batch_sizes: Sequence[int] = (8, 16, 32),
+    batching: dict[str, Any] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
+) -> list[Measurement]:
+    bench = Bench(loaded, batching)
+    warm = Workload("warm-up", workloads[0].prompts[:2], 2)
+    bench.cbgen(warm)  # first-call costs (kernel selection, allocator) are paid outside the measurements
+    results = []
+    for workload in workloads:
+        for path in paths:
+            if path == "static":
+                measured = [bench.static(workload, b) for b in static_batch_sizes]
+            elif path == "generate_batch":
+                measured = [bench.generate_batch(workload)]
+            else:
+                order = {"cbgen": "gated", "cbgen-ordered": "ordered", "cbgen-input-order": "input"}[path]
+                measured = [bench.cbgen(workload, order)]
+            for m in measured:
+                results.append(m)
+                if on_result:
+                    on_result(m)
+    return results
+
+
+def summarise(results: list[Measurement], flops_per_token: float, peak_flops: float) -> list[dict[str, Any]]:
+    """One row per measurement, with its wall-time ratio to cbgen on the same workload and its MFU."""
+    cbgen_time = {m.workload: m.seconds for m in results if m.path == "cbgen"}
+    rows = []
+    for m in results:
+        rows.append({
+            "workload": m.workload, "path": m.path, "seconds": round(m.seconds, 2), "requests": m.requests,
+            "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
+            "prompt_tok_s": round(m.prompt_tokens_per_s, 1), "generated_tok_s": round(m.generated_tokens_per_s, 1),
+            "total_tok_s": round(m.total_tokens_per_s, 1),
+            "time_vs_cbgen": round(m.seconds / cbgen_time[m.workload], 2) if m.workload in cbgen_time else None,
+            "mfu": round(m.total_tokens_per_s * flops_per_token / peak_flops, 4),
+        })
+    return rows
+
+
+def write_outputs(rows: list[dict[str, Any]], meta: dict[str, Any], directory: Path) -> tuple[Path, Path]:
+    """bench.json (rows + how they were measured) and bench.png (total tokens/s per workload and path)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "bench.json"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(workloads)), 4))
+    width = 0.8 / len(paths)
+    for j, path in enumerate(paths):
+        values = [next((r["total_tok_s"] for r in rows if r["workload"] == w and r["path"] == path), 0)
+                  for w in workloads]
+        ax.bar([i + j * width for i in range(len(workloads))], values, width, label=path)
+    ax.set_xticks([i + width * (len(paths) - 1) / 2 for i in range(len(workloads))], workloads)
+    ax.set_ylabel("prompt + generated tokens / s")
+    ax.set_title(f"cbgen bench: {meta.get('model')} ({meta.get('dtype')}, {meta.get('device')})")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    png_path = directory / "bench.png"
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[str, Any]) -> dict[str, Any]:
+    return {"model": loaded.source.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": loaded.device,
+            "attn_implementation": loaded.attn_implementation, "size": size,
+            "parameters": parameter_count(loaded.model), "bf16_matmul_flops": round(peak_flops),
+            "batching_overrides": batching, "torch_threads": torch.get_num_threads(),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+__all__ = ["Bench", "Measurement", "Workload", "build_workloads", "run_suite", "summarise", "write_outputs",
+           "bf16_matmul_flops", "parameter_count", "meta_for"]

@@ -1,0 +1,90 @@
+"""`cbgen bench`: cbgen's engine path against `generate_batch` and static batching, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "generate_batch", "static")
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def bench(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", metavar="MODEL",  # noqa: UP045
+                                                 help="As for cbgen run. Default: the embedded SmolLM2.")] = None,
+    dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float16 | float32")] = "auto",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    attn_implementation: Annotated[Optional[str], typer.Option(metavar="NAME", help="As for cbgen run.")] = None,  # noqa: UP045
+    size: Annotated[str, typer.Option(help="tiny | small | medium: requests per workload.")] = "small",
+    workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = "mixed,shared-prefix,long-prompt,many-small",
+    paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}.")]
+    = "cbgen,generate_batch,static",
+    static_batch_sizes: Annotated[str, typer.Option(help="Batch sizes for the static path.")] = "8,16,32",
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
+    max_requests_per_batch: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
+    page_size: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
+    output_dir: Annotated[str, typer.Option("--output-dir", "-o", metavar="DIR",
+                                            help="Where bench.json and bench.png go.")] = "cbgen-bench",
+):
+    """Measure cbgen's engine path against plain generate_batch and static batching (model.generate) on named
+    workloads, in one process with the same model and ContinuousBatchingConfig; print a table and write
+    DIR/bench.json and DIR/bench.png.
+
+    Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
+    """
+    from cbgen.bench import bf16_matmul_flops, build_workloads, meta_for, parameter_count, run_suite, summarise
+    from cbgen.bench import write_outputs
+    from cbgen.config import ModelSection, check_value
+    from cbgen.errors import CbgenError
+    from cbgen.model import load_model
+
+    chosen_paths = _split(paths)
+    unknown = [p for p in chosen_paths if p not in PATHS]
+    if unknown:
+        raise CbgenError(f"--paths: unknown path '{unknown[0]}'; choose from: {', '.join(PATHS)}")
+    if size not in ("tiny", "small", "medium"):
+        raise CbgenError(f"--size must be one of: tiny, small, medium (got {size!r})")
+    batching = {key: check_value("batching", key, value, f"--{key.replace('_', '-')}")
+                for key, value in (("max_batch_tokens", max_batch_tokens), ("page_size", page_size),
+                                   ("max_requests_per_batch", max_requests_per_batch)) if value is not None}
+    console = Console(stderr=True, log_path=False)
+    settings = ModelSection(model=model, dtype=check_value("model", "dtype", dtype, "--dtype"),
+                            device=check_value("model", "device", device, "--device"),
+                            attn_implementation=attn_implementation)
+    console.log("loading the model")
+    loaded = load_model(settings)
+    try:
+        chosen = build_workloads(loaded.tokenizer, size, _split(workloads))
+    except ValueError as e:
+        raise CbgenError(f"--workloads: {e}") from None
+    console.log("measuring the machine's bf16 matmul rate")
+    peak = bf16_matmul_flops()
+    flops_per_token = 2 * parameter_count(loaded.model)
+
+    def show(m) -> None:
+        console.log(f"{m.workload:<14} {m.path:<18} {m.seconds:7.2f} s  {m.total_tokens_per_s:8.1f} tok/s")
+
+    results = run_suite(loaded, chosen, chosen_paths, [int(b) for b in _split(static_batch_sizes)], batching, show)
+    rows = summarise(results, flops_per_token, peak)
+    meta = meta_for(loaded, size, peak, batching)
+    json_path, png_path = write_outputs(rows, meta, Path(output_dir))
+    table = Table(title=f"cbgen bench: {meta['model']}, {meta['dtype']}, {meta['device']}, size {size}",
+                  title_justify="left")
+    columns = ["workload", "path", "seconds", "prompt_tok_s", "generated_tok_s", "total_tok_s", "time_vs_cbgen",
+               "mfu"]
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="left" if column in ("workload", "path") else "right")
+    for row in rows:
+        table.add_row(*[("" if row[c] is None else f"{row[c]:.1%}" if c == "mfu" else str(row[c])) for c in columns])
+    out = Console()
+    if not out.is_terminal:
+        out.width = 160  # a log file: do not wrap the table at 80 columns
+    out.print(table)
+    console.print(f"bf16 matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}", markup=False)

@@ -1,0 +1,79 @@
+"""The benchmark suite runs (tiny sizes) and the prefix gate admits every request once, leaders first."""
+
+from __future__ import annotations
+
+import json
+
+from cbgen.cli import run_cli
+from cbgen.engine import Placement, PrefixGate
+from cbgen.prompts import Request
+from cbgen.records import PromptRecord
+
+
+def request(i: int, ids: list[int]) -> Request:
+    return Request(PromptRecord(id=str(i), index=i, location=f"#{i}"), input_ids=ids)
+
+
+def test_gate_parks_followers_until_their_leader_has_computed_the_prefix():
+    gate = PrefixGate(key_tokens=4, max_parked=100)
+    a = [request(i, [1, 2, 3, 4, 10 + i]) for i in range(3)]
+    b = [request(10 + i, [5, 6, 7, 8, 20 + i]) for i in range(2)]
+    short = request(99, [1, 2, 3])  # no complete page: nothing to share
+    assert gate.place(a[0]) is Placement.LEADER
+    gate.lead(a[0], "r0")
+    assert gate.place(b[0]) is Placement.LEADER
+    gate.lead(b[0], "r1")
+    assert [gate.place(r) for r in (a[1], b[1], a[2], short)] == [
+        Placement.PARKED, Placement.PARKED, Placement.PARKED, Placement.ALONE]
+    assert not gate.ready
+    gate.prefix_computed("r1")
+    assert list(gate.ready) == [b[1]]
+    gate.prefix_computed("r0")
+    assert list(gate.ready) == [b[1], a[1], a[2]]
+    assert gate.place(request(7, [1, 2, 3, 4, 99])) is Placement.ALONE  # its prefix is cached now
+    gate.prefix_computed("r0")  # idempotent
+    assert len(gate.ready) == 3 and not gate.waiting
+
+
+def test_gate_is_bounded():
+    gate = PrefixGate(key_tokens=2, max_parked=2)
+    gate.lead(request(0, [1, 1, 0]), "r0")
+    for i in range(2):
+        assert gate.place(request(i + 1, [1, 1, i])) is Placement.PARKED
+    assert gate.full
+
+
+def test_gated_and_ungated_runs_give_the_same_tokens(tiny_model_dir, tmp_path):
+    """The gate changes when requests are admitted, never what they generate (fp32, greedy)."""
+    from tests.helpers import write_jsonl
+
+    rows = [{"input_ids": [5 + g] * 40 + [100 + i]} for i in range(12) for g in range(3)]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    outputs = {}
+    for gating in ("--prefix-gating", "--no-prefix-gating"):
+        out = tmp_path / gating
+        assert run_cli(["run", str(path), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
+                        "--page-size", "16", "--max-new-tokens", "6", "--max-in-flight", "8", gating, "-q"]) == 0
+        from cbgen.outputs import read_shards
+
+        outputs[gating] = {r["id"]: r["token_ids"] for r in read_shards(out)}
+    assert len(outputs["--prefix-gating"]) == len(rows)
+    assert outputs["--prefix-gating"] == outputs["--no-prefix-gating"]
+
+
+def test_bench_runs_and_writes_table_json_and_chart(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "shared-prefix,mixed",
+                    "--paths", "cbgen,cbgen-ordered,generate_batch,static", "--static-batch-sizes", "2,4",
+                    "-o", str(out)])
+    assert code == 0
+    data = json.loads((out / "bench.json").read_text())
+    paths = {(r["workload"], r["path"]) for r in data["rows"]}
+    for workload in ("shared-prefix", "mixed"):
+        for path in ("cbgen", "cbgen-ordered", "generate_batch", "static-2", "static-4"):
+            assert (workload, path) in paths
+    cbgen_rows = [r for r in data["rows"] if r["path"] == "cbgen"]
+    assert all(r["time_vs_cbgen"] == 1.0 and r["generated_tokens"] > 0 for r in cbgen_rows)
+    assert data["meta"]["bf16_matmul_flops"] > 0 and data["meta"]["parameters"] > 0
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "time vs cbgen" in capsys.readouterr().out
