@@ -69,6 +69,7 @@ class RunSection:
     commit_interval: float = 60.0  # seconds: commit the open shard at least this often, so a kill loses little
     num_shards: int | None = None  # split the input across this many jobs (default: the Slurm array size)
     shard_index: int | None = None  # which part this job runs, from 0 (default: the Slurm array task)
+    prefix_gating: bool = True  # hold requests back until another request has computed their shared prefix
 
 
 def _batching_fields() -> dict[str, dataclasses.Field]:
@@ -408,4 +409,5 @@ run:
   commit_interval: 60.0  # seconds between commits of the open shard, so a killed run loses little
   num_shards: null       # split the input across this many jobs (default: the Slurm array size)
   shard_index: null      # this job's part, from 0 (default: the Slurm array task)
+  prefix_gating: true    # admit a shared prefix's followers once its first request has computed it
 """

@@ -145,6 +145,9 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("run", "num_shards", ("--num-shards",), int,
               "Split the input into this many parts by a stable hash of the id, one per job; each writes to "
               "DIR/shard-IIIII-of-NNNNN. Default: the Slurm array size (SLURM_ARRAY_TASK_COUNT).", PANEL_RUN),
+    JobOption("run", "prefix_gating", ("--prefix-gating/--no-prefix-gating",), bool,
+              "Admit the first request of each shared prompt prefix, and the others once it has computed the "
+              "prefix, so they reuse its KV cache instead of all computing it at once.  [default: on]", PANEL_RUN),
     JobOption("run", "shard_index", ("--shard-index",), int,
               "Which part this job runs, from 0. Default: the Slurm array task (SLURM_ARRAY_TASK_ID minus "
               "SLURM_ARRAY_TASK_MIN).", PANEL_RUN),
