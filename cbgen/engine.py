@@ -14,9 +14,11 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from math import ceil
 
+from cbgen.attention import per_sequence_attention
 from cbgen.prompts import Request
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class EngineStats:
     num_blocks: int | None = None
     page_size: int | None = None
     prefix_sharing: bool = False
+    attention: str = "stock"
     resolved_config: dict = field(default_factory=dict)
 
 
@@ -141,6 +144,7 @@ class Engine:
         workload_hints=None,
         request_timeout: float | None = None,
         prefix_gating: bool = True,
+        per_sequence_attention: bool = True,
     ) -> None:
         self.model = model
         self.generation_config = generation_config
@@ -153,6 +157,7 @@ class Engine:
         self.workload_hints = workload_hints
         self.request_timeout = request_timeout
         self.prefix_gating = prefix_gating
+        self.per_sequence_attention = per_sequence_attention
         self.stats = EngineStats()
         self._manager = None
         self._counter = 0
@@ -221,7 +226,14 @@ class Engine:
 
         When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
+        On CPU, attention runs per sequence while the engine runs, where the model allows it (cbgen.attention).
         """
+        attention = per_sequence_attention(self.model) if self.per_sequence_attention else nullcontext(False)
+        with attention as active:  # around the manager's whole life: its thread looks the function up every step
+            self.stats.attention = "per-sequence" if active else "stock"
+            yield from self._run(requests, stop)
+
+    def _run(self, requests: Iterable[Request], stop: threading.Event | None) -> Iterator[list[Completion]]:
         self._start_manager()
         gate = PrefixGate(self.stats.page_size or 256, max_parked=4 * self.max_in_flight,
                           enabled=self.prefix_gating and self.stats.prefix_sharing)
