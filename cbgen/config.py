@@ -26,8 +26,11 @@ class ModelSection:
     model: str | None = None  # hub id, local folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    attn_implementation: str | None = None  # None = per device: sdpa on CPU, flash if installed else sdpa on CUDA
+    attn_implementation: str | None = None  # None = per device: per-sequence on CPU, flash/sdpa on CUDA
     trust_remote_code: bool = False
+    # where converted GGUF models are cached; None = $CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen (~/.cache/cbgen)
+    cache_dir: str | None = None
+    use_cache: bool = True  # cache a GGUF model converted to safetensors, so later runs skip dequantizing it
 
 
 @dataclass
@@ -90,6 +93,7 @@ SCHEDULERS = ("fifo", "prefill_first")
 
 # Range checks beyond the type: (predicate, what the value must be).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "model.cache_dir": (lambda v: v.strip() != "", "a directory path"),
     "batching.page_size": (lambda v: v >= 4, "an integer of at least 4"),
     "batching.num_blocks": (lambda v: v >= 1, "a positive integer"),
     "batching.max_batch_tokens": (lambda v: v >= 1, "a positive integer"),
@@ -345,11 +349,15 @@ CONFIG_TEMPLATE = """\
 # Show the effective configuration with: cbgen config show --config THIS_FILE
 
 model:
-  model: null            # hub id, local folder or .gguf file; null = the embedded SmolLM2-135M-Instruct
+  model: null            # hub id, local folder, .gguf file, or random weights: a config.json or a shape name
+                         # (llama-1b, llama-3b, llama-8b, qwen3-0.6b, qwen3-4b, smollm2-135m, ...);
+                         # null = the embedded SmolLM2-135M-Instruct
   dtype: auto            # auto | bfloat16 | float16 | float32 (auto: bfloat16 on CUDA and on CPUs with bf16 units)
   device: auto           # auto | cpu | cuda
-  attn_implementation: null   # null = sdpa on CPU; flash_attention_2 on CUDA when installed, else sdpa
+  attn_implementation: null   # null = per-sequence on CPU; flash_attention_2 on CUDA when installed, else sdpa
   trust_remote_code: false
+  cache_dir: null        # cache of converted GGUF models; null = $CBGEN_CACHE_DIR, else ~/.cache/cbgen
+  use_cache: true        # false: dequantize a GGUF model on every run instead
 
 input:
   path: null             # JSONL or Parquet file; '-' reads JSONL from stdin

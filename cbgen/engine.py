@@ -144,7 +144,7 @@ class Engine:
         workload_hints=None,
         request_timeout: float | None = None,
         prefix_gating: bool = True,
-        per_sequence_attention: bool = True,
+        per_sequence_attention: str = "auto",
     ) -> None:
         self.model = model
         self.generation_config = generation_config
@@ -157,7 +157,7 @@ class Engine:
         self.workload_hints = workload_hints
         self.request_timeout = request_timeout
         self.prefix_gating = prefix_gating
-        self.per_sequence_attention = per_sequence_attention
+        self.per_sequence_attention = per_sequence_attention  # "auto" (where it applies), "required" or "off"
         self.stats = EngineStats()
         self._manager = None
         self._counter = 0
@@ -228,7 +228,10 @@ class Engine:
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
         On CPU, attention runs per sequence while the engine runs, where the model allows it (cbgen.attention).
         """
-        attention = per_sequence_attention(self.model) if self.per_sequence_attention else nullcontext(False)
+        if self.per_sequence_attention == "off":
+            attention = nullcontext(False)
+        else:
+            attention = per_sequence_attention(self.model, required=self.per_sequence_attention == "required")
         with attention as active:  # around the manager's whole life: its thread looks the function up every step
             self.stats.attention = "per-sequence" if active else "stock"
             yield from self._run(requests, stop)

@@ -21,7 +21,7 @@ from cbgen.config import JobConfig
 from cbgen.engine import Completion, Engine
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import open_reader
-from cbgen.model import LoadedModel, ModelSource, load_model, resolve_source
+from cbgen.model import PER_SEQUENCE, LoadedModel, ModelSource, load_model, resolve_source
 from cbgen.outputs import open_writer
 from cbgen.outputs.rundir import MANIFEST_FILE, DoneIndex, input_identity, open_run_directory, read_json
 from cbgen.outputs.rundir import write_json_atomic
@@ -82,6 +82,7 @@ class RunSummary:
     timings: dict[str, float] = field(default_factory=dict)
     kv_cache: dict[str, Any] = field(default_factory=dict)
     engine_restarts: int = 0
+    attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
 
     def add_done(self, done: DoneIndex) -> None:
         self.requests += done.requests
@@ -260,7 +261,10 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
             "device": loaded.device if loaded else None,
             "dtype": str(loaded.dtype).removeprefix("torch.") if loaded else None,
             "attn_implementation": loaded.attn_implementation if loaded else None,
+            "cache": loaded.cache if loaded else None,
+            "random_weights": loaded.random_weights if loaded else None,
         },
+        "attention": summary.attention,
         "config": job.to_dict(),
         "continuous_batching": batching,
         "kv_cache": summary.kv_cache,
@@ -319,7 +323,11 @@ def shard_directory(base: Path, sharding: tuple[int, int] | None) -> Path:
 
 def model_identity(source: ModelSource) -> dict[str, Any]:
     """What makes a model the same model for a resume: a GGUF file's name and size, a folder's config.json
-    hash, a hub id's name."""
+    hash, a random-weights shape (and its config file's hash), a hub id's name."""
+    if source.random_weights:
+        path = Path(source.location)
+        config = {"config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path.is_file() else {}
+        return {"random_weights": source.location} | config
     if source.gguf_file:
         path = Path(source.location) / source.gguf_file
         return {"gguf": source.gguf_file, "bytes": path.stat().st_size}
@@ -445,6 +453,7 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
             ),
             request_timeout=job.run.request_timeout,
             prefix_gating=job.run.prefix_gating,
+            per_sequence_attention=per_sequence_choice(job, loaded),
         )
         ordered = prefix_aware_order(
             itertools.chain(head, requests), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD
@@ -468,10 +477,26 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
     progress.finish()
     summary.shards = [p.name for _, p in shard_paths(out_dir)]
     summary.engine_restarts = engine.stats.restarts
+    summary.attention = engine.stats.attention
     summary.kv_cache.update(num_blocks=engine.stats.num_blocks)
     summary.timings["total_s"] = round(time.perf_counter() - started, 3)
     write_manifest(summary, job, loaded, dict(engine.stats.resolved_config))
     return summary
+
+
+def per_sequence_choice(job: JobConfig, loaded: LoadedModel) -> str:
+    """Whether the engine uses cbgen's per-sequence attention: asked for by name (then it must apply), by default
+    on CPU (where it applies), never when another implementation was named."""
+    if job.model.attn_implementation == PER_SEQUENCE:
+        from cbgen.attention import cpu_attention_unavailable_reason
+
+        reason = cpu_attention_unavailable_reason(loaded.model)
+        if reason:
+            raise CbgenError(f"--attn-implementation {PER_SEQUENCE} does not apply here: {reason}; use sdpa")
+        return "required"
+    if job.model.attn_implementation is None and loaded.device == "cpu":
+        return "auto"
+    return "off"
 
 
 def make_cb_config(batching: dict[str, Any], job: JobConfig):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TQDM_DISABLE", "1")
+# converted GGUF weights are cached per test session, never in the user's own cache
+os.environ["CBGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -183,3 +183,26 @@ def test_extra_stop_token_ends_the_sequence(tiny_model_dir, tmp_path):
     stopped = next(read_shards(tmp_path / "b"))
     assert stopped["token_ids"] == free[: free.index(stop) + 1]
     assert stopped["finish_reason"] == "stop"
+
+
+def test_attention_choice_is_recorded(tiny_model_dir, chat_file, tmp_path):
+    """Default on CPU: cbgen's per-sequence attention; --attn-implementation sdpa: transformers' stock path.
+    Both give the same greedy tokens in fp32."""
+    tokens = {}
+    for choice, expected in ((None, "per-sequence"), ("sdpa", "stock"), ("per-sequence", "per-sequence")):
+        out = tmp_path / str(choice)
+        extra = ["--attn-implementation", choice] if choice else []
+        assert cbgen(tiny_model_dir, chat_file, "-o", out, "--max-new-tokens", 8, *extra) == 0
+        assert json.loads((out / "run.json").read_text())["attention"] == expected
+        tokens[choice] = sorted((r["id"], r["token_ids"]) for r in read_shards(out))
+    assert tokens[None] == tokens["sdpa"] == tokens["per-sequence"]
+
+
+def test_per_sequence_attention_refused_where_it_does_not_apply(tiny_model_dir, chat_file, tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.setattr("cbgen.attention.cpu_attention_unavailable_reason", lambda model: "the model uses soft-capping")
+    code = run_cli(["run", str(chat_file), "-o", str(tmp_path / "o"), "--model", str(tiny_model_dir),
+                    "--attn-implementation", "per-sequence", "-q"])
+    assert code == 2
+    assert "--attn-implementation per-sequence does not apply here: the model uses soft-capping; use sdpa" in (
+        capsys.readouterr().err)

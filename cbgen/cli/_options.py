@@ -40,18 +40,28 @@ class JobOption:
 JOB_OPTIONS: list[JobOption] = [
     # Model
     JobOption("model", "model", ("--model", "-m"), str,
-              "Hub id, local model folder, or .gguf file (its tokenizer comes from the same file). "
-              "Default: the embedded SmolLM2-135M-Instruct.", PANEL_MODEL, metavar="MODEL"),
+              "Hub id, local model folder, or .gguf file (its tokenizer comes from the same file); or random "
+              "weights for benchmarking: a config.json, or a shape name (llama-1b, llama-3b, llama-8b, qwen3-0.6b, "
+              "qwen3-1.7b, qwen3-4b, qwen3-8b, smollm2-135m). Default: the embedded SmolLM2-135M-Instruct.",
+              PANEL_MODEL, metavar="MODEL"),
     JobOption("model", "dtype", ("--dtype",), str,
               "Weight and activation precision. auto: bfloat16 on CUDA and on CPUs with bf16 matrix units, "
               "else float32.", PANEL_MODEL, choices=("auto", "bfloat16", "float16", "float32")),
     JobOption("model", "device", ("--device",), str, "Where the model runs. auto: CUDA when visible.",
               PANEL_MODEL, choices=("auto", "cpu", "cuda")),
     JobOption("model", "attn_implementation", ("--attn-implementation",), str,
-              "Attention kernel: sdpa, paged|eager, or a flash_attention_* name. Default: sdpa on CPU; "
-              "flash_attention_2 on CUDA when installed, else sdpa.", PANEL_MODEL, metavar="NAME"),
+              "Attention: per-sequence (cbgen's CPU attention for continuous batching: each request attends "
+              "only to its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: per-sequence on CPU "
+              "where the model allows it, else sdpa; flash_attention_2 on CUDA when installed, else sdpa.",
+              PANEL_MODEL, metavar="NAME"),
     JobOption("model", "trust_remote_code", ("--trust-remote-code/--no-trust-remote-code",), bool,
               "Allow the model folder's own Python code to run. Off unless you trust its author.", PANEL_MODEL),
+    JobOption("model", "cache_dir", ("--model-cache-dir",), str,
+              "Where GGUF models converted to safetensors are cached, so only the first run dequantizes them. "
+              "Default: $CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen (~/.cache/cbgen).", PANEL_MODEL, metavar="DIR"),
+    JobOption("model", "use_cache", ("--model-cache/--no-model-cache",), bool,
+              "Use (and fill) the converted-GGUF cache; --no-model-cache dequantizes the GGUF file every run.",
+              PANEL_MODEL),
     # Input
     JobOption("input", "prompt_column", ("--prompt-column",), str,
               "Field holding the prompt: text, a list of chat messages, or token ids. "

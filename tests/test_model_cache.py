@@ -1,0 +1,231 @@
+"""The converted-GGUF cache: the first load of a GGUF saves it as safetensors, later loads read that instead.
+
+Runs on a tiny Llama GGUF written here (2 layers, Q8_0 weights, a 512-token slice of SmolLM2's tokenizer), so
+each load takes well under a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbgen import model
+from cbgen.config import ModelSection
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 128, 512
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A tiny Llama GGUF with random Q8_0 weights and the first VOCAB tokens of the embedded SmolLM2 tokenizer
+    (with the merges among them, and its chat template)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(model.embedded_model_path()))
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    tokens = field("tokenizer.ggml.tokens")[:VOCAB]
+    kept = set(tokens)
+    merges = [m for m in field("tokenizer.ggml.merges")
+              if (parts := m.split(" ")) and len(parts) == 2 and {parts[0], parts[1], "".join(parts)} <= kept]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(field("tokenizer.ggml.token_type")[:VOCAB])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(field("tokenizer.chat_template"))
+
+    rng = np.random.default_rng(0)
+
+    def q8(name: str, rows: int, cols: int) -> None:
+        packed = gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.1).astype(np.float32),
+                                      gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+
+    kv = HIDDEN // HEADS * KV_HEADS
+    q8("token_embd.weight", VOCAB, HIDDEN)  # no output.weight: tied embeddings
+    for i in range(LAYERS):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        q8(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
+        q8(f"blk.{i}.attn_k.weight", kv, HIDDEN)
+        q8(f"blk.{i}.attn_v.weight", kv, HIDDEN)
+        q8(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        q8(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        q8(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        q8(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    norm("output_norm.weight")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q8_0.gguf")
+
+
+def load(gguf: Path, cache_dir: Path | None, dtype: str = "float32", **settings) -> model.LoadedModel:
+    return model.load_model(ModelSection(model=str(gguf), dtype=dtype, device="cpu",
+                                         cache_dir=str(cache_dir) if cache_dir else None, **settings))
+
+
+def greedy(loaded: model.LoadedModel, text: str = "What is the capital of France?") -> list[int]:
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = loaded.model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    return out[0].tolist()
+
+
+def entry_folder(cache_dir: Path, gguf: Path, entry: str) -> Path:
+    return model.GgufCache(cache_dir, gguf).folder / entry
+
+
+def test_miss_then_hit_gives_the_same_model(tiny_gguf, tmp_path):
+    cold = load(tiny_gguf, tmp_path)
+    assert cold.cache == model.CACHE_WRITTEN
+    assert (entry_folder(tmp_path, tiny_gguf, "model-float32") / "model.safetensors").is_file()
+    assert (entry_folder(tmp_path, tiny_gguf, "tokenizer") / "tokenizer.json").is_file()
+    warm = load(tiny_gguf, tmp_path)
+    assert warm.cache == model.CACHE_HIT
+    for loaded in (cold, warm):
+        assert getattr(loaded.model, "hf_quantizer", None) is None
+        assert not hasattr(loaded.model.config, "quantization_config")
+    cold_state, warm_state = cold.model.state_dict(), warm.model.state_dict()
+    assert cold_state.keys() == warm_state.keys()
+    for name, tensor in cold_state.items():
+        assert warm_state[name].dtype == tensor.dtype == torch.float32, name
+        assert torch.equal(warm_state[name], tensor), name
+    assert greedy(cold) == greedy(warm)
+    assert warm.tokenizer.chat_template == cold.tokenizer.chat_template
+    assert len(warm.tokenizer) == len(cold.tokenizer) == VOCAB
+    # the same as a plain GGUF load, untouched by the cache
+    direct = load(tiny_gguf, None, use_cache=False)
+    assert direct.cache == model.CACHE_OFF
+    assert greedy(direct) == greedy(warm)
+
+
+def test_gguf_model_saves_once_the_quantizer_marker_is_dropped(tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
+    with pytest.raises(ValueError, match="not serializable"):
+        loaded.save_pretrained(tmp_path / "refused")
+    assert model.drop_gguf_marker(loaded)
+    loaded.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+def test_a_different_dtype_is_a_different_entry(tiny_gguf, tmp_path):
+    assert load(tiny_gguf, tmp_path, "float32").cache == model.CACHE_WRITTEN
+    bf16 = load(tiny_gguf, tmp_path, "bfloat16")
+    assert bf16.cache == model.CACHE_WRITTEN  # tokenizer hit, model written
+    assert bf16.model.dtype == torch.bfloat16
+    assert load(tiny_gguf, tmp_path, "bfloat16").cache == model.CACHE_HIT
+    assert load(tiny_gguf, tmp_path, "float32").cache == model.CACHE_HIT
+    folder = model.GgufCache(tmp_path, tiny_gguf).folder
+    assert sorted(p.name for p in folder.iterdir()) == ["model-bfloat16", "model-float32", "tokenizer"]
+
+
+def test_an_interrupted_write_is_never_trusted(tiny_gguf, tmp_path):
+    final = entry_folder(tmp_path, tiny_gguf, "model-float32")
+    final.parent.mkdir(parents=True)
+    leftover = final.with_name(".tmp-model-float32-999-dead")  # a killed first run's half-written folder
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"\0" * 100)
+    old = leftover.stat().st_mtime - 7 * 3600
+    os.utime(leftover, (old, old))
+    loaded = load(tiny_gguf, tmp_path)
+    assert loaded.cache == model.CACHE_WRITTEN
+    assert not leftover.exists()  # swept: older than any running writer
+    assert [p.name for p in final.parent.glob(".tmp-*")] == []
+
+
+def test_an_entry_without_its_marker_or_with_broken_weights_is_rebuilt(tiny_gguf, tmp_path, caplog):
+    reference = greedy(load(tiny_gguf, tmp_path))
+    final = entry_folder(tmp_path, tiny_gguf, "model-float32")
+    (final / "model.safetensors").write_bytes(b"not safetensors")
+    with caplog.at_level(logging.WARNING, logger="cbgen.model"):
+        rebuilt = load(tiny_gguf, tmp_path)
+    assert rebuilt.cache == model.CACHE_WRITTEN and "is broken (SafetensorError" in caplog.text
+    assert greedy(rebuilt) == reference
+    (final / "cbgen-cache.json").unlink()  # as if written by hand, or by a foreign tool
+    assert load(tiny_gguf, tmp_path).cache == model.CACHE_WRITTEN
+
+
+def test_unwritable_cache_falls_back_and_warns_once(tiny_gguf, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache_dir = blocker / "cache"  # cannot be created, even by root
+    with caplog.at_level(logging.WARNING, logger="cbgen.model"):
+        first = load(tiny_gguf, cache_dir)
+        second = load(tiny_gguf, cache_dir)
+    assert first.cache == second.cache == model.CACHE_UNWRITABLE
+    warnings = [r for r in caplog.records if "cannot write the model cache" in r.getMessage()]
+    assert len(warnings) == 1
+    assert greedy(first) == greedy(load(tiny_gguf, None, use_cache=False))
+
+
+def test_a_bad_setting_does_not_cost_the_cache(tiny_gguf, tmp_path):
+    from cbgen.errors import CbgenError
+
+    load(tiny_gguf, tmp_path)
+    with pytest.raises(CbgenError):
+        load(tiny_gguf, tmp_path, attn_implementation="no-such-attention")
+    assert load(tiny_gguf, tmp_path).cache == model.CACHE_HIT
+
+
+def test_no_model_cache_writes_nothing(tiny_gguf, tmp_path):
+    loaded = load(tiny_gguf, tmp_path, use_cache=False)
+    assert loaded.cache == model.CACHE_OFF
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_location(monkeypatch, tmp_path):
+    monkeypatch.delenv(model.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model.default_cache_dir() == tmp_path / "xdg" / "cbgen"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert model.default_cache_dir() == Path.home() / ".cache" / "cbgen"
+    monkeypatch.setenv(model.CACHE_ENV, str(tmp_path / "env"))
+    assert model.default_cache_dir() == tmp_path / "env"
+    assert model.default_cache_dir(ModelSection(cache_dir=str(tmp_path / "flag"))) == tmp_path / "flag"
+
+
+def test_file_digest_is_memoised_by_size_and_mtime(tmp_path):
+    import hashlib
+
+    data, memo = tmp_path / "weights.gguf", tmp_path / "cache" / "digests.json"
+    data.write_bytes(b"one")
+    assert model.file_digest(data, memo) == hashlib.sha256(b"one").hexdigest()
+    assert memo.is_file()
+    data.write_bytes(b"two")  # same size; a new mtime
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
+    assert model.file_digest(data, memo) == hashlib.sha256(b"two").hexdigest()
