@@ -31,9 +31,14 @@ from cbgen.records import PromptRecord
 
 LOOKAHEAD = 1024  # requests rendered ahead: sizes the KV cache and is the window of the prefix-aware order
 
-# CPU defaults, measured on a 2-core AVX-512/AMX machine with SmolLM2-135M (see README, "Performance"): the stock
-# paged|sdpa path attends over every request's KV at once, so throughput falls past a few dozen sequences per step.
-CPU_BATCHING_DEFAULTS = {"max_requests_per_batch": 16, "max_batch_tokens": 1024}
+# CPU defaults, measured on a 2-core AVX-512/AMX machine with SmolLM2-135M in bf16, 64 x (128 + 64) tokens
+# (benchmarks/cpu_tuning.py, README "Performance"). With cbgen's per-sequence attention, larger decode batches win
+# (540 tok/s at 64 requests per batch vs 356 at 16); transformers' stock paged|sdpa path attends over every
+# request's KV at once, so there a smaller batch is faster (DESIGN.md: 341 vs 195 tok/s at 16 vs 64).
+CPU_BATCHING_DEFAULTS = {
+    "per-sequence": {"max_requests_per_batch": 64, "max_batch_tokens": 1024},
+    "stock": {"max_requests_per_batch": 16, "max_batch_tokens": 1024},
+}
 KV_MEMORY_SHARE = 0.25  # on CPU, the KV cache cbgen sizes never takes more than this share of available RAM
 
 
@@ -187,7 +192,10 @@ def plan_batching(
     batching = dict(job.batching)
     on_cpu = loaded.device == "cpu"
     if on_cpu:
-        for key, value in CPU_BATCHING_DEFAULTS.items():
+        from cbgen.attention import cpu_attention_available
+
+        per_sequence = per_sequence_choice(job, loaded) != "off" and cpu_attention_available(loaded.model)
+        for key, value in CPU_BATCHING_DEFAULTS["per-sequence" if per_sequence else "stock"].items():
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", 256)
     page_size = batching.get("page_size", 256)

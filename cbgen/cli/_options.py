@@ -107,7 +107,8 @@ JOB_OPTIONS: list[JobOption] = [
               "Token budget of one forward pass; longer prompts are prefilled in chunks. "
               "Default: 1024 on CPU, from free memory on GPU.", PANEL_BATCHING),
     JobOption("batching", "max_requests_per_batch", ("--max-requests-per-batch",), int,
-              "Most requests in one forward pass. Default: 16 on CPU, from the workload on GPU.", PANEL_BATCHING),
+              "Most requests in one forward pass. Default on CPU: 64 with the per-sequence attention, 16 with "
+              "the stock one; on GPU, from the workload.", PANEL_BATCHING),
     JobOption("batching", "num_blocks", ("--num-blocks",), int,
               "KV-cache size in blocks of --page-size tokens. Default: on CPU, sized by cbgen for the requests "
               "in flight; on GPU, from free memory.", PANEL_BATCHING),
