@@ -3,7 +3,7 @@
 
 Workloads are built from the model's own tokenizer and chat template, deterministically (a seed per workload):
 
-  mixed          chat questions of varied length; answers end at the model's end-of-sequence token, at most 256
+  mixed          chat questions of varied length, each with its own max_new_tokens drawn from 16..256
   shared-prefix  a few long system prompts, each shared by many short questions; short answers
   long-prompt    long documents to summarise in a few tokens (prefill-heavy)
   many-small     many short questions, short answers
@@ -42,9 +42,16 @@ WORDS = (
 
 @dataclass
 class Workload:
+    """Prompts and their caps. With per-request caps (`caps`), paths that cannot stop a request at its own cap
+    (`generate_batch`, static batches) run to the largest cap and only tokens up to each request's cap count."""
+
     name: str
     prompts: list[list[int]]
     max_new_tokens: int
+    caps: list[int] | None = None
+
+    def cap(self, i: int) -> int:
+        return self.caps[i] if self.caps else self.max_new_tokens
 
 
 @dataclass
@@ -82,7 +89,7 @@ def _chat(tokenizer, user: str, system: str | None = None) -> list[int]:
 
 SIZES = {  # requests per workload; "small" fits a 2-core CPU in a few minutes per path
     "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8},
-    "small": {"mixed": 32, "shared-prefix": 64, "long-prompt": 8, "many-small": 128},
+    "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128},
     "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512},
 }
 
@@ -97,7 +104,8 @@ def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None 
         if name == "mixed":
             prompts = [_chat(tokenizer, " ".join(_sentence(rng, rng.randint(5, 20)) for _ in range(rng.randint(1, 6)))
                              + " Explain.") for _ in range(n)]
-            out.append(Workload(name, prompts, 256 if size != "tiny" else 16))
+            top = 256 if size != "tiny" else 16
+            out.append(Workload(name, prompts, top, [rng.randint(min(16, top), top) for _ in range(n)]))
         elif name == "shared-prefix":
             systems = [" ".join(_sentence(rng, 12) for _ in range(max(1, int(40 * scale)))) for _ in range(4)]
             prompts = [_chat(tokenizer, f"Question {i}: {_sentence(rng, 8)}", rng.choice(systems)) for i in range(n)]
@@ -122,8 +130,14 @@ def _job(workload: Workload, batching: dict[str, Any]) -> JobConfig:
 
 
 def _requests(workload: Workload) -> list[Request]:
-    return [Request(PromptRecord(id=str(i), index=i, location=f"{workload.name}#{i}"), input_ids=ids)
-            for i, ids in enumerate(workload.prompts)]
+    return [Request(PromptRecord(id=str(i), index=i, location=f"{workload.name}#{i}"), input_ids=ids,
+                    max_new_tokens=workload.cap(i)) for i, ids in enumerate(workload.prompts)]
+
+
+def _useful(tokens: list[int], eos: set[int], cap: int) -> int:
+    """Tokens a request really asked for: up to its end-of-sequence token, at most its cap."""
+    stop = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+    return min(stop, cap)
 
 
 class Bench:
@@ -137,7 +151,8 @@ class Bench:
         job = _job(workload, self.batching)
         text = self.loaded.model.config.get_text_config()
         longest = max(len(p) for p in workload.prompts)
-        batching, window, sizing = plan_batching(job, self.loaded, longest, text.max_position_embeddings)
+        batching, window, sizing = plan_batching(job, self.loaded, longest, text.max_position_embeddings,
+                                                 len(workload.prompts))
         generation_config, eos = build_generation_config(job, self.loaded)
         return job, batching, window, generation_config, eos
 
@@ -161,18 +176,21 @@ class Bench:
                            sum(map(len, workload.prompts)), generated, {"cb": engine.stats.resolved_config})
 
     def generate_batch(self, workload: Workload) -> Measurement:
-        job, batching, _, generation_config, _ = self._plan(workload)
+        """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
+        job, batching, _, generation_config, eos = self._plan(workload)
         start = time.perf_counter()
         outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=generation_config,
                                                    continuous_batching_config=make_cb_config(batching, job))
         seconds = time.perf_counter() - start
         assert len(outputs) == len(workload.prompts) and not any(o.error for o in outputs.values())
-        generated = sum(len(o.generated_tokens) for o in outputs.values())
+        # generate_batch returns results in input order (request ids req_0, req_1, ...)
+        generated = sum(_useful(o.generated_tokens, eos, workload.cap(i)) for i, o in enumerate(outputs.values()))
         return Measurement(workload.name, "generate_batch", seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated)
 
     def static(self, workload: Workload, batch_size: int) -> Measurement:
-        """`model.generate` on left-padded batches, in input order; tokens after a sequence's EOS are not counted."""
+        """`model.generate` on left-padded batches, in input order, each run to its largest cap; tokens after a
+        sequence's EOS or cap are not counted."""
         _, _, _, generation_config, eos = self._plan(workload)
         pad = generation_config.pad_token_id
         model = self.loaded.model
@@ -180,14 +198,14 @@ class Bench:
         start = time.perf_counter()
         for i in range(0, len(workload.prompts), batch_size):
             batch = workload.prompts[i : i + batch_size]
+            caps = [workload.cap(k) for k in range(i, i + len(batch))]
             width = max(map(len, batch))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
             with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
-            for row in out[:, width:].tolist():
-                stop = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-                generated += stop
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                                     max_new_tokens=max(caps))
+            generated += sum(_useful(row, eos, cap) for row, cap in zip(out[:, width:].tolist(), caps))
         seconds = time.perf_counter() - start
         return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated)
@@ -218,10 +236,11 @@ def run_suite(
     on_result: Callable[[Measurement], None] | None = None,
 ) -> list[Measurement]:
     bench = Bench(loaded, batching)
-    warm = Workload("warm-up", workloads[0].prompts[:2], 2)
-    bench.cbgen(warm)  # first-call costs (kernel selection, allocator) are paid outside the measurements
     results = []
     for workload in workloads:
+        # first-call costs (kernel selection for this workload's shapes, allocator growth) are paid before measuring,
+        # so that no path pays them for the others
+        bench.cbgen(Workload("warm-up", workload.prompts[:8], 4), "input")
         for path in paths:
             if path == "static":
                 measured = [bench.static(workload, b) for b in static_batch_sizes]

@@ -200,20 +200,22 @@ class Engine:
                 "shorten the prompt"
             )
         if self.stats.num_blocks and self.stats.page_size:
-            needed = ceil((length + self._max_new_for(length)) / self.stats.page_size) + 1
+            needed = ceil((length + self._max_new_for(request)) / self.stats.page_size) + 1
             if needed > self.stats.num_blocks:
                 capacity = self.stats.num_blocks * self.stats.page_size
                 return (
-                    f"prompt of {length} tokens + {self._max_new_for(length)} new tokens can never fit in the KV cache "
+                    f"prompt of {length} tokens + {self._max_new_for(request)} new tokens can never fit in the KV cache "
                     f"({capacity} tokens); raise --num-blocks or --max-memory-percent, or lower --max-new-tokens"
                 )
         return None
 
-    def _max_new_for(self, prompt_length: int) -> int:
-        """max_new_tokens, capped so prompt + generation stays within the model's context."""
+    def _max_new_for(self, request: Request) -> int:
+        """The request's max_new_tokens (its own, else the job's), capped so prompt + generation stays within the
+        model's context."""
+        cap = request.max_new_tokens or self.max_new_tokens
         if self.max_positions is None:
-            return self.max_new_tokens
-        return max(1, min(self.max_new_tokens, self.max_positions - prompt_length))
+            return cap
+        return max(1, min(cap, self.max_positions - len(request.input_ids)))
 
     def _fail(self, request: Request, error: str) -> list[Completion]:
         """Fails a request that never reached the engine; the error names the input line or row."""
@@ -290,7 +292,7 @@ class Engine:
         """Hands one request to the manager. A leader streams, so its first token tells when its prefix is cached."""
         key = f"r{self._counter}"
         self._counter += 1
-        max_new = self._max_new_for(len(request.input_ids))
+        max_new = self._max_new_for(request)
         accepted = self._manager.add_request(request.input_ids, request_id=key, max_new_tokens=max_new,
                                              streaming=lead)
         if accepted is None:

@@ -181,7 +181,7 @@ def kv_bytes_per_block(model_config, page_size: int, dtype_bytes: int) -> int:
 
 
 def plan_batching(
-    job: JobConfig, loaded: LoadedModel, longest_prompt: int, max_positions: int | None
+    job: JobConfig, loaded: LoadedModel, longest_prompt: int, max_positions: int | None, total: int | None = None
 ) -> tuple[dict[str, Any], int, dict[str, Any]]:
     """The ContinuousBatchingConfig fields, the in-flight window and a record of how the KV cache was sized.
 
@@ -208,19 +208,24 @@ def plan_batching(
     elif "max_memory_percent" in batching or not on_cpu:
         sizing["chosen_by"] = "transformers, from max_memory_percent of free device memory"
     else:
+        in_flight = min(window, total) if total else window
         blocks_per_request = ceil(per_request / page_size) + 1
-        num_blocks = window * job.generation.num_return_sequences * blocks_per_request
+        num_blocks = in_flight * job.generation.num_return_sequences * blocks_per_request
+        # the engine also plans, per cached token, activations and an attention-mask column: about a quarter more
         block_bytes = kv_bytes_per_block(loaded.model.config, page_size, loaded.dtype.itemsize)
+        planned_bytes = block_bytes * 5 // 4
         available = available_memory_bytes()
         reason = (
-            f"{window} requests in flight x {job.generation.num_return_sequences} sequences x {blocks_per_request} "
-            f"blocks ({longest_prompt} prompt tokens, the longest of the first {LOOKAHEAD} rows, "
+            f"{in_flight} requests in flight x {job.generation.num_return_sequences} sequences x "
+            f"{blocks_per_request} blocks ({longest_prompt} prompt tokens, the longest of the first {LOOKAHEAD} rows, "
             f"+ {job.generation.max_new_tokens} new)"
         )
-        if available and num_blocks * block_bytes > KV_MEMORY_SHARE * available:
-            num_blocks = max(blocks_per_request, int(KV_MEMORY_SHARE * available // block_bytes))
+        if available and num_blocks * planned_bytes > KV_MEMORY_SHARE * available:
+            num_blocks = max(blocks_per_request, int(KV_MEMORY_SHARE * available // planned_bytes))
             reason += f"; capped at {KV_MEMORY_SHARE:.0%} of available memory"
         batching["num_blocks"] = num_blocks
+        # transformers checks the cache against a share of free memory (0.6 on CPU); cbgen has already bounded it
+        batching.setdefault("max_memory_percent", 0.9)
         sizing.update(chosen_by="cbgen", reason=reason, bytes=num_blocks * block_bytes)
     return batching, window, sizing
 
@@ -440,7 +445,7 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         requests = renderer.render_all(record for record in reader if wanted(record))
         head: list[Request] = list(itertools.islice(requests, LOOKAHEAD))
         longest = max((len(r.input_ids) for r in head if r.input_ids), default=1)
-        batching, window, summary.kv_cache = plan_batching(job, loaded, longest, max_positions)
+        batching, window, summary.kv_cache = plan_batching(job, loaded, longest, max_positions, total)
         cb_config = make_cb_config(batching, job)
 
         from transformers.generation.continuous_batching.utils import WorkloadHints

@@ -15,6 +15,7 @@ class Request:
     record: PromptRecord
     input_ids: list[int] | None = None
     error: str | None = None
+    max_new_tokens: int | None = None  # this request's own cap; None: the job's --max-new-tokens
 
 
 class Renderer:
