@@ -27,6 +27,7 @@ import torch
 
 from cbgen.config import JobConfig
 from cbgen.engine import Engine
+from cbgen.errors import CbgenError
 from cbgen.job import build_generation_config, make_cb_config, plan_batching
 from cbgen.model import LoadedModel
 from cbgen.prompts import Request, prefix_aware_order
@@ -274,7 +275,10 @@ def summarise(results: list[Measurement], flops_per_token: float, peak_flops: fl
 
 def write_outputs(rows: list[dict[str, Any]], meta: dict[str, Any], directory: Path) -> tuple[Path, Path]:
     """bench.json (rows + how they were measured) and bench.png (total tokens/s per workload and path)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise CbgenError("cbgen bench draws its chart with matplotlib: pip install 'cbgen[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
