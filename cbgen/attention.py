@@ -278,7 +278,7 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwarg
             return None
         pasts = position_ids[0, batch.q_starts].tolist()
         for past, q_length, k_length in zip(pasts, batch.q_lengths, batch.k_lengths):
-            kept = past if layer_type == FULL_ATTENTION else min(past, (getattr(config, "sliding_window") or 1) - 1)
+            kept = past if layer_type == FULL_ATTENTION else min(past, (config.sliding_window or 1) - 1)
             if k_length != q_length + kept:
                 return None
     return batch

@@ -14,8 +14,15 @@ from cbgen.errors import CbgenError
 from cbgen.inputs import open_reader
 from cbgen.job import shard_of
 from cbgen.outputs import open_writer, read_shards
-from cbgen.outputs.rundir import FINGERPRINT_FILE, LOCK_FILE, MANIFEST_FILE, DirectoryLock, read_json, scan_done
-from cbgen.outputs.rundir import write_json_atomic
+from cbgen.outputs.rundir import (
+    FINGERPRINT_FILE,
+    LOCK_FILE,
+    MANIFEST_FILE,
+    DirectoryLock,
+    read_json,
+    scan_done,
+    write_json_atomic,
+)
 
 _SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 

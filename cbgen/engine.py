@@ -204,7 +204,8 @@ class Engine:
             if needed > self.stats.num_blocks:
                 capacity = self.stats.num_blocks * self.stats.page_size
                 return (
-                    f"prompt of {length} tokens + {self._max_new_for(request)} new tokens can never fit in the KV cache "
+                    f"prompt of {length} tokens + {self._max_new_for(request)} new tokens can never fit in the KV "
+                    "cache "
                     f"({capacity} tokens); raise --num-blocks or --max-memory-percent, or lower --max-new-tokens"
                 )
         return None

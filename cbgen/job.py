@@ -23,8 +23,14 @@ from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import open_reader
 from cbgen.model import PER_SEQUENCE, LoadedModel, ModelSource, load_model, resolve_source
 from cbgen.outputs import open_writer
-from cbgen.outputs.rundir import MANIFEST_FILE, DoneIndex, input_identity, open_run_directory, read_json
-from cbgen.outputs.rundir import write_json_atomic
+from cbgen.outputs.rundir import (
+    MANIFEST_FILE,
+    DoneIndex,
+    input_identity,
+    open_run_directory,
+    read_json,
+    write_json_atomic,
+)
 from cbgen.outputs.writers import shard_paths
 from cbgen.prompts import Renderer, Request, prefix_aware_order
 from cbgen.records import PromptRecord
@@ -317,7 +323,9 @@ def resolve_sharding(job: JobConfig, env: Mapping[str, str] = os.environ) -> tup
         task, first = int(env["SLURM_ARRAY_TASK_ID"]), int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
         step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
     except ValueError:
-        raise CbgenError("the SLURM_ARRAY_TASK_* variables are not integers; pass --num-shards and --shard-index") from None
+        raise CbgenError(
+            "the SLURM_ARRAY_TASK_* variables are not integers; pass --num-shards and --shard-index"
+        ) from None
     index = (task - first) // step
     if not 0 <= index < count:
         raise CbgenError(f"Slurm array task {task} is outside its array (min {first}, step {step}, count {count}); "

@@ -36,10 +36,12 @@ class Renderer:
                 ids = list(record.input_ids)
                 bad = next((t for t in ids if t >= self.vocab_size), None)
                 if bad is not None:
-                    return Request(record, error=f"input_ids: token id {bad} is outside the vocabulary (size {self.vocab_size})")
+                    error = f"input_ids: token id {bad} is outside the vocabulary (size {self.vocab_size})"
+                    return Request(record, error=error)
             elif record.messages is not None:
                 if not self.has_chat_template:
-                    return Request(record, error="the tokenizer has no chat template: give 'prompt' text or 'input_ids'")
+                    error = "the tokenizer has no chat template: give 'prompt' text or 'input_ids'"
+                    return Request(record, error=error)
                 ids = self._chat(record.messages)
             else:
                 ids = self._text(record.prompt or "")

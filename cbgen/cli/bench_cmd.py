@@ -23,7 +23,9 @@ def bench(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     attn_implementation: Annotated[Optional[str], typer.Option(metavar="NAME", help="As for cbgen run.")] = None,  # noqa: UP045
     size: Annotated[str, typer.Option(help="tiny | small | medium: requests per workload.")] = "small",
-    workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = "mixed,shared-prefix,long-prompt,many-small",
+    workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = (
+        "mixed,shared-prefix,long-prompt,many-small"
+    ),
     paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}.")]
     = "cbgen,generate_batch,static",
     static_batch_sizes: Annotated[str, typer.Option(help="Batch sizes for the static path.")] = "8,16,32",
@@ -39,8 +41,15 @@ def bench(
 
     Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
     """
-    from cbgen.bench import bf16_matmul_flops, build_workloads, meta_for, parameter_count, run_suite, summarise
-    from cbgen.bench import write_outputs
+    from cbgen.bench import (
+        bf16_matmul_flops,
+        build_workloads,
+        meta_for,
+        parameter_count,
+        run_suite,
+        summarise,
+        write_outputs,
+    )
     from cbgen.config import ModelSection, check_value
     from cbgen.errors import CbgenError
     from cbgen.model import load_model

@@ -5,8 +5,16 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn
-from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -119,7 +127,8 @@ class PlainProgress:
                    f"elapsed {_duration(elapsed)}{eta}")
 
     def _line(self, message: str) -> None:
-        self.console.print(f"[cbgen {time.strftime('%H:%M:%S')}] {message}", markup=False, highlight=False, soft_wrap=True)
+        line = f"[cbgen {time.strftime('%H:%M:%S')}] {message}"
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _duration(seconds: float) -> str:

@@ -197,7 +197,8 @@ def open_run_directory(
     try:
         lock = DirectoryLock(directory).acquire()
     except OSError as e:
-        raise CbgenError(f"output directory '{directory}' is not writable: {e.strerror or e}; choose another with -o") from None
+        reason = e.strerror or e
+        raise CbgenError(f"output directory '{directory}' is not writable: {reason}; choose another with -o") from None
     try:
         remove_temporary_files(directory)
         if overwrite:
