@@ -81,7 +81,6 @@ class RunSummary:
     requests: int = 0
     failed_requests: int = 0
     sequences: int = 0
-    succeeded: int = 0  # sequences
     failed: int = 0  # sequences
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -99,7 +98,6 @@ class RunSummary:
         self.requests += done.requests
         self.sequences += done.sequences
         self.failed += done.failed
-        self.succeeded += done.succeeded
         self.failed_requests += done.failed_requests
         self.prompt_tokens += done.prompt_tokens
         self.generated_tokens += done.generated_tokens
@@ -113,12 +111,16 @@ class RunSummary:
         self.failed_requests += failed > 0
         self.sequences += len(group)
         self.failed += failed
-        self.succeeded += len(group) - failed
         self.prompt_tokens += group[0].num_prompt_tokens
         self.run_prompt_tokens += group[0].num_prompt_tokens
         self.generated_tokens += generated
         self.run_generated_tokens += generated
         return failed
+
+    @property
+    def succeeded(self) -> int:
+        """Sequences that did not fail."""
+        return self.sequences - self.failed
 
     @property
     def exit_code(self) -> ExitCode:

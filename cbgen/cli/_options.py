@@ -177,8 +177,6 @@ def _parameter(option: JobOption) -> inspect.Parameter:
 def _normalise(option: JobOption, value: Any) -> Any:
     if option.key == "keep_columns":
         return [name.strip() for item in value for name in item.split(",") if name.strip()]
-    if option.key == "scheduler_type":
-        return value.replace("-", "_")
     return value
 
 
