@@ -15,7 +15,8 @@
 #SBATCH --signal=B:TERM@60
 #SBATCH --output=cbgen-%A_%a.log
 set -euo pipefail
-cd "${SLURM_SUBMIT_DIR:-.}"
+# Slurm starts the script in the directory sbatch ran in (or the one given with --chdir): the default paths below are
+# relative to it, so submit from the repository root or pass --chdir=<repository root>.
 # --signal=B:TERM@60 sends SIGTERM 60 s before the time limit; exec makes cbgen the process that receives it: it
 # writes what has finished and exits 75, and the requeued (or resubmitted) task resumes where it stopped.
 exec "${CBGEN:-.venv/bin/cbgen}" run "${INPUT:-examples/prompts.jsonl}" -o "${OUT:-cbgen-out-array}" \
