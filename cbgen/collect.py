@@ -77,7 +77,9 @@ def expected_ids(job: dict[str, Any], input_path: str | None = None) -> Iterator
     source = input_path or job["input"]["path"]
     if source in (None, "-"):
         raise CbgenError("the job read its prompts from stdin, so cbgen cannot list them; pass --input FILE")
-    reader = open_reader(source, prompt_column=job["input"]["prompt_column"], id_column=job["input"]["id_column"])
+    i = job["input"]
+    reader = open_reader(source, prompt_column=i["prompt_column"], id_column=i["id_column"],
+                         input_format=i.get("format", "auto"), split=i.get("split"), subset=i.get("subset"))
     for record in reader:
         yield record.id
 
@@ -138,12 +140,18 @@ class MergeReport:
         return not (self.missing or self.duplicated or self.unexpected)
 
 
-def merge_shards(base: Path, output: Path | None = None, input_path: str | None = None) -> MergeReport:
+def merge_shards(base: Path, output: Path | None = None, input_path: str | None = None,
+                 to_dataset: bool = False) -> MergeReport:
     """Checks that every input id is present exactly once (with all its sequences) across the shards of a job,
-    then writes them into one directory (default BASE/merged) in shard order. Nothing is written when an id is
-    missing or repeated: the report says which ones, and which shard should hold them."""
+    then writes them into one directory (default BASE/merged) in shard order, as shards of the job's format or,
+    with `to_dataset`, as a Hugging Face dataset (`datasets.load_from_disk`). Nothing is written when an id is
+    missing or repeated: the report says which ones, and which shard should hold them. A job that was not split
+    needs no merging, but can still be turned into a dataset."""
     base = Path(base)
-    directories = [d for d in find_run_directories(base) if d.shard is not None]
+    found = find_run_directories(base)
+    directories = [d for d in found if d.shard is not None]
+    if not directories and to_dataset:
+        return _whole_job_to_dataset(found[0], Path(output) if output else base / "merged", input_path)
     if not directories:
         raise CbgenError(f"'{base}' holds no shard-*-of-* directories: only a job run with --num-shards (or as a "
                          "Slurm array) needs merging")
@@ -157,20 +165,19 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
             k: v for k, v in reference.items() if k != "shard"
         }:
             raise CbgenError(f"'{directory.path}' was written by a different job than '{directories[0].path}'")
-    n = directories[0].num_return_sequences
     report = MergeReport(output=None)
     present = {d.shard[0] for d in directories}
     report.shards_not_started = sorted(set(range(num_shards)) - present)
 
-    seen: Counter[str] = Counter()
+    seen: Counter[str] = Counter()  # requests: a request's first sequence (or its one error row)
     for directory in directories:
-        for row in read_shards(directory.path, columns=["id"]):
-            seen[row["id"]] += 1
+        for row in read_shards(directory.path, columns=["id", "sample_index"]):
+            seen[row["id"]] += row["sample_index"] == 0
     for request_id in expected_ids(directories[0].job, input_path):
         times = seen.pop(request_id, 0)
         if times == 0:
             report.missing.setdefault(shard_of(request_id, num_shards), []).append(request_id)
-        elif times != n:
+        elif times != 1:
             report.duplicated.append(request_id)
     report.unexpected = sorted(seen)
     if not report.complete:
@@ -180,11 +187,16 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
     job = directories[0].job
     if target.exists() and any(target.iterdir()):
         raise CbgenError(f"merge target '{target}' is not empty; remove it or choose another with -o")
+    ordered = sorted(directories, key=lambda d: d.shard[0])
+    if to_dataset:
+        report.rows = save_dataset([d.path for d in ordered], target, job)
+        report.output = target
+        return report
     writer = open_writer(job["output"]["format"], target, rows_per_shard=job["output"]["rows_per_shard"],
                          logprobs=job["generation"]["logprobs"], kept_names=job["input"]["keep_columns"])
     with writer:
-        for directory in sorted(directories, key=lambda d: d.shard[0]):
-            for row in read_shards(directory.path):
+        for directory in ordered:
+            for row in read_shards(directory.path, as_rows=False):  # OpenAI lines are copied as they are
                 writer.write(row)
                 report.rows += 1
     write_json_atomic(target / MANIFEST_FILE, {
@@ -195,3 +207,73 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
     })
     report.output = target
     return report
+
+
+def _whole_job_to_dataset(directory: RunDirectory, target: Path, input_path: str | None) -> MergeReport:
+    statuses = job_status(directory.path, input_path)
+    remaining = statuses[0].remaining if statuses else None
+    if remaining:
+        raise CbgenError(f"'{directory.path}' still has {remaining} requests to do; run the job again to finish it "
+                         "before making a dataset of it")
+    if target.exists() and any(target.iterdir()):
+        raise CbgenError(f"dataset target '{target}' is not empty; remove it or choose another with -o")
+    report = MergeReport(output=target)
+    report.rows = save_dataset([directory.path], target, directory.job)
+    return report
+
+
+def save_dataset(directories: list[Path], target: Path, job: dict[str, Any]) -> int:
+    """Writes every row of `directories`' shards, in order, as a dataset saved with `save_to_disk` at `target`;
+    returns the number of rows. Rows stream through an Arrow file, so memory stays bounded. Column types are
+    cbgen's output schema (token_ids: int32 lists, logprobs: float32 lists); kept columns keep the input's types
+    (Parquet) or take the types of their first values (JSONL), and OpenAI lines take the types of their values."""
+    import tempfile
+
+    import datasets
+    import pyarrow as pa
+
+    from cbgen.outputs.schema import arrow_schema, infer_kept_schema
+    from cbgen.outputs.writers import shard_paths
+
+    datasets.disable_progress_bars()
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for directory in directories:
+            yield from read_shards(directory, as_rows=False)
+
+    features = None
+    if job["output"]["format"] != "openai":
+        kept = job["input"]["keep_columns"]
+        first = next((p for d in directories for _, p in shard_paths(d)), None)
+        if first is not None and first.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(first)
+        else:
+            import itertools
+
+            kept_schema = infer_kept_schema(itertools.islice(rows(), 1000), kept)
+            schema = arrow_schema("logprobs" in _first_row_keys(rows()), kept_schema, kept)
+        features = datasets.Features.from_arrow_schema(schema)
+    count = 0
+
+    def counted() -> Iterator[dict[str, Any]]:
+        nonlocal count
+        for row in rows():
+            count += 1
+            yield row
+
+    with tempfile.TemporaryDirectory(prefix="cbgen-dataset-") as cache:
+        try:
+            dataset = datasets.Dataset.from_generator(counted, features=features, cache_dir=cache)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+            raise CbgenError(f"the rows cannot form one dataset: {e}; write the job with --output-format parquet, "
+                             "whose columns have one type each") from None
+        dataset.save_to_disk(str(target))
+    write_json_atomic(target / "cbgen_merge.json", {"merged_from": [str(d) for d in directories], "rows": count,
+                                                    "job": job})
+    return count
+
+
+def _first_row_keys(rows: Iterator[dict[str, Any]]) -> set[str]:
+    return set(next(rows, {}))

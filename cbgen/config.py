@@ -40,6 +40,10 @@ class InputSection:
     id_column: str | None = None
     keep_columns: list[str] = field(default_factory=list)
     raw_prompts: bool = False  # feed `prompt` text as is instead of as one user turn of the chat template
+    # auto: from the path (OpenAI batch lines are recognised by their custom_id/body); or name it
+    format: Literal["auto", "jsonl", "parquet", "openai", "dataset"] = "auto"
+    split: str | None = None  # Hugging Face dataset split (default: train, or the only split)
+    subset: str | None = None  # Hugging Face dataset configuration name (hub datasets)
 
 
 @dataclass
@@ -53,12 +57,13 @@ class GenerationSection:
     num_return_sequences: int = 1
     logprobs: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # strings that end a generation; the text is cut before them
 
 
 @dataclass
 class OutputSection:
     dir: str = "cbgen-out"
-    format: Literal["jsonl", "parquet"] = "jsonl"
+    format: Literal["jsonl", "parquet", "openai"] = "jsonl"
     rows_per_shard: int = 10_000
     overwrite: bool = False
 
@@ -115,6 +120,9 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "generation.top_k": (lambda v: v >= 1, "a positive integer"),
     "generation.num_return_sequences": (lambda v: v >= 1, "a positive integer"),
     "generation.stop_token_ids": (lambda v: all(t >= 0 for t in v), "a list of token ids (integers >= 0)"),
+    "generation.stop": (lambda v: all(s != "" for s in v), "a list of non-empty strings"),
+    "input.split": (lambda v: v.strip() != "", "a split name such as train"),
+    "input.subset": (lambda v: v.strip() != "", "a configuration name"),
     "output.rows_per_shard": (lambda v: v >= 1, "a positive integer"),
     "run.max_in_flight": (lambda v: v >= 1, "a positive integer"),
     "run.request_timeout": (lambda v: v > 0, "a positive number of seconds"),
@@ -360,11 +368,14 @@ model:
   use_cache: true        # false: dequantize a GGUF model on every run instead
 
 input:
-  path: null             # JSONL or Parquet file; '-' reads JSONL from stdin
+  path: null             # JSONL, Parquet, OpenAI batch file, dataset folder or hub id; '-' = JSONL on stdin
   prompt_column: null    # null = each row's prompt, messages or input_ids field
   id_column: null        # null = row number
   keep_columns: []       # input columns copied into every output row
   raw_prompts: false     # true: feed 'prompt' text as is, without the chat template
+  format: auto           # auto | jsonl | parquet | openai (Batch API lines) | dataset (Hugging Face)
+  split: null            # dataset split; null = train, or the only one
+  subset: null           # dataset configuration name (hub datasets)
 
 generation:
   max_new_tokens: 256
@@ -376,6 +387,7 @@ generation:
   num_return_sequences: 1
   logprobs: false        # log-probability of each generated token
   stop_token_ids: []     # extra token ids that end a generation, besides the model's end-of-sequence tokens
+  stop: []               # strings that end a generation; the text is cut before the first one that appears
 
 batching:                # transformers' ContinuousBatchingConfig; leave a key out to let cbgen / transformers decide
   # page_size: 256               # tokens per KV-cache page (at least 4)
@@ -405,7 +417,7 @@ batching:                # transformers' ContinuousBatchingConfig; leave a key o
 
 output:
   dir: cbgen-out
-  format: jsonl          # jsonl | parquet
+  format: jsonl          # jsonl | parquet | openai (one Batch API output line per request)
   rows_per_shard: 10000
   overwrite: false       # true: delete earlier results in dir first
 

@@ -36,10 +36,40 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None
+    text: str | None = None  # set when a stop string cut the text; else the tokens decode to it
+    rejected: bool = False  # failed before reaching the engine: the request itself is bad (or too long)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.input_ids or [])
+
+
+COPY_MARK = "~copy"  # cbgen's own suffix for the separate sequences of a request whose n differs from the job's
+
+
+def request_key(manager_id: str) -> str:
+    """The engine's key of a request, from the id the manager knows one of its sequences by."""
+    return manager_id.partition(CHILD_MARK)[0].partition(COPY_MARK)[0]
+
+
+class StopStrings:
+    """Finds where a sequence reaches one of its stop strings, decoding only a window of recent tokens per step."""
+
+    def __init__(self, stops: tuple[str, ...], decode) -> None:
+        self.stops = stops
+        self.decode = decode
+        # a token decodes to at least one byte: this many tokens hold any stop string, with room for merges
+        self.window = 4 * max(len(s.encode("utf-8")) for s in stops) + 4
+
+    def find(self, tokens: list[int], start: int) -> tuple[int, str] | None:
+        """The first k > start such that tokens[:k] show a stop string, with the text cut before it; or None."""
+        for k in range(max(start, 0) + 1, len(tokens) + 1):
+            tail = self.decode(tokens[max(0, k - self.window):k])
+            if any(stop in tail for stop in self.stops):
+                text = self.decode(tokens[:k])
+                cut = min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=len(text))
+                return k, text[:cut]
+        return None
 
 
 @dataclass
@@ -47,7 +77,15 @@ class _InFlight:
     request: Request
     max_new_tokens: int
     started: float  # time.monotonic() when handed to the manager
+    ids: dict[str, int] = field(default_factory=dict)  # manager id of each sequence -> its sample index
     done: dict[int, Completion] = field(default_factory=dict)  # sample index -> completion
+    later: list[str] = field(default_factory=list)  # copies admitted once the first has computed the prompt
+    stop: StopStrings | None = None
+    checked: dict[int, int] = field(default_factory=dict)  # sample index -> tokens already searched for stops
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
 
 
 class Placement(enum.Enum):
@@ -145,6 +183,7 @@ class Engine:
         request_timeout: float | None = None,
         prefix_gating: bool = True,
         per_sequence_attention: str = "auto",
+        decode=None,
     ) -> None:
         self.model = model
         self.generation_config = generation_config
@@ -158,6 +197,7 @@ class Engine:
         self.request_timeout = request_timeout
         self.prefix_gating = prefix_gating
         self.per_sequence_attention = per_sequence_attention  # "auto" (where it applies), "required" or "off"
+        self.decode = decode  # token ids -> text, for stop strings
         self.stats = EngineStats()
         self._manager = None
         self._counter = 0
@@ -218,10 +258,13 @@ class Engine:
             return cap
         return max(1, min(cap, self.max_positions - len(request.input_ids)))
 
+    def _n_for(self, request: Request) -> int:
+        return request.n or self.n
+
     def _fail(self, request: Request, error: str) -> list[Completion]:
         """Fails a request that never reached the engine; the error names the input line or row."""
         error = f"{request.record.location}: {error}"
-        return [Completion(request, i, [], None, "error", error) for i in range(self.n)]
+        return [Completion(request, i, [], None, "error", error, rejected=True) for i in range(self._n_for(request))]
 
     # -------------------------------------------------------------------------------------------------------------- #
     def run(self, requests: Iterable[Request], stop: threading.Event | None = None) -> Iterator[list[Completion]]:
@@ -281,40 +324,85 @@ class Engine:
                     if not self._manager.is_running():
                         yield from self._recover(in_flight, gate)
                     continue
-                key = result.request_id.partition(CHILD_MARK)[0]
+                key = request_key(result.request_id)
                 if result.generated_tokens or result.is_finished():
                     gate.prefix_computed(key)  # its first token exists: all its prompt's blocks do too
-                if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
+                    self._admit_later(key, in_flight)
+                if (group := self._complete(result, in_flight)) is not None:
                     yield group
         finally:
             self._stop_manager()
 
     def _admit(self, request: Request, lead: bool, in_flight: dict[str, _InFlight], gate: PrefixGate):
-        """Hands one request to the manager. A leader streams, so its first token tells when its prefix is cached."""
+        """Hands one request to the manager. A leader streams, so its first token tells when its prefix is cached;
+        so do requests with stop strings, checked token by token. A request asking for another number of sequences
+        than the job (only when the job asks for one) runs as that many copies: the first one computes the prompt,
+        the others follow once it is cached."""
         key = f"r{self._counter}"
         self._counter += 1
-        max_new = self._max_new_for(request)
-        accepted = self._manager.add_request(request.input_ids, request_id=key, max_new_tokens=max_new,
-                                             streaming=lead)
-        if accepted is None:
-            yield self._fail(request, "the engine refused the request (it was stopping)")
-            if lead:
-                gate.prefix_computed(key)
-            return
+        entry = _InFlight(request, self._max_new_for(request), time.monotonic())
+        n = self._n_for(request)
+        if n == self.n:
+            entry.ids = {key: 0} | {f"{key}{CHILD_MARK}{k}": k + 1 for k in range(n - 1)}
+            first = [key]
+        else:
+            entry.ids = {f"{key}{COPY_MARK}{j}": j for j in range(n)}
+            first = list(entry.ids)[:1] if self.stats.prefix_sharing else list(entry.ids)
+            entry.later = [i for i in entry.ids if i not in first]
+        if request.stop:
+            entry.stop = StopStrings(request.stop, self.decode)
+        for manager_id in first:
+            if not self._add(entry, manager_id, streaming=lead or bool(entry.later)):
+                yield self._fail(request, "the engine refused the request (it was stopping)")
+                if lead:
+                    gate.prefix_computed(key)
+                return
         if lead:
             gate.lead(request, key)
-        in_flight[key] = _InFlight(request, max_new, time.monotonic())
+        in_flight[key] = entry
+
+    def _add(self, entry: _InFlight, manager_id: str, streaming: bool) -> bool:
+        request = entry.request
+        accepted = self._manager.add_request(request.input_ids, request_id=manager_id,
+                                             max_new_tokens=entry.max_new_tokens,
+                                             streaming=streaming or entry.stop is not None, **request.sampling)
+        return accepted is not None
+
+    def _admit_later(self, key: str, in_flight: dict[str, _InFlight]) -> None:
+        """The first copy of `key` has computed its prompt: the other copies go now and share its KV blocks."""
+        entry = in_flight.get(key)
+        if entry is None or not entry.later:
+            return
+        later, entry.later = entry.later, []
+        for manager_id in later:
+            self._add(entry, manager_id, streaming=False)
 
     def _complete(self, result, in_flight: dict[str, _InFlight]) -> list[Completion] | None:
-        """Records one finished sequence; returns the request's sequences once all of them are in."""
-        key, _, child = result.request_id.partition(CHILD_MARK)
+        """Records a sequence that finished (or reached a stop string); returns the request's sequences once all of
+        them are in."""
+        key = request_key(result.request_id)
         entry = in_flight.get(key)
         if entry is None:  # a late result for a request already failed (recovery) or cancelled (timeout)
             return None
-        sample_index = int(child) + 1 if child else 0
+        sample_index = entry.ids.get(result.request_id)
+        if sample_index is None or sample_index in entry.done:
+            return None  # a sequence already ended by a stop string: what it streamed after is not wanted
         tokens = list(result.generated_tokens)
         logprobs = [float(x) for x in result.logprobs] if result.logprobs else None
-        if result.error is not None:
+        text = None
+        stopped = None
+        if entry.stop is not None and result.error is None:
+            stopped = entry.stop.find(tokens, entry.checked.get(sample_index, 0))
+            entry.checked[sample_index] = len(tokens)
+        if stopped is not None:
+            cut, text = stopped
+            tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
+            reason, error = "stop", None
+            if not result.is_finished():
+                self._manager.cancel_request(result.request_id)
+        elif not result.is_finished():
+            return None  # a streamed step
+        elif result.error is not None:
             reason, error = "error", str(result.error)
         elif tokens and tokens[-1] in self.eos_token_ids:
             reason, error = "stop", None
@@ -322,17 +410,17 @@ class Engine:
             reason, error = "length", None
         else:
             reason, error = "stop", None
-        entry.done[sample_index] = Completion(entry.request, sample_index, tokens, logprobs, reason, error)
-        if len(entry.done) < self.n:
+        entry.done[sample_index] = Completion(entry.request, sample_index, tokens, logprobs, reason, error, text)
+        if len(entry.done) < entry.n:
             return None
         del in_flight[key]
-        return [entry.done[i] for i in range(self.n)]
+        return [entry.done[i] for i in range(entry.n)]
 
     def _close_with_error(self, key: str, in_flight: dict[str, _InFlight], error: str) -> list[Completion]:
         """Ends a request now: the sequences it finished, plus an error for each one it did not."""
         entry = in_flight.pop(key)
         return [
-            entry.done.get(i) or Completion(entry.request, i, [], None, "error", error) for i in range(self.n)
+            entry.done.get(i) or Completion(entry.request, i, [], None, "error", error) for i in range(entry.n)
         ]
 
     def _expire(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
@@ -342,9 +430,9 @@ class Engine:
         for key, entry in list(in_flight.items()):
             if now - entry.started <= self.request_timeout:
                 continue
-            for sample in range(self.n):
-                if sample not in entry.done:
-                    self._manager.cancel_request(key if sample == 0 else f"{key}{CHILD_MARK}{sample - 1}")
+            for manager_id, sample in entry.ids.items():
+                if sample not in entry.done and manager_id not in entry.later:
+                    self._manager.cancel_request(manager_id)
             error = f"timed out after {self.request_timeout:g} s (--request-timeout)"
             gate.prefix_computed(key)  # or not: its followers go ahead and compute it themselves
             yield self._close_with_error(key, in_flight, error)

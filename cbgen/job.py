@@ -23,6 +23,7 @@ from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import open_reader
 from cbgen.model import PER_SEQUENCE, LoadedModel, ModelSource, load_model, resolve_source
 from cbgen.outputs import open_writer
+from cbgen.outputs.openai import batch_line
 from cbgen.outputs.rundir import (
     MANIFEST_FILE,
     DoneIndex,
@@ -34,6 +35,7 @@ from cbgen.outputs.rundir import (
 from cbgen.outputs.writers import shard_paths
 from cbgen.prompts import Renderer, Request, prefix_aware_order
 from cbgen.records import PromptRecord
+from cbgen.sampling import SamplingPlan
 
 LOOKAHEAD = 1024  # requests rendered ahead: sizes the KV cache and is the window of the prefix-aware order
 
@@ -93,6 +95,8 @@ class RunSummary:
     kv_cache: dict[str, Any] = field(default_factory=dict)
     engine_restarts: int = 0
     attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
+    sampling: dict[str, Any] = field(default_factory=dict)  # per-request sampler stages, from the rows' settings
+    input_notices: dict[str, int] = field(default_factory=dict)  # input fields that could not apply, with counts
 
     def add_done(self, done: DoneIndex) -> None:
         self.requests += done.requests
@@ -144,29 +148,26 @@ class RunSummary:
         }
 
 
-def build_generation_config(job: JobConfig, loaded: LoadedModel):
+def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan | None = None):
     """The GenerationConfig for the job. Starts from transformers' defaults, not the model's generation_config: a
-    job's sampling is exactly what its configuration says. End-of-sequence tokens come from the model and tokenizer,
-    plus --stop-token-ids."""
+    job's sampling is exactly what its configuration (and its rows, see cbgen.sampling) says. End-of-sequence
+    tokens come from the model and tokenizer, plus --stop-token-ids."""
     from transformers import GenerationConfig
 
     g = job.generation
+    if plan is None:
+        plan = SamplingPlan.build(job, set(), loaded.model.config.get_text_config().vocab_size)
     eos = set(job.generation.stop_token_ids)
     for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
         value = getattr(source, "eos_token_id", None)
         eos.update([value] if isinstance(value, int) else (value or []))
-    sampling = {}
-    if job.do_sample:
-        sampling = {k: v for k, v in (("temperature", g.temperature), ("top_p", g.top_p), ("top_k", g.top_k)) if v}
-        sampling.setdefault("top_k", None)  # transformers' default top_k=50 would silently truncate sampling
     pad = getattr(loaded.tokenizer, "pad_token_id", None)
     config = GenerationConfig(
         max_new_tokens=g.max_new_tokens,
-        do_sample=job.do_sample,
         num_return_sequences=g.num_return_sequences,
         eos_token_id=sorted(eos) if eos else None,
         pad_token_id=pad if pad is not None else (min(eos) if eos else None),
-        **sampling,
+        **plan.generation_fields(),
     )
     return config, eos
 
@@ -189,7 +190,8 @@ def kv_bytes_per_block(model_config, page_size: int, dtype_bytes: int) -> int:
 
 
 def plan_batching(
-    job: JobConfig, loaded: LoadedModel, longest_prompt: int, max_positions: int | None, total: int | None = None
+    job: JobConfig, loaded: LoadedModel, longest_prompt: int, max_positions: int | None, total: int | None = None,
+    *, max_new_tokens: int | None = None, n: int | None = None,
 ) -> tuple[dict[str, Any], int, dict[str, Any]]:
     """The ContinuousBatchingConfig fields, the in-flight window and a record of how the KV cache was sized.
 
@@ -207,7 +209,9 @@ def plan_batching(
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", 256)
     page_size = batching.get("page_size", 256)
-    per_request = longest_prompt + job.generation.max_new_tokens
+    max_new_tokens = max_new_tokens or job.generation.max_new_tokens  # the largest a request read ahead asks for
+    n = n or job.generation.num_return_sequences
+    per_request = longest_prompt + max_new_tokens
     if max_positions:
         per_request = min(per_request, max_positions)
     sizing: dict[str, Any] = {"page_size": page_size, "max_in_flight": window}
@@ -218,15 +222,15 @@ def plan_batching(
     else:
         in_flight = min(window, total) if total else window
         blocks_per_request = ceil(per_request / page_size) + 1
-        num_blocks = in_flight * job.generation.num_return_sequences * blocks_per_request
+        num_blocks = in_flight * n * blocks_per_request
         # the engine also plans, per cached token, activations and an attention-mask column: about a quarter more
         block_bytes = kv_bytes_per_block(loaded.model.config, page_size, loaded.dtype.itemsize)
         planned_bytes = block_bytes * 5 // 4
         available = available_memory_bytes()
         reason = (
-            f"{in_flight} requests in flight x {job.generation.num_return_sequences} sequences x "
+            f"{in_flight} requests in flight x {n} sequences x "
             f"{blocks_per_request} blocks ({longest_prompt} prompt tokens, the longest of the first {LOOKAHEAD} rows, "
-            f"+ {job.generation.max_new_tokens} new)"
+            f"+ {max_new_tokens} new)"
         )
         if available and num_blocks * planned_bytes > KV_MEMORY_SHARE * available:
             num_blocks = max(blocks_per_request, int(KV_MEMORY_SHARE * available // planned_bytes))
@@ -238,23 +242,93 @@ def plan_batching(
     return batching, window, sizing
 
 
-def _row(completion: Completion, tokenizer, job: JobConfig) -> dict[str, Any]:
-    failed = completion.finish_reason == "error"
-    row: dict[str, Any] = {
-        "id": completion.request.record.id,
-        "sample_index": completion.sample_index,
-        "text": None if failed else tokenizer.decode(completion.token_ids, skip_special_tokens=True),
-        "token_ids": completion.token_ids,
-        "num_prompt_tokens": completion.num_prompt_tokens,
-        "num_generated_tokens": len(completion.token_ids),
-        "finish_reason": completion.finish_reason,
-        "error": completion.error,
-    }
-    if job.generation.logprobs:
-        row["logprobs"] = completion.logprobs or []
-    for name in job.input.keep_columns:
-        row[name] = completion.request.record.kept.get(name)
-    return row
+class RequestSettings:
+    """Gives a rendered request its own settings: the row's (checked when read) over the job's."""
+
+    def __init__(self, job: JobConfig, plan: SamplingPlan) -> None:
+        self.job = job
+        self.plan = plan
+
+    def __call__(self, request: Request) -> Request:
+        settings = request.record.settings
+        if request.error is not None or not settings and not self.job.generation.stop:
+            return request
+        g = self.job.generation
+        n = settings.get("n")
+        if n is not None and n != g.num_return_sequences and g.num_return_sequences > 1:
+            request.error = (f"the row asks for n={n}, the job for {g.num_return_sequences} sequences per prompt "
+                             "(-n): rows may ask for their own n only when the job asks for one")
+            return request
+        sampling = self.plan.request_kwargs(settings)
+        if isinstance(sampling, str):
+            request.error = sampling
+            return request
+        request.sampling = sampling
+        request.n = n
+        request.max_new_tokens = settings.get("max_new_tokens")
+        request.stop = tuple(dict.fromkeys([*g.stop, *settings.get("stop", ())]))
+        return request
+
+
+class OutputRows:
+    """Turns a finished request's sequences into what the writer stores: a row per sequence, or one OpenAI batch
+    output line per request."""
+
+    def __init__(self, job: JobConfig, loaded: LoadedModel, model_name: str, logprobs: bool) -> None:
+        self.job = job
+        self.tokenizer = loaded.tokenizer
+        self.model_name = model_name
+        self.logprobs = logprobs
+
+    def text(self, completion: Completion) -> str | None:
+        if completion.finish_reason == "error":
+            return None
+        if completion.text is not None:
+            return completion.text
+        return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+    def wants_logprobs(self, completion: Completion) -> bool:
+        return self.job.generation.logprobs or bool(completion.request.record.settings.get("logprobs"))
+
+    def __call__(self, group: list[Completion]) -> list[dict[str, Any]]:
+        if self.job.output.format == "openai":
+            return [self.openai_line(group)]
+        return [self.row(completion) for completion in group]
+
+    def row(self, completion: Completion) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "id": completion.request.record.id,
+            "sample_index": completion.sample_index,
+            "text": self.text(completion),
+            "token_ids": completion.token_ids,
+            "num_prompt_tokens": completion.num_prompt_tokens,
+            "num_generated_tokens": len(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "error": completion.error,
+        }
+        if self.logprobs:
+            row["logprobs"] = (completion.logprobs or []) if self.wants_logprobs(completion) else None
+        for name in self.job.input.keep_columns:
+            row[name] = completion.request.record.kept.get(name)
+        return row
+
+    def openai_line(self, group: list[Completion]) -> dict[str, Any]:
+        first = group[0]
+        record = first.request.record
+        failed = next((c for c in group if c.finish_reason == "error"), None)
+        if failed is not None:
+            return batch_line(record.id, record.endpoint, [], model=self.model_name, prompt_tokens=0,
+                              error=failed.error, input_error=failed.rejected)
+        choices = []
+        for completion in group:
+            choice = {"text": self.text(completion), "token_ids": completion.token_ids,
+                      "finish_reason": completion.finish_reason}
+            if self.wants_logprobs(completion) and completion.logprobs is not None:
+                choice["logprobs"] = completion.logprobs
+                choice["tokens"] = [self.tokenizer.decode([t]) for t in completion.token_ids]
+            choices.append(choice)
+        return batch_line(record.id, record.endpoint, choices, model=self.model_name,
+                          prompt_tokens=first.num_prompt_tokens)
 
 
 def package_versions() -> dict[str, str]:
@@ -301,6 +375,8 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
             "resumed_requests": summary.resumed_requests,
         },
         "engine_restarts": summary.engine_restarts,
+        "sampling": summary.sampling,
+        "input_notices": summary.input_notices,
         "timings": summary.timings,
         "throughput": summary.throughput(),
         "shards": summary.shards,
@@ -372,6 +448,9 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
         "id_column": i.id_column,
         "keep_columns": list(i.keep_columns),
         "raw_prompts": i.raw_prompts,
+        "input_format": i.format,
+        "split": i.split,
+        "subset": i.subset,
         "generation": {**dataclasses.asdict(g), "do_sample": job.do_sample},
         "output_format": job.output.format,
         "shard": list(sharding) if sharding else None,
@@ -392,6 +471,9 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
         prompt_column=job.input.prompt_column,
         id_column=job.input.id_column,
         keep_columns=job.input.keep_columns,
+        input_format=job.input.format,
+        split=job.input.split,
+        subset=job.input.subset,
     )
     source = resolve_source(job.model.model)
     sharding = resolve_sharding(job)
@@ -399,7 +481,7 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
     stored_job = job.to_dict()
-    if job.input.path != "-":  # so that `cbgen status` and `cbgen merge` find it from any directory
+    if Path(job.input.path).exists():  # so that `cbgen status` and `cbgen merge` find it from any directory
         stored_job["input"]["path"] = str(Path(job.input.path).resolve())
     lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job, job.output.overwrite)
     with lock:
@@ -433,59 +515,73 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         summary.timings["total_s"] = round(time.perf_counter() - started, 3)
         return summary
 
+    if hasattr(reader, "on_notice"):  # OpenAI batch files: body fields cbgen cannot honour, each said once
+        reader.on_notice = lambda message: progress.stage(f"note: {message}")
+    progress.stage("loading the model")
+    loaded = load_model(job.model)
+    summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
+    text_config = loaded.model.config.get_text_config()
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    renderer = Renderer(loaded.tokenizer, vocab_size=text_config.vocab_size, raw_prompts=job.input.raw_prompts)
+
+    progress.stage("rendering prompts")
+    requests = renderer.render_all(record for record in reader if wanted(record))
+    head: list[Request] = list(itertools.islice(requests, LOOKAHEAD))
+    used = reader.settings_present()
+    if used is None:  # stdin: what the rows read ahead use
+        used = {name for r in head for name in r.record.settings}
+    plan = SamplingPlan.build(job, used, text_config.vocab_size)
+    logprobs = job.generation.logprobs or "logprobs" in used
+    generation_config, eos = build_generation_config(job, loaded, plan)
+    prepare = RequestSettings(job, plan)
+    head = [prepare(r) for r in head]
+    longest = max((len(r.input_ids) for r in head if r.input_ids), default=1)
+    longest_new = max([job.generation.max_new_tokens, *(r.max_new_tokens or 0 for r in head)])
+    most_n = max([job.generation.num_return_sequences, *(r.n or 0 for r in head)])
+    batching, window, summary.kv_cache = plan_batching(job, loaded, longest, max_positions, total,
+                                                       max_new_tokens=longest_new, n=most_n)
+    cb_config = make_cb_config(batching, job, logprobs=logprobs, per_request=plan.per_request)
+
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    engine = Engine(
+        loaded.model,
+        generation_config,
+        cb_config,
+        max_in_flight=window,
+        max_new_tokens=job.generation.max_new_tokens,
+        num_return_sequences=n,
+        eos_token_ids=eos,
+        max_positions=max_positions,
+        workload_hints=WorkloadHints(
+            max_prompt_length=longest,
+            max_generated_length=longest_new,
+            num_requests=(total or window) * n,
+        ),
+        request_timeout=job.run.request_timeout,
+        prefix_gating=job.run.prefix_gating,
+        per_sequence_attention=per_sequence_choice(job, loaded),
+        decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    ordered = prefix_aware_order(
+        itertools.chain(head, map(prepare, requests)), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD
+    )
     writer = open_writer(
         job.output.format,
         out_dir,
         rows_per_shard=job.output.rows_per_shard,
-        logprobs=job.generation.logprobs,
+        logprobs=logprobs,
         kept_names=job.input.keep_columns,
         kept_schema=reader.kept_schema,
         first_shard=done.next_shard,
     )
+    to_lines = OutputRows(job, loaded, source.name, logprobs)
     with writer:
-        progress.stage("loading the model")
-        loaded = load_model(job.model)
-        summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
-        generation_config, eos = build_generation_config(job, loaded)
-        text_config = loaded.model.config.get_text_config()
-        max_positions = getattr(text_config, "max_position_embeddings", None)
-        renderer = Renderer(loaded.tokenizer, vocab_size=text_config.vocab_size, raw_prompts=job.input.raw_prompts)
-
-        progress.stage("rendering prompts")
-        requests = renderer.render_all(record for record in reader if wanted(record))
-        head: list[Request] = list(itertools.islice(requests, LOOKAHEAD))
-        longest = max((len(r.input_ids) for r in head if r.input_ids), default=1)
-        batching, window, summary.kv_cache = plan_batching(job, loaded, longest, max_positions, total)
-        cb_config = make_cb_config(batching, job)
-
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        engine = Engine(
-            loaded.model,
-            generation_config,
-            cb_config,
-            max_in_flight=window,
-            max_new_tokens=job.generation.max_new_tokens,
-            num_return_sequences=n,
-            eos_token_ids=eos,
-            max_positions=max_positions,
-            workload_hints=WorkloadHints(
-                max_prompt_length=longest,
-                max_generated_length=job.generation.max_new_tokens,
-                num_requests=(total or window) * n,
-            ),
-            request_timeout=job.run.request_timeout,
-            prefix_gating=job.run.prefix_gating,
-            per_sequence_attention=per_sequence_choice(job, loaded),
-        )
-        ordered = prefix_aware_order(
-            itertools.chain(head, requests), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD
-        )
         progress.stage("starting the engine")
         progress.start(total * n if total is not None else None)
         generation_started = last_commit = time.perf_counter()
         for group in engine.run(ordered, stop):
-            writer.write_group([_row(completion, loaded.tokenizer, job) for completion in group])
+            writer.write_group(to_lines(group))
             failed = summary.add_request(group)
             progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group), failed)
             if time.perf_counter() - last_commit >= job.run.commit_interval:
@@ -497,6 +593,9 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         if stop.is_set() and summary.status == Status.COMPLETE:
             summary.status = Status.STOPPED
         summary.timings["generation_s"] = round(time.perf_counter() - generation_started, 3)
+    summary.input_notices = dict(getattr(reader, "notices", {}))
+    summary.sampling = {"per_request": plan.per_request, "stages": sorted(plan.stages),
+                        "row_settings": sorted(used)}
     progress.finish()
     summary.shards = [p.name for _, p in shard_paths(out_dir)]
     summary.engine_restarts = engine.stats.restarts
@@ -522,12 +621,16 @@ def per_sequence_choice(job: JobConfig, loaded: LoadedModel) -> str:
     return "off"
 
 
-def make_cb_config(batching: dict[str, Any], job: JobConfig):
-    """The ContinuousBatchingConfig: the user's batching fields and cbgen's choices, plus the generation-side ones."""
+def make_cb_config(batching: dict[str, Any], job: JobConfig, *, logprobs: bool | None = None,
+                   per_request: bool = False):
+    """The ContinuousBatchingConfig: the user's batching fields and cbgen's choices, plus the generation-side ones
+    (logprobs when the job or a row asks for them, per-request samplers when rows carry their own settings)."""
     from transformers.generation import ContinuousBatchingConfig
 
     fields = dict(batching)
-    fields["return_logprobs"] = job.generation.logprobs
+    fields["return_logprobs"] = job.generation.logprobs if logprobs is None else logprobs
+    if per_request:
+        fields["per_request_processors"] = True
     if job.generation.seed is not None:
         fields["seed"] = job.generation.seed
     try:

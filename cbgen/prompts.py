@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cbgen.records import PromptRecord
 
@@ -16,6 +16,9 @@ class Request:
     input_ids: list[int] | None = None
     error: str | None = None
     max_new_tokens: int | None = None  # this request's own cap; None: the job's --max-new-tokens
+    sampling: dict = field(default_factory=dict)  # per-request sampler settings (add_request's processor kwargs)
+    stop: tuple[str, ...] = ()  # strings that end its sequences
+    n: int | None = None  # its own number of sequences; None: the job's
 
 
 class Renderer:
@@ -44,7 +47,7 @@ class Renderer:
                     return Request(record, error=error)
                 ids = self._chat(record.messages)
             else:
-                ids = self._text(record.prompt or "")
+                ids = self._text(record.prompt or "", record.raw)
         except Exception as e:  # a template may raise anything (jinja errors, role-order checks): it is the row's fault
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             return Request(record, error=f"cannot render the prompt: {first_line}")
@@ -58,8 +61,8 @@ class Renderer:
         )
         return list(encoded["input_ids"])
 
-    def _text(self, text: str) -> list[int]:
-        if self.raw_prompts:
+    def _text(self, text: str, raw: bool | None = None) -> list[int]:
+        if self.raw_prompts or raw:
             return list(self.tokenizer(text)["input_ids"])
         return self._chat([{"role": "user", "content": text}])
 

@@ -21,3 +21,8 @@ class PromptRecord:
     input_ids: list[int] | None = None
     kept: dict[str, Any] = field(default_factory=dict)  # columns carried into the output (--keep-columns)
     error: str | None = None  # a row-level problem: the row becomes an error record, the job goes on
+    # The row's own generation settings, validated (cbgen.inputs.settings.ROW_SETTINGS): temperature, top_p, top_k,
+    # max_new_tokens, stop, n, logprobs. Unset ones take the job's value.
+    settings: dict[str, Any] = field(default_factory=dict)
+    raw: bool | None = None  # the row says how to tokenize its text (OpenAI completions: raw); None: the job decides
+    endpoint: str | None = None  # OpenAI batch lines: "/v1/chat/completions" or "/v1/completions"

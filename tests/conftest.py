@@ -12,6 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TQDM_DISABLE", "1")
 # converted GGUF weights are cached per test session, never in the user's own cache
 os.environ["CBGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-cache-")
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="cbgen-test-datasets-")  # datasets' Arrow caches
 
 
 @pytest.fixture(scope="session")

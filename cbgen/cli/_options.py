@@ -63,6 +63,17 @@ JOB_OPTIONS: list[JobOption] = [
               "Use (and fill) the converted-GGUF cache; --no-model-cache dequantizes the GGUF file every run.",
               PANEL_MODEL),
     # Input
+    JobOption("input", "format", ("--input-format",), str,
+              "What the input is. auto: from the path: .jsonl/.json/.ndjson (OpenAI Batch API lines are "
+              "recognised by their custom_id and body), .parquet, a folder of them, a dataset saved with "
+              "save_to_disk, or a Hugging Face hub dataset id.  [default: auto]", PANEL_INPUT,
+              choices=("auto", "jsonl", "parquet", "openai", "dataset")),
+    JobOption("input", "split", ("--split",), str,
+              "Dataset split to read (Hugging Face datasets). Default: train, or the only split.", PANEL_INPUT,
+              metavar="NAME"),
+    JobOption("input", "subset", ("--subset",), str,
+              "Dataset configuration (subset) name, for hub datasets that have several.", PANEL_INPUT,
+              metavar="NAME"),
     JobOption("input", "prompt_column", ("--prompt-column",), str,
               "Field holding the prompt: text, a list of chat messages, or token ids. "
               "Default: each row's 'prompt', 'messages' or 'input_ids'.", PANEL_INPUT, metavar="NAME"),
@@ -99,6 +110,10 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("generation", "stop_token_ids", ("--stop-token-id",), list[int],
               "Extra token id that ends a sequence, besides the model's end-of-sequence tokens; repeatable.",
               PANEL_GENERATION, metavar="ID"),
+    JobOption("generation", "stop", ("--stop",), list[str],
+              "A string that ends a sequence as soon as it appears (the request is cancelled then, not run to "
+              "--max-new-tokens); the text is cut before it and finish_reason is 'stop'. Repeatable; rows may "
+              "add their own with a 'stop' field.", PANEL_GENERATION, metavar="TEXT"),
     # Continuous batching
     JobOption("batching", "page_size", ("--page-size",), int,
               "Tokens per KV-cache page (at least 4). Smaller pages waste less memory on short requests; "
@@ -132,8 +147,10 @@ JOB_OPTIONS: list[JobOption] = [
     # Output
     JobOption("output", "dir", ("--output-dir", "-o"), str, "Directory for the shards and run.json.  "
               "[default: cbgen-out]", PANEL_OUTPUT, metavar="DIR"),
-    JobOption("output", "format", ("--output-format",), str, "Shard format.  [default: jsonl]", PANEL_OUTPUT,
-              choices=("jsonl", "parquet")),
+    JobOption("output", "format", ("--output-format",), str,
+              "Shard format: jsonl or parquet (a row per sequence, readable with datasets.load_dataset), or "
+              "openai (a line per request, as OpenAI's Batch API output file has it).  [default: jsonl]",
+              PANEL_OUTPUT, choices=("jsonl", "parquet", "openai")),
     JobOption("output", "rows_per_shard", ("--rows-per-shard",), int,
               "Rows per shard file; a shard appears under its final name only once complete.  [default: 10000]",
               PANEL_OUTPUT),

@@ -57,6 +57,9 @@ def merge(
     output: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Where to write the merged shards. "  # noqa: UP045
                                                   "[default: DIRECTORY/merged]", metavar="DIR")] = None,
     input_path: InputOverride = None,
+    to_dataset: Annotated[bool, typer.Option("--to-dataset", help="Write a Hugging Face dataset (open it with "
+                                             "datasets.load_from_disk) instead of shards; also works on a job that "
+                                             "was not split.")] = False,
 ):
     """Check that every input id is present exactly once across the shards of a split job, then merge them.
 
@@ -65,10 +68,13 @@ def merge(
     """
     from cbgen.collect import merge_shards
 
-    report = merge_shards(directory, output, input_path)
+    report = merge_shards(directory, output, input_path, to_dataset=to_dataset)
     console = Console(stderr=True)
     if report.complete:
-        typer.echo(f"merged {report.rows} rows into {report.output}")
+        if to_dataset:
+            typer.echo(f"merged {report.rows} rows into the dataset {report.output} (datasets.load_from_disk)")
+        else:
+            typer.echo(f"merged {report.rows} rows into {report.output}")
         raise typer.Exit(ExitCode.OK)
     for shard, ids in sorted(report.missing.items()):
         shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")

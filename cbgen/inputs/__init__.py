@@ -1,7 +1,9 @@
-"""Input readers: stream `PromptRecord`s from JSONL (a file or stdin) or Parquet (a file or a directory)."""
+"""Input readers: stream `PromptRecord`s from JSONL (a file or stdin), OpenAI batch files, Parquet (a file or a
+directory) and Hugging Face datasets."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,27 +14,71 @@ from cbgen.inputs.jsonl import JsonlReader
 __all__ = ["RESERVED_COLUMNS", "JsonlReader", "Reader", "open_reader"]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", ".arrow")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub dataset id, when no such local path exists
 
 
 def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
-                keep_columns: Sequence[str] = ()) -> Reader:
-    """Open the reader that fits `path` ("-" is JSONL on stdin), checking up front what can be checked.
+                keep_columns: Sequence[str] = (), input_format: str = "auto", split: str | None = None,
+                subset: str | None = None) -> Reader:
+    """Open the reader that fits `path` ("-" is JSONL on stdin) and `input_format`, checking up front what can be
+    checked.
 
-    Raises `CbgenError` for a missing, unreadable or unsupported file, a Parquet schema without the needed columns,
-    or a kept column that would clash with an output column.
+    Raises `CbgenError` for a missing, unreadable or unsupported file, a schema without the needed columns, or a
+    kept column that would clash with an output column.
     """
     options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns)}
-    if str(path) == "-":
-        return JsonlReader(None, **options)
     local = Path(path)
-    if not local.exists():
-        raise CbgenError(f"input file '{path}' does not exist")
-    name = local.name.lower()
-    if name.removesuffix(".gz").endswith(JSONL_SUFFIXES):
-        return JsonlReader(path, **options)
-    if name.endswith(".parquet") or local.is_dir():
-        from cbgen.inputs.parquet import ParquetReader  # pyarrow is slow to import; JSONL jobs do without it
+    fmt = input_format
+    if fmt == "auto":
+        fmt = _detect(str(path), local)
+    if fmt == "openai":
+        from cbgen.inputs.openai import OpenAIBatchReader
 
-        return ParquetReader(path, **options)
+        if prompt_column or id_column:
+            raise CbgenError("--prompt-column and --id-column do not apply to an OpenAI batch file: its lines carry "
+                             "body.messages or body.prompt, and custom_id")
+        return OpenAIBatchReader(None if str(path) == "-" else path, keep_columns=keep_columns)
+    if fmt == "dataset":
+        from cbgen.inputs.dataset import DatasetReader
+
+        return DatasetReader(str(path), split=split, subset=subset, **options)
+    if split or subset:
+        raise CbgenError(f"--split and --subset apply to Hugging Face datasets, and '{path}' is read as {fmt}; "
+                         "add --input-format dataset to read it with the datasets library")
+    if fmt == "jsonl":
+        return JsonlReader(None if str(path) == "-" else path, **options)
+    from cbgen.inputs.parquet import ParquetReader  # pyarrow is slow to import; JSONL jobs do without it
+
+    return ParquetReader(path, **options)
+
+
+def _detect(path: str, local: Path) -> str:
+    if path == "-":
+        return "jsonl"
+    name = local.name.lower()
+    if local.is_file() and name.removesuffix(".gz").endswith(JSONL_SUFFIXES):
+        from cbgen.inputs.openai import is_openai_batch_file
+
+        return "openai" if is_openai_batch_file(local) else "jsonl"
+    if local.is_file() and name.endswith(".parquet"):
+        return "parquet"
+    if local.is_dir():
+        from cbgen.inputs.dataset import is_saved_dataset
+
+        if is_saved_dataset(local):
+            return "dataset"
+        if any(local.glob("*.parquet")):
+            return "parquet"  # a flat folder of Parquet files streams without the datasets library's cache
+        if not any(p.is_file() and p.name.lower().endswith(DATA_SUFFIXES) for p in local.rglob("*")):
+            raise CbgenError(f"input directory '{path}' contains no data files ({', '.join(DATA_SUFFIXES)}) and is "
+                             "not a dataset saved with save_to_disk")
+        return "dataset"  # a dataset folder: the datasets library reads its files and split layout
+    if not local.exists():
+        if HUB_ID.match(path) and not name.endswith((*JSONL_SUFFIXES, ".parquet", ".gz")):
+            return "dataset"
+        raise CbgenError(f"input file '{path}' does not exist")
     raise CbgenError(f"cannot read '{path}': unsupported input format; use a .jsonl, .json or .ndjson file "
-                     "(optionally .gz), a .parquet file or a directory of .parquet files, or - for JSONL on stdin")
+                     "(optionally .gz; OpenAI batch files too), a .parquet file, a folder of Parquet files or a "
+                     "Hugging Face dataset (saved with save_to_disk, a dataset folder, or a hub id), or - for JSONL "
+                     "on stdin")

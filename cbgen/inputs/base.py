@@ -116,9 +116,21 @@ class Reader(ABC):
             else:
                 want = _EXPECTED.get(kind, "a string, a list of messages or a list of token ids")
                 raise RowError(f"{field!r} must be {want}, got {describe_type(value)}")
+            record.settings = self._settings(row)
         except RowError as e:
             record.error = str(e)
         return record
+
+    def _settings(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row's own generation settings (temperature, top_p, top_k, max_new_tokens, stop, n, logprobs)."""
+        from cbgen.inputs.settings import parse_settings
+
+        return parse_settings(row)
+
+    def settings_present(self) -> set[str] | None:
+        """Which row settings appear anywhere in the input, found cheaply before generation (the engine's samplers
+        must exist from the start); None when that cannot be known up front (stdin), or a superset."""
+        return None
 
     def _find_prompt(self, row: dict[str, Any]) -> tuple[str, Any]:
         if self.prompt_column is not None:

@@ -11,6 +11,7 @@ from typing import IO, Any
 
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import Reader, describe_type
+from cbgen.inputs.settings import ROW_SETTINGS
 
 
 class JsonlReader(Reader):
@@ -92,6 +93,21 @@ class JsonlReader(Reader):
         """See `Reader.check_ids`; stdin cannot be read twice, so it is not checked."""
         if self.path is not None:
             super().check_ids()
+
+    settings_keys: tuple[str, ...] = ROW_SETTINGS
+
+    def settings_present(self) -> set[str] | None:
+        """Row settings named anywhere in the file, by a byte search for each quoted key (a superset: a key quoted
+        inside a string value is escaped, so only an odd case matches wrongly, and that only costs speed)."""
+        if self.path is None:
+            return None
+        keys = {name: f'"{name}"'.encode() for name in self.settings_keys}
+        found: set[str] = set()
+        for _, line in self._lines():
+            found.update(name for name, key in keys.items() if name not in found and key in line)
+            if len(found) == len(keys):
+                break
+        return found
 
     def count(self) -> int | None:
         """The number of non-blank lines, counted by streaming the file; None for stdin."""

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import PROMPT_FIELDS, Reader
+from cbgen.inputs.settings import ROW_SETTINGS
 
 BATCH_SIZE = 1024
 
@@ -51,8 +52,13 @@ class ParquetReader(Reader):
             for column in columns:
                 if column not in names:
                     raise CbgenError(f"'{file}' has no column '{column}' ({flag}); its columns are: {shown}")
+        settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
         return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
-                                   *self.keep_columns]))
+                                   *self.keep_columns, *settings]))
+
+    def settings_present(self) -> set[str]:
+        """Row settings are columns: known from the schemas."""
+        return {c for columns in self._columns for c in columns if c in ROW_SETTINGS}
 
     @property
     def kept_schema(self) -> pa.Schema:

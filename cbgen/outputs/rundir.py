@@ -76,7 +76,11 @@ def input_identity(path: str) -> dict[str, Any]:
     if path == "-":
         return {"source": "stdin"}
     target = Path(path)
-    files = sorted(target.glob("*.parquet")) if target.is_dir() else [target]
+    if not target.exists():
+        return {"hub_dataset": path}  # a hub id: its revision is the hub's business
+    # a folder: its data files (Parquet files, a dataset saved with save_to_disk, a dataset repository's files)
+    files = sorted(p for p in target.rglob("*") if p.is_file() and not p.name.startswith(".")) \
+        if target.is_dir() else [target]
     digest = hashlib.sha256()
     size = 0
     for file in files:

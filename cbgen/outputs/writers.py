@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbgen.errors import CbgenError
+from cbgen.outputs.openai import is_batch_line, rows_of_line
 from cbgen.outputs.schema import RESERVED_NAMES, arrow_schema, infer_kept_schema
 
 _SHARD_RE = re.compile(r"^part-(\d+)\.(jsonl|parquet)$")
@@ -270,8 +271,15 @@ class ParquetShardWriter(ShardWriter):
 
 
 def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
-    """The shard writer for output format `fmt` ("jsonl" or "parquet")."""
-    writers: dict[str, type[ShardWriter]] = {"jsonl": JsonlShardWriter, "parquet": ParquetShardWriter}
+    """The shard writer for output format `fmt`: "jsonl" or "parquet" (a row per sequence), or "openai" (JSONL
+    with one OpenAI Batch API output line per request, built by cbgen.outputs.openai)."""
+    writers: dict[str, type[ShardWriter]] = {"jsonl": JsonlShardWriter, "parquet": ParquetShardWriter,
+                                             "openai": JsonlShardWriter}
+    if fmt == "openai":
+        if kwargs.get("kept_names"):
+            raise CbgenError("--keep-columns does not apply to --output-format openai: its lines have OpenAI's "
+                             "fixed shape, and their custom_id links each one to its input line")
+        kwargs = kwargs | {"logprobs": False}
     if fmt not in writers:
         raise CbgenError(f"unknown output format '{fmt}'; use one of: {', '.join(writers)}")
     return writers[fmt](directory, **kwargs)
@@ -285,15 +293,21 @@ def shard_paths(directory: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _SHARD_RE.match(p.name)))
 
 
-def read_shards(directory: Path, columns: Sequence[str] | None = None) -> Iterator[dict[str, Any]]:
+def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True
+                ) -> Iterator[dict[str, Any]]:
     """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
-    `columns` limits what is read from Parquet shards (JSONL rows are always read whole)."""
+    `columns` limits what is read from Parquet shards (JSONL rows are always read whole). OpenAI batch output lines
+    come back as the cbgen rows they stand for (see `rows_of_line`), unless `as_rows` is False."""
     for _, path in shard_paths(directory):
         if path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     if line.strip():
-                        yield json.loads(line)
+                        row = json.loads(line)
+                        if as_rows and is_batch_line(row):
+                            yield from rows_of_line(row)
+                        else:
+                            yield row
         else:
             parquet = pq.ParquetFile(path)
             for batch in parquet.iter_batches(batch_size=ParquetShardWriter.ROW_GROUP, columns=columns):

@@ -1,0 +1,132 @@
+"""Hugging Face datasets input: a dataset saved with `save_to_disk`, a dataset folder of data files (Parquet,
+JSONL, CSV, as `datasets.load_dataset` reads them, with its split layout), or a hub dataset id where the hub is
+reachable. The Arrow table is memory-mapped, so rows stream without being loaded whole."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from cbgen.errors import CbgenError
+from cbgen.inputs.base import PROMPT_FIELDS, Reader
+from cbgen.inputs.settings import ROW_SETTINGS
+
+BATCH_SIZE = 1000
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _pick_split(dataset: Any, split: str | None, name: str) -> Any:
+    import datasets
+
+    if not isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        return dataset
+    splits = list(dataset)
+    if split is None:
+        if len(splits) == 1:
+            return dataset[splits[0]]
+        if "train" in splits:
+            return dataset["train"]
+        raise CbgenError(f"dataset '{name}' has the splits {', '.join(splits)}: choose one with --split")
+    if split not in dataset:
+        raise CbgenError(f"dataset '{name}' has no split '{split}'; its splits are: {', '.join(splits)}")
+    return dataset[split]
+
+
+def load(source: str, *, split: str | None, subset: str | None) -> Any:
+    """The `datasets.Dataset` that `source` names, or a CbgenError that says why not and what to do."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source)
+    try:
+        if path.is_dir() and is_saved_dataset(path):
+            dataset = datasets.load_from_disk(str(path))
+        elif path.exists():
+            if not path.is_dir():
+                raise CbgenError(f"'{source}' is a file; --input-format dataset takes a dataset folder or a hub id")
+            dataset = datasets.load_dataset(str(path), name=subset, split=split)
+        else:
+            dataset = datasets.load_dataset(source, name=subset, split=split)
+    except CbgenError:
+        raise
+    except Exception as e:  # datasets raises many types: missing files, bad configs, network and auth errors
+        if path.exists():
+            raise CbgenError(f"cannot load dataset '{source}': {_first_line(e)}") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        hint = " (HF_HUB_OFFLINE is set)" if offline else ""
+        raise CbgenError(f"no local file or folder '{source}' exists, and the Hugging Face Hub{hint} gave no dataset "
+                         f"of that name: {_first_line(e)}") from None
+    return _pick_split(dataset, split, source)
+
+
+class DatasetReader(Reader):
+    """Rows of one split of a Hugging Face dataset; only the needed columns are read."""
+
+    def __init__(self, source: str, *, split: str | None = None, subset: str | None = None,
+                 prompt_column: str | None = None, id_column: str | None = None,
+                 keep_columns: Sequence[str] = ()) -> None:
+        super().__init__(source, prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns)
+        dataset = load(source, split=split, subset=subset)
+        names = list(dataset.column_names)
+        shown = ", ".join(names[:50])
+        if prompt_column is not None and prompt_column not in names:
+            raise CbgenError(f"dataset '{source}' has no column '{prompt_column}' (--prompt-column); its columns "
+                             f"are: {shown}")
+        prompts = [prompt_column] if prompt_column else [c for c in PROMPT_FIELDS if c in names]
+        if not prompts:
+            raise CbgenError(f"dataset '{source}' has none of the columns prompt, messages, input_ids; its columns "
+                             f"are: {shown}; name the prompt column with --prompt-column")
+        for flag, columns in (("--id-column", [id_column] if id_column else []), ("--keep-columns", keep_columns)):
+            for column in columns:
+                if column not in names:
+                    raise CbgenError(f"dataset '{source}' has no column '{column}' ({flag}); its columns are: {shown}")
+        self.columns = list(dict.fromkeys([*prompts, *([id_column] if id_column else []), *keep_columns,
+                                           *(c for c in ROW_SETTINGS if c in names)]))
+        self.dataset = dataset.select_columns(self.columns)
+
+    @property
+    def kept_schema(self):
+        """The kept columns' Arrow types, from the dataset's features."""
+        import pyarrow as pa
+
+        schema = self.dataset.features.arrow_schema
+        return pa.schema([schema.field(c) for c in self.keep_columns])
+
+    def settings_present(self) -> set[str]:
+        return {c for c in self.columns if c in ROW_SETTINGS}
+
+    def _batches(self, columns: list[str]) -> Iterator[dict[str, list[Any]]]:
+        yield from self.dataset.select_columns(columns).iter(batch_size=BATCH_SIZE)
+
+    def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+        n = 0
+        for batch in self._batches(self.columns):
+            for values in zip(*(batch[c] for c in self.columns)):
+                n += 1
+                yield f"{self.name} row {n}", dict(zip(self.columns, values)), None
+
+    def _ids(self) -> Iterator[tuple[int, Any]]:
+        assert self.id_column is not None
+        position = 0
+        for batch in self._batches([self.id_column]):
+            for value in batch[self.id_column]:
+                yield position, value
+                position += 1
+
+    def _where(self, position: int, first: int) -> tuple[str, str]:
+        return f"{self.name} row {position + 1}", f"first seen in row {first + 1}"
+
+    def count(self) -> int:
+        return len(self.dataset)

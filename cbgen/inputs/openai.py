@@ -1,0 +1,147 @@
+"""OpenAI Batch API input: lines `{"custom_id", "method": "POST", "url", "body"}` for chat completions or completions.
+
+A file made for OpenAI's batch service runs unchanged: `custom_id` is the id, the body's `messages` (chat, through
+the model's chat template) or `prompt` (completions, tokenized as is) is the prompt, and the body's `max_tokens` /
+`max_completion_tokens`, `temperature`, `top_p`, `n`, `stop` and `logprobs` become the row's own settings. Body
+fields cbgen cannot honour are reported once each (`notices`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cbgen.inputs.base import RowError, _check_id, _check_input_ids, _check_messages, describe_type
+from cbgen.inputs.jsonl import JsonlReader
+from cbgen.inputs.settings import CHECKS, parse_settings
+from cbgen.outputs.openai import CHAT, COMPLETIONS
+from cbgen.records import PromptRecord
+
+ENDPOINTS = (CHAT, COMPLETIONS)
+LINE_FIELDS = {"custom_id", "method", "url", "body"}
+# Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).
+HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+            "logprobs"}
+NO_EFFECT = {"stream": "streaming does not apply to a batch", "user": "kept by OpenAI for abuse monitoring only",
+             "metadata": "not used", "store": "not used"}
+NOT_HONOURED = {
+    "model": "cbgen answers with its --model",
+    "seed": "continuous batching has one random generator for all requests: the job's --seed applies",
+    "top_logprobs": "only the chosen token's logprob is available",
+}
+
+
+def looks_like_batch_line(row: Any) -> bool:
+    return isinstance(row, dict) and "custom_id" in row and "body" in row
+
+
+def is_openai_batch_file(path: str | Path) -> bool:
+    """Whether the first non-blank line of a JSONL file is an OpenAI batch request line."""
+    reader = JsonlReader(path)
+    for _, line in reader._lines():
+        try:
+            return looks_like_batch_line(json.loads(line))
+        except ValueError:
+            return False
+    return False
+
+
+class OpenAIBatchReader(JsonlReader):
+    """Reads an OpenAI batch input file; ids are the `custom_id`s (checked unique up front)."""
+
+    settings_keys = ("temperature", "top_p", "logprobs")  # the body fields that shape the samplers
+
+    def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (), **_: Any) -> None:
+        super().__init__(path, id_column="custom_id", keep_columns=keep_columns)
+        self.notices: Counter[str] = Counter()
+        self.on_notice: Callable[[str], None] | None = None  # told each notice the first time it appears
+
+    def _notice(self, message: str) -> None:
+        self.notices[message] += 1
+        if self.notices[message] == 1 and self.on_notice is not None:
+            self.on_notice(message)
+
+    def to_record(self, row: dict[str, Any], index: int, location: str) -> PromptRecord:
+        record = PromptRecord(id=str(index), index=index, location=location,
+                              kept={c: row.get(c) for c in self.keep_columns})
+        try:
+            record.id = _check_id(row.get("custom_id"), "custom_id")
+            for key in sorted(set(row) - LINE_FIELDS - set(self.keep_columns)):
+                self._notice(f"line field {key!r} is not part of an OpenAI batch request line and was ignored")
+            if row.get("method", "POST") != "POST":
+                raise RowError(f"'method' must be POST, got {row.get('method')!r}")
+            url = row.get("url")
+            if url not in ENDPOINTS:
+                raise RowError(f"'url' must be {CHAT} or {COMPLETIONS} (the endpoints cbgen serves), got {url!r}")
+            body = row.get("body")
+            if not isinstance(body, dict):
+                raise RowError(f"'body' must be an object, got {describe_type(body)}")
+            record.endpoint = url
+            if url == CHAT:
+                self._chat_prompt(record, body)
+            else:
+                self._completion_prompt(record, body)
+            record.settings = self._body_settings(body, url)
+        except RowError as e:
+            record.error = str(e)
+        return record
+
+    def _chat_prompt(self, record: PromptRecord, body: dict[str, Any]) -> None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RowError(f"'body.messages' must be a non-empty list of messages, got {describe_type(messages)}")
+        checked = _check_messages("body.messages", messages)
+        for i, message in enumerate(checked):
+            if isinstance(message["content"], list):  # content parts: only text can reach a text model
+                parts = message["content"]
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in parts):
+                    raise RowError(f"'body.messages' message {i} has non-text content parts; cbgen runs text models "
+                                   "and takes only {'type': 'text', 'text': ...} parts")
+                checked[i] = message | {"content": "".join(p["text"] for p in parts)}
+        record.messages = checked
+        record.raw = False
+
+    def _completion_prompt(self, record: PromptRecord, body: dict[str, Any]) -> None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RowError("'body.prompt' is empty")
+            record.prompt = prompt
+            record.raw = True  # completions continue the text as given, without a chat template
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            record.input_ids = _check_input_ids("body.prompt", prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise RowError("'body.prompt' holds several prompts; cbgen takes one prompt per line: split the line")
+        else:
+            raise RowError(f"'body.prompt' must be a string or a list of token ids, got {describe_type(prompt)}")
+
+    def _body_settings(self, body: dict[str, Any], url: str) -> dict[str, Any]:
+        for key in sorted(set(body) - HONOURED):
+            if key in NO_EFFECT:
+                continue
+            if key in NOT_HONOURED:
+                if key != "top_logprobs" or body[key]:
+                    self._notice(f"body field {key!r} does not apply: {NOT_HONOURED[key]}")
+            else:
+                self._notice(f"body field {key!r} is not supported by cbgen and was ignored")
+        values: dict[str, Any] = {k: body.get(k) for k in ("temperature", "top_p", "n", "stop")}
+        names = {"temperature": "body.temperature", "top_p": "body.top_p", "n": "body.n", "stop": "body.stop"}
+        cap_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        values["max_new_tokens"] = body.get(cap_key)
+        names["max_new_tokens"] = f"body.{cap_key}"
+        logprobs = body.get("logprobs")
+        if url == COMPLETIONS and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+            # the completions endpoint's logprobs is a count of alternatives; the chosen token's logprob is what exists
+            if logprobs > 0:
+                self._notice(f"body field 'logprobs' asks for {logprobs} alternatives per token; "
+                             "only the chosen token's logprob is available")
+            logprobs = logprobs >= 0
+        values["logprobs"] = logprobs
+        names["logprobs"] = "body.logprobs"
+        return parse_settings(values, names, keys=tuple(CHECKS))
