@@ -54,14 +54,14 @@ class ProgressSink(Protocol):
     """What a job reports as it goes. The CLI turns these calls into a Rich display or plain log lines."""
 
     def stage(self, message: str) -> None: ...
-    def start(self, total: int | None) -> None: ...
+    def start(self, total: int | None, unit: str = "sequences") -> None: ...
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
     def finish(self) -> None: ...
 
 
 class NullProgress:
     def stage(self, message: str) -> None: ...
-    def start(self, total: int | None) -> None: ...
+    def start(self, total: int | None, unit: str = "sequences") -> None: ...
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
     def finish(self) -> None: ...
 
@@ -578,12 +578,17 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
     to_lines = OutputRows(job, loaded, source.name, logprobs)
     with writer:
         progress.stage("starting the engine")
-        progress.start(total * n if total is not None else None)
+        by_request = "n" in used  # rows with their own n: count requests, whose total is known
+        if by_request:
+            progress.start(total, "requests")
+        else:
+            progress.start(total * n if total is not None else None)
         generation_started = last_commit = time.perf_counter()
         for group in engine.run(ordered, stop):
             writer.write_group(to_lines(group))
             failed = summary.add_request(group)
-            progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group), failed)
+            progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens,
+                             sum(len(c.token_ids) for c in group), failed)
             if time.perf_counter() - last_commit >= job.run.commit_interval:
                 writer.commit()
                 last_commit = time.perf_counter()

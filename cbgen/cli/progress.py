@@ -74,10 +74,10 @@ class RichProgress:
     def stage(self, message: str) -> None:
         self.console.log(message)
 
-    def start(self, total: int | None) -> None:
+    def start(self, total: int | None, unit: str = "sequences") -> None:
         self.counters.started = time.perf_counter()
         self.progress.start()
-        self.task = self.progress.add_task("generating", total=total)
+        self.task = self.progress.add_task(f"generating ({unit})", total=total)
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
@@ -96,15 +96,17 @@ class PlainProgress:
         self.interval = interval
         self.counters = _Counters()
         self.total: int | None = None
+        self.unit = "sequences"
         self.last = 0.0
 
     def stage(self, message: str) -> None:
         self._line(message)
 
-    def start(self, total: int | None) -> None:
+    def start(self, total: int | None, unit: str = "sequences") -> None:
         self.total = total
+        self.unit = unit
         self.counters.started = self.last = time.perf_counter()
-        self._line(f"generating {total if total is not None else 'all'} sequences")
+        self._line(f"generating {total if total is not None else 'all'} {unit}")
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
@@ -123,7 +125,7 @@ class PlainProgress:
         elapsed = time.perf_counter() - c.started
         if self.total and c.done:
             eta = f", ETA {_duration(elapsed / c.done * (self.total - c.done))}"
-        self._line(f"{done} sequences, {c.tokens_per_second:.1f} generated tok/s, {c.failed} failed, "
+        self._line(f"{done} {self.unit}, {c.tokens_per_second:.1f} generated tok/s, {c.failed} failed, "
                    f"elapsed {_duration(elapsed)}{eta}")
 
     def _line(self, message: str) -> None:

@@ -22,11 +22,15 @@ EPILOG = (
     "  cbgen run prompts.jsonl --page-size 128   [dim]# writes ./cbgen-out/[/dim]\n\n"
     "  cbgen run prompts.parquet -o out/ --model Qwen/Qwen3-4B --config job.yaml --max-new-tokens 512 --logprobs\n\n"
     "  cat prompts.jsonl | cbgen run - -o out/ --temperature 0.7 -n 4\n\n"
-    "[bold]Input rows[/bold] (JSONL or Parquet) carry one of: prompt (text), messages (chat turns, rendered with the "
-    "model's chat template) or input_ids (token ids).\n\n"
+    "  cbgen run batch_input.jsonl --output-format openai -o out/   [dim]# an OpenAI Batch API file, as is[/dim]\n\n"
+    "  cbgen run my-dataset/ --split test --prompt-column question   [dim]# save_to_disk folder or hub id[/dim]\n\n"
+    "[bold]Input rows[/bold] (JSONL, Parquet, datasets) carry one of: prompt (text), messages (chat turns, rendered "
+    "with the model's chat template) or input_ids (token ids); and, if they like, their own temperature, top_p, "
+    "top_k, max_new_tokens and stop. OpenAI batch lines carry body.messages or body.prompt.\n\n"
     "[bold]Output[/bold]: DIR/part-00000.jsonl ... with one row per returned sequence (id, sample_index, text, "
     "token_ids, num_prompt_tokens, num_generated_tokens, finish_reason stop|length|error, error, \\[logprobs], kept "
-    "columns), and DIR/run.json (configuration, model, versions, counts, timings, throughput).\n\n"
+    "columns), or one OpenAI batch output line per request (--output-format openai); and DIR/run.json "
+    "(configuration, model, versions, counts, timings, throughput).\n\n"
     "[bold]Resuming[/bold]: run the same command again on the same output directory; finished requests are never "
     "generated again. A directory holding a different job (model, input or generation settings) is refused unless "
     "--overwrite.\n\n"
@@ -41,7 +45,8 @@ EPILOG = (
 def run(
     input_path: Annotated[
         Optional[str],  # noqa: UP045 (typer)
-        typer.Argument(metavar="INPUT", help="JSONL or Parquet file of prompts (or a folder of Parquet files); "
+        typer.Argument(metavar="INPUT", help="Prompts: a JSONL or Parquet file (or a folder of them), an OpenAI "
+                       "Batch API file, a Hugging Face dataset (save_to_disk folder, dataset folder or hub id); "
                        "- reads JSONL from stdin.", show_default=False),
     ] = None,
     config: ConfigFile = None,

@@ -52,7 +52,7 @@ def is_openai_batch_file(path: str | Path) -> bool:
 class OpenAIBatchReader(JsonlReader):
     """Reads an OpenAI batch input file; ids are the `custom_id`s (checked unique up front)."""
 
-    settings_keys = ("temperature", "top_p", "logprobs")  # the body fields that shape the samplers
+    settings_keys = ("temperature", "top_p", "logprobs", "n")  # body fields that shape the samplers or the count
 
     def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (), **_: Any) -> None:
         super().__init__(path, id_column="custom_id", keep_columns=keep_columns)
