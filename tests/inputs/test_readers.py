@@ -319,7 +319,8 @@ def test_parquet_directory_in_sorted_order(tmp_path):
 
 
 def test_parquet_empty_directory(tmp_path):
-    with pytest.raises(CbgenError, match=r"^input directory '.*' contains no data files \(.parquet, .*\) and is not a dataset saved"):
+    expected = r"^input directory '.*' contains no data files \(.parquet, .*\) and is not a dataset saved"
+    with pytest.raises(CbgenError, match=expected):
         open_reader(tmp_path)
 
 
