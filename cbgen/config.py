@@ -31,6 +31,7 @@ class ModelSection:
     # where converted GGUF models are cached; None = $CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen (~/.cache/cbgen)
     cache_dir: str | None = None
     use_cache: bool = True  # cache a GGUF model converted to safetensors, so later runs skip dequantizing it
+    tp_size: int = 1  # tensor parallel: shard the model over this many processes (started by torchrun)
 
 
 @dataclass
@@ -99,6 +100,7 @@ SCHEDULERS = ("fifo", "prefill_first")
 # Range checks beyond the type: (predicate, what the value must be).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.cache_dir": (lambda v: v.strip() != "", "a directory path"),
+    "model.tp_size": (lambda v: v >= 1, "a positive integer (the number of processes torchrun starts)"),
     "batching.page_size": (lambda v: v >= 4, "an integer of at least 4"),
     "batching.num_blocks": (lambda v: v >= 1, "a positive integer"),
     "batching.max_batch_tokens": (lambda v: v >= 1, "a positive integer"),
@@ -366,6 +368,7 @@ model:
   trust_remote_code: false
   cache_dir: null        # cache of converted GGUF models; null = $CBGEN_CACHE_DIR, else ~/.cache/cbgen
   use_cache: true        # false: dequantize a GGUF model on every run instead
+  tp_size: 1             # tensor parallel over this many processes: torchrun --nproc-per-node N -m cbgen run ...
 
 input:
   path: null             # JSONL, Parquet, OpenAI batch file, dataset folder or hub id; '-' = JSONL on stdin

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from math import ceil
 
 from cbgen.attention import per_sequence_attention
+from cbgen.errors import CbgenError
 from cbgen.prompts import Request
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class Engine:
         prefix_gating: bool = True,
         per_sequence_attention: str = "auto",
         decode=None,
+        restartable: bool = True,
     ) -> None:
         self.model = model
         self.generation_config = generation_config
@@ -198,6 +200,8 @@ class Engine:
         self.prefix_gating = prefix_gating
         self.per_sequence_attention = per_sequence_attention  # "auto" (where it applies), "required" or "off"
         self.decode = decode  # token ids -> text, for stop strings
+        # a fresh manager after a loop death; not under tensor parallelism, whose other ranks cannot follow suit
+        self.restartable = restartable
         self.stats = EngineStats()
         self._manager = None
         self._counter = 0
@@ -456,6 +460,8 @@ class Engine:
                 yield group
         fatal = getattr(manager.background_thread_status, "fatal_error", None)
         error = f"the generation loop stopped: {fatal}" if fatal else "the generation loop stopped unexpectedly"
+        if not self.restartable:
+            raise CbgenError(f"{error}; under tensor parallelism the job stops here (run it again to resume)")
         log.warning("%s; restarting it (%d requests in flight failed)", error, len(in_flight))
         for key in list(in_flight):
             gate.prefix_computed(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from cbgen import __version__
 from cbgen.config import JobConfig
+from cbgen.distributed import LOAD, EngineSpec, TensorParallel
 from cbgen.engine import Completion, Engine
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import open_reader
@@ -457,10 +459,21 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
     }
 
 
-def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None) -> RunSummary:
+def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None,
+            tp: TensorParallel | None = None) -> RunSummary:
     """Runs `job` to the end, or until `stop` is set, and returns its summary. A job whose output directory already
     holds part of its results resumes: finished requests are skipped, each request is written exactly once.
+    With `tp` (cbgen.distributed), this is rank 0 of a tensor-parallel job: the other ranks run `follow`.
     Raises CbgenError for problems the user can fix."""
+    try:
+        return _run_job(job, progress, stop, tp)
+    finally:
+        if tp is not None:
+            tp.release()  # followers waiting for a model to load or an engine to join go home
+
+
+def _run_job(job: JobConfig, progress: ProgressSink | None, stop: threading.Event | None,
+             tp: TensorParallel | None) -> RunSummary:
     progress = progress or NullProgress()
     stop = stop or threading.Event()
     started = time.perf_counter()
@@ -485,10 +498,10 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
         stored_job["input"]["path"] = str(Path(job.input.path).resolve())
     lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job, job.output.overwrite)
     with lock:
-        return _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, started)
+        return _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, started, tp)
 
 
-def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, started) -> RunSummary:
+def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, started, tp) -> RunSummary:
     n = job.generation.num_return_sequences
     summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding)
     summary.resumed_requests = done.requests
@@ -517,8 +530,10 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
 
     if hasattr(reader, "on_notice"):  # OpenAI batch files: body fields cbgen cannot honour, each said once
         reader.on_notice = lambda message: progress.stage(f"note: {message}")
-    progress.stage("loading the model")
-    loaded = load_model(job.model)
+    progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
+    if tp is not None:
+        tp.share(LOAD)
+    loaded = load_model(job.model, tp)
     summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
     text_config = loaded.model.config.get_text_config()
     max_positions = getattr(text_config, "max_position_embeddings", None)
@@ -544,6 +559,11 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
 
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
+    hints = WorkloadHints(max_prompt_length=longest, max_generated_length=longest_new,
+                          num_requests=(total or window) * n)
+    attention = per_sequence_choice(job, loaded)
+    if tp is not None:  # the followers build the very same manager (the manager may change what it is given)
+        tp.share(EngineSpec(copy.deepcopy(generation_config), copy.deepcopy(cb_config), hints, attention))
     engine = Engine(
         loaded.model,
         generation_config,
@@ -553,15 +573,12 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         num_return_sequences=n,
         eos_token_ids=eos,
         max_positions=max_positions,
-        workload_hints=WorkloadHints(
-            max_prompt_length=longest,
-            max_generated_length=longest_new,
-            num_requests=(total or window) * n,
-        ),
+        workload_hints=hints,
         request_timeout=job.run.request_timeout,
         prefix_gating=job.run.prefix_gating,
-        per_sequence_attention=per_sequence_choice(job, loaded),
+        per_sequence_attention=attention,
         decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
+        restartable=tp is None,
     )
     ordered = prefix_aware_order(
         itertools.chain(head, map(prepare, requests)), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD

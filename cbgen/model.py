@@ -496,8 +496,58 @@ def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtyp
     return model, tokenizer, status
 
 
-def load_model(settings: ModelSection) -> LoadedModel:
-    """Loads model and tokenizer as `settings` say. Raises CbgenError for anything the user can fix."""
+def _load_sharded(source: ModelSource, cache_root: Path | None, tp, dtype: torch.dtype, **load_kwargs):
+    """The model sharded over the tensor-parallel group `tp` (cbgen.distributed), and its tokenizer.
+
+    A GGUF model is sharded from its converted cache: rank 0 converts it first when the cache misses (one rank
+    dequantizes, the others wait), since a sharded model cannot save the whole one. A model whose attention heads do
+    not split `tp.size` ways keeps its attention replicated and shards its MLP and embeddings.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.distributed import DistributedConfig
+
+    from cbgen.distributed import attention_plan
+
+    if source.random_weights:
+        raise CbgenError(f"--model {source.name}: random-weight models are built in one process; --tp needs weights "
+                         "from a folder, the hub or a .gguf file")
+    status = None
+    location, extra = source.location, dict(load_kwargs)
+    if source.gguf_file:
+        gguf = Path(source.location) / source.gguf_file
+        cache = GgufCache(cache_root, gguf) if cache_root else None
+        entry = f"model-{str(dtype).removeprefix('torch.')}"
+        if cache is not None:
+            if tp.share(cache.find(entry) is None):  # rank 0 decides, so every rank takes the same path
+                if tp.driver:
+                    _load_gguf(source, cache, dtype, device_map="cpu", **load_kwargs)
+                tp.barrier()
+            folder = cache.find(entry)
+            if folder is None:
+                raise CbgenError(f"--model {source.name}: the converted model could not be cached in "
+                                 f"{cache.folder}, and --tp loads from there; check that it is writable")
+            location, status = str(folder), CACHE_HIT
+            tokenizer, _ = _gguf_tokenizer(gguf, cache)
+        else:
+            extra["gguf_file"] = source.gguf_file
+            tokenizer, status = _gguf_tokenizer(gguf, None)
+            status = CACHE_OFF
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(location, **load_kwargs)
+    config = AutoConfig.from_pretrained(location, **{k: v for k, v in extra.items() if k == "gguf_file"},
+                                        trust_remote_code=load_kwargs.get("trust_remote_code", False))
+    plan = attention_plan(config, tp.size)
+    distributed = DistributedConfig(tp_size=tp.size, **({"tp_plan": plan} if plan else {}))
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, distributed_config=distributed, **extra)
+    if plan:
+        # the paged cache splits the KV heads whenever the plan names k_proj/v_proj, whatever their style
+        model.tp_plan = {k: v for k, v in model.tp_plan.items() if v != "replicate"}
+    return model, tokenizer, status
+
+
+def load_model(settings: ModelSection, tp=None) -> LoadedModel:
+    """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given.
+    Raises CbgenError for anything the user can fix."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -517,7 +567,9 @@ def load_model(settings: ModelSection) -> LoadedModel:
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     cache = None
     try:
-        if source.random_weights:
+        if tp is not None:
+            model, tokenizer, cache = _load_sharded(source, cache_root, tp, dtype, attn_implementation=attn, **kwargs)
+        elif source.random_weights:
             model, tokenizer, cache = _load_random(source, cache_root, dtype, device, attn)
         elif source.gguf_file:
             gguf = Path(source.location) / source.gguf_file

@@ -62,6 +62,11 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "use_cache", ("--model-cache/--no-model-cache",), bool,
               "Use (and fill) the converted-GGUF cache; --no-model-cache dequantizes the GGUF file every run.",
               PANEL_MODEL),
+    JobOption("model", "tp_size", ("--tp",), int,
+              "Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m "
+              "cbgen run ... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and "
+              "shows progress. A model whose attention heads do not split N ways shards only its MLP and "
+              "embeddings.  [default: 1]", PANEL_MODEL, metavar="N"),
     # Input
     JobOption("input", "format", ("--input-format",), str,
               "What the input is. auto: from the path: .jsonl/.json/.ndjson (OpenAI Batch API lines are "

@@ -59,10 +59,16 @@ def run(
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
     job = build_config(config, overrides)
+    from cbgen.distributed import follow, setup
+
+    tp = setup(job)  # None unless started by torchrun with --tp
+    if tp is not None and not tp.driver:
+        follow(job, tp)  # rank 0 reads, writes and reports; this rank runs its shard of the model
+        raise typer.Exit(ExitCode.OK)
     console = Console(stderr=True, log_path=False)
     stop = threading.Event()
     with graceful_stop(stop, console):
-        summary = run_job(job, make_progress(console, job.run.quiet), stop)
+        summary = run_job(job, make_progress(console, job.run.quiet), stop, tp)
     if not job.run.quiet:
         console.print(summary_table(summary))
     if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):

@@ -1,0 +1,67 @@
+"""Tensor parallelism on CPU: `torchrun --nproc-per-node 2 -m cbgen run ... --tp 2` (gloo) writes the same tokens
+as a single process, for a model whose heads split two ways and for one whose heads do not (MLP-only sharding)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cbgen.cli import run_cli
+from cbgen.outputs import read_shards
+from tests.helpers import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def odd_heads_model(tiny_model_dir, tmp_path_factory):
+    """Like the tiny model, with 6 attention heads and 3 KV heads: not divisible by 2."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("odd-heads")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "p.jsonl"
+    rows = [{"id": f"q{i}", "prompt": f"Tell me something about the number {i}."} for i in range(8)]
+    rows.append({"id": "stopper", "prompt": "Count up.", "max_new_tokens": 3})
+    rows.append({"id": "bad", "prompt": ""})  # an error record, written by rank 0 like any other
+    return write_jsonl(path, rows)
+
+
+def tokens(out):
+    return {r["id"]: (r["token_ids"], r["finish_reason"]) for r in read_shards(out)}
+
+
+@pytest.mark.parametrize("model", ["tiny", "odd"])
+def test_two_process_tp_matches_one_process(model, tiny_model_dir, odd_heads_model, prompts, tmp_path):
+    folder = tiny_model_dir if model == "tiny" else odd_heads_model
+    common = ["--model", str(folder), "--dtype", "float32", "--id-column", "id", "--max-new-tokens", "10", "-q"]
+    assert run_cli(["run", str(prompts), "-o", str(tmp_path / "one"), *common]) == 1  # the bad row
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cbgen", "run",
+         str(prompts), "-o", str(tmp_path / "tp"), "--tp", "2", *common],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]  # rank 0's exit code: one request failed
+    assert tokens(tmp_path / "tp") == tokens(tmp_path / "one")
+    assert not list((tmp_path / "tp").glob("shard-*"))  # one writer: rank 0
+
+
+def test_tp_without_torchrun_says_how_to_start_it(tiny_model_dir, prompts, tmp_path, capsys):
+    code = run_cli(["run", str(prompts), "-o", str(tmp_path / "o"), "--model", str(tiny_model_dir), "--tp", "2"])
+    assert code == 2
+    assert "--tp 2 needs 2 processes: start the job with `torchrun --nproc-per-node 2 -m cbgen run ... --tp 2`" in \
+        capsys.readouterr().err
