@@ -36,10 +36,6 @@ class RunDirectory:
     fingerprint: dict[str, Any]
     shard: tuple[int, int] | None
 
-    @property
-    def num_return_sequences(self) -> int:
-        return self.job["generation"]["num_return_sequences"]
-
 
 def find_run_directories(base: Path) -> list[RunDirectory]:
     """The run directories under `base`: `base` itself, or its `shard-IIIII-of-NNNNN` subdirectories."""

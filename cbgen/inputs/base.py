@@ -76,7 +76,7 @@ class Reader(ABC):
         seen: dict[str, int] = {}
         for position, raw in self._ids():
             try:
-                key = _check_id(raw, self.id_column)
+                key = check_id(raw, self.id_column)
             except RowError:
                 continue  # becomes an error record when the rows are read
             first = seen.setdefault(key, position)
@@ -99,7 +99,7 @@ class Reader(ABC):
                               kept={c: row.get(c) for c in self.keep_columns})
         try:
             if self.id_column is not None:
-                record.id = _check_id(row.get(self.id_column), self.id_column)
+                record.id = check_id(row.get(self.id_column), self.id_column)
             field, value = self._find_prompt(row)
             if isinstance(value, list) and not value:
                 raise RowError(f"{field!r} is an empty list")
@@ -110,9 +110,9 @@ class Reader(ABC):
                     raise RowError(f"{field!r} is empty or whitespace only")
                 record.prompt = value
             elif kind == "messages" and isinstance(value, list):
-                record.messages = _check_messages(field, value)
+                record.messages = check_messages(field, value)
             elif kind == "input_ids" and isinstance(value, list):
-                record.input_ids = _check_input_ids(field, value)
+                record.input_ids = check_input_ids(field, value)
             else:
                 want = _EXPECTED.get(kind, "a string, a list of messages or a list of token ids")
                 raise RowError(f"{field!r} must be {want}, got {describe_type(value)}")
@@ -149,7 +149,7 @@ class Reader(ABC):
         return found[0], row[found[0]]
 
 
-def _check_id(value: Any, column: str) -> str:
+def check_id(value: Any, column: str) -> str:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise RowError(f"the id field {column!r} is missing, null or empty")
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -171,7 +171,7 @@ def _kind(value: Any) -> str | None:
     return None
 
 
-def _check_messages(field: str, messages: list[Any]) -> list[dict[str, Any]]:
+def check_messages(field: str, messages: list[Any]) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -190,7 +190,7 @@ def _check_messages(field: str, messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _check_input_ids(field: str, ids: list[Any]) -> list[int]:
+def check_input_ids(field: str, ids: list[Any]) -> list[int]:
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise RowError(f"{field!r} must be a list of non-negative integers; item {i} is {t!r}")

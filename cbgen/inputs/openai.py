@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.inputs.base import RowError, _check_id, _check_input_ids, _check_messages, describe_type
+from cbgen.inputs.base import RowError, check_id, check_input_ids, check_messages, describe_type
 from cbgen.inputs.jsonl import JsonlReader
 from cbgen.inputs.settings import CHECKS, parse_settings
 from cbgen.outputs.openai import CHAT, COMPLETIONS
@@ -68,7 +68,7 @@ class OpenAIBatchReader(JsonlReader):
         record = PromptRecord(id=str(index), index=index, location=location,
                               kept={c: row.get(c) for c in self.keep_columns})
         try:
-            record.id = _check_id(row.get("custom_id"), "custom_id")
+            record.id = check_id(row.get("custom_id"), "custom_id")
             for key in sorted(set(row) - LINE_FIELDS - set(self.keep_columns)):
                 self._notice(f"line field {key!r} is not part of an OpenAI batch request line and was ignored")
             if row.get("method", "POST") != "POST":
@@ -93,7 +93,7 @@ class OpenAIBatchReader(JsonlReader):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RowError(f"'body.messages' must be a non-empty list of messages, got {describe_type(messages)}")
-        checked = _check_messages("body.messages", messages)
+        checked = check_messages("body.messages", messages)
         for i, message in enumerate(checked):
             if isinstance(message["content"], list):  # content parts: only text can reach a text model
                 parts = message["content"]
@@ -115,7 +115,7 @@ class OpenAIBatchReader(JsonlReader):
             record.prompt = prompt
             record.raw = True  # completions continue the text as given, without a chat template
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            record.input_ids = _check_input_ids("body.prompt", prompt)
+            record.input_ids = check_input_ids("body.prompt", prompt)
         elif isinstance(prompt, list) and len(prompt) > 1:
             raise RowError("'body.prompt' holds several prompts; cbgen takes one prompt per line: split the line")
         else:
