@@ -165,7 +165,8 @@ class Bench:
                         max_positions=text.max_position_embeddings, prefix_gating=order == "gated")
         requests = _requests(workload)
         if order != "input":
-            requests = prefix_aware_order(requests, key_tokens=batching.get("page_size", 256), lookahead=1024)
+            requests = prefix_aware_order(requests, key_tokens=batching.get("page_size", 256), lookahead=1024,
+                                          default_max_new_tokens=workload.max_new_tokens)
         start = time.perf_counter()
         generated = 0
         for group in engine.run(requests):

@@ -581,7 +581,8 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         restartable=tp is None,
     )
     ordered = prefix_aware_order(
-        itertools.chain(head, map(prepare, requests)), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD
+        itertools.chain(head, map(prepare, requests)), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD,
+        default_max_new_tokens=job.generation.max_new_tokens,
     )
     writer = open_writer(
         job.output.format,

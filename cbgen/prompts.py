@@ -71,14 +71,17 @@ class Renderer:
             yield self.render(record)
 
 
-def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahead: int) -> Iterator[Request]:
-    """Reorders requests, `lookahead` at a time, so prefix sharing can work.
+def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahead: int,
+                       default_max_new_tokens: int = 0) -> Iterator[Request]:
+    """Reorders requests, `lookahead` at a time, so prefix sharing can work and long generations start first.
 
     The engine reuses a KV block only once a request has computed it: identical prefixes submitted together (as a
     sort would place them) all compute it themselves. So within each window of `lookahead` requests this yields one
     leader per distinct prefix (the first `key_tokens` tokens) first, then the followers grouped by prefix, sorted by
-    their ids so that longer common prefixes sit together. Failed requests are passed through first, at once.
-    Every request is yielded exactly once.
+    their ids so that longer common prefixes sit together. Leaders asking for more new tokens go first (longest
+    processing time first): a long generation admitted late would run on nearly alone at the end of the job, in
+    small, inefficient batches. Failed requests are passed through first, at once. Every request is yielded exactly
+    once.
     """
     buffer: list[Request] = []
     for request in requests:
@@ -87,12 +90,12 @@ def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahea
             continue
         buffer.append(request)
         if len(buffer) >= lookahead:
-            yield from _leaders_then_followers(buffer, key_tokens)
+            yield from _leaders_then_followers(buffer, key_tokens, default_max_new_tokens)
             buffer = []
-    yield from _leaders_then_followers(buffer, key_tokens)
+    yield from _leaders_then_followers(buffer, key_tokens, default_max_new_tokens)
 
 
-def _leaders_then_followers(buffer: list[Request], key_tokens: int) -> list[Request]:
+def _leaders_then_followers(buffer: list[Request], key_tokens: int, default_cap: int) -> list[Request]:
     groups: dict[tuple[int, ...], list[Request]] = {}
     for request in buffer:
         groups.setdefault(tuple(request.input_ids[:key_tokens]), []).append(request)
@@ -101,4 +104,5 @@ def _leaders_then_followers(buffer: list[Request], key_tokens: int) -> list[Requ
         members.sort(key=lambda r: r.input_ids)
         leaders.append(members[0])
         followers.extend(members[1:])
+    leaders.sort(key=lambda r: -(r.max_new_tokens or default_cap))  # stable: input order among equal caps
     return leaders + followers

@@ -46,6 +46,16 @@ def test_followers_are_grouped_by_prefix():
     assert keys == sorted(keys)  # each group contiguous
 
 
+def test_longer_generations_lead_within_a_window():
+    caps = [16, None, 256, 64, 256, None]  # None: the job's default (100)
+    requests = [request(i, [i, i + 1]) for i in range(6)]
+    for r, cap in zip(requests, caps):
+        r.max_new_tokens = cap
+    ordered = list(prefix_aware_order(requests, key_tokens=8, lookahead=4, default_max_new_tokens=100))
+    # windows of 4: [16, 100, 256, 64] -> 256, 100, 64, 16; then [256, 100]; equal caps keep input order
+    assert [r.record.id for r in ordered] == ["2", "1", "3", "0", "4", "5"]
+
+
 def test_failed_requests_pass_through_immediately():
     requests = [request(0, [1, 2]), request(1, None, error="x"), request(2, [1, 3])]
     ordered = list(prefix_aware_order(requests, key_tokens=1, lookahead=100))
