@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
-import typer
+# cbgen shows its own progress; other libraries' bars (the GGUF dequantizer's) would break its display. tqdm reads
+# this when it is imported, so it is set before anything imports it; TQDM_DISABLE=0 in the environment brings them back.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
-from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run
-from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled
+import typer  # noqa: E402
+
+from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run  # noqa: E402
+from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled  # noqa: E402
 
 app = typer.Typer(
     name="cbgen",
