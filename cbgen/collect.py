@@ -251,21 +251,14 @@ def save_dataset(directories: list[Path], target: Path, job: dict[str, Any]) -> 
             kept_schema = infer_kept_schema(itertools.islice(rows(), 1000), kept)
             schema = arrow_schema("logprobs" in _first_row_keys(rows()), kept_schema, kept)
         features = datasets.Features.from_arrow_schema(schema)
-    count = 0
-
-    def counted() -> Iterator[dict[str, Any]]:
-        nonlocal count
-        for row in rows():
-            count += 1
-            yield row
-
     with tempfile.TemporaryDirectory(prefix="cbgen-dataset-") as cache:
         try:
-            dataset = datasets.Dataset.from_generator(counted, features=features, cache_dir=cache)
+            dataset = datasets.Dataset.from_generator(rows, features=features, cache_dir=cache)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
             raise CbgenError(f"the rows cannot form one dataset: {e}; write the job with --output-format parquet, "
                              "whose columns have one type each") from None
         dataset.save_to_disk(str(target))
+        count = dataset.num_rows
     write_json_atomic(target / "cbgen_merge.json", {"merged_from": [str(d) for d in directories], "rows": count,
                                                     "job": job})
     return count

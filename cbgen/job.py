@@ -528,8 +528,7 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         summary.timings["total_s"] = round(time.perf_counter() - started, 3)
         return summary
 
-    if hasattr(reader, "on_notice"):  # OpenAI batch files: body fields cbgen cannot honour, each said once
-        reader.on_notice = lambda message: progress.stage(f"note: {message}")
+    reader.on_notice = lambda message: progress.stage(f"note: {message}")  # fields that cannot apply, said once
     progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
     if tp is not None:
         tp.share(LOAD)
@@ -616,7 +615,7 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
         if stop.is_set() and summary.status == Status.COMPLETE:
             summary.status = Status.STOPPED
         summary.timings["generation_s"] = round(time.perf_counter() - generation_started, 3)
-    summary.input_notices = dict(getattr(reader, "notices", {}))
+    summary.input_notices = dict(reader.notices)
     summary.sampling = {"per_request": plan.per_request, "stages": sorted(plan.stages),
                         "row_settings": sorted(used)}
     progress.finish()

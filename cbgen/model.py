@@ -559,7 +559,6 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
     kwargs = {"trust_remote_code": settings.trust_remote_code}
     cache_root = default_cache_dir(settings) if settings.use_cache else None
     # transformers' own progress bars and advice would break the job's display; errors still surface as exceptions
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's bar does not go through transformers' switch
     hf_logging.disable_progress_bar()
     if not debug_enabled():
         # cbgen records every failed request itself; the engine's own tracebacks are for CBGEN_DEBUG=1

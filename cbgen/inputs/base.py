@@ -7,7 +7,8 @@ every input format behaves the same way.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError
@@ -39,9 +40,17 @@ class Reader(ABC):
             raise CbgenError(f"--keep-columns {reserved[0]!r} is a reserved output name; rename the column in "
                              f"{name!r} (reserved: {', '.join(sorted(RESERVED_COLUMNS))})")
         self._name = name
+        # input fields that cannot apply, counted; `on_notice` is told each one the first time it appears
+        self.notices: Counter[str] = Counter()
+        self.on_notice: Callable[[str], None] | None = None
         self.prompt_column = prompt_column
         self.id_column = id_column
         self.keep_columns = tuple(dict.fromkeys(keep_columns))
+
+    def _notice(self, message: str) -> None:
+        self.notices[message] += 1
+        if self.notices[message] == 1 and self.on_notice is not None:
+            self.on_notice(message)
 
     @property
     def name(self) -> str:
@@ -122,7 +131,7 @@ class Reader(ABC):
         return record
 
     def _settings(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The row's own generation settings (temperature, top_p, top_k, max_new_tokens, stop, n, logprobs)."""
+        """The row's own generation settings (temperature, top_p, top_k, max_new_tokens, stop)."""
         from cbgen.inputs.settings import parse_settings
 
         return parse_settings(row)

@@ -22,6 +22,7 @@ class JsonlReader(Reader):
         super().__init__("<stdin>" if path is None else str(path), prompt_column=prompt_column,
                          id_column=id_column, keep_columns=keep_columns)
         self.path = None if path is None else Path(path)
+        self._scanned: tuple[int, set[str]] | None = None  # (lines, settings named), see _scan
         if self.path is not None:
             with self._open() as f:  # fail now, not mid-job, on a missing, unreadable or non-gzip file
                 f.read(1)
@@ -99,16 +100,20 @@ class JsonlReader(Reader):
     def settings_present(self) -> set[str] | None:
         """Row settings named anywhere in the file, by a byte search for each quoted key (a superset: a key quoted
         inside a string value is escaped, so only an odd case matches wrongly, and that only costs speed)."""
-        if self.path is None:
-            return None
-        keys = {name: f'"{name}"'.encode() for name in self.settings_keys}
-        found: set[str] = set()
-        for _, line in self._lines():
-            found.update(name for name, key in keys.items() if name not in found and key in line)
-            if len(found) == len(keys):
-                break
-        return found
+        return None if self.path is None else self._scan()[1]
 
     def count(self) -> int | None:
         """The number of non-blank lines, counted by streaming the file; None for stdin."""
-        return None if self.path is None else sum(1 for _ in self._lines())
+        return None if self.path is None else self._scan()[0]
+
+    def _scan(self) -> tuple[int, set[str]]:
+        """One pass over the file for both the line count and the settings named in it, done once per reader."""
+        if self._scanned is None:
+            keys = {name: f'"{name}"'.encode() for name in self.settings_keys}
+            lines, found = 0, set()
+            for _, line in self._lines():
+                lines += 1
+                if len(found) < len(keys):
+                    found.update(name for name, key in keys.items() if name not in found and key in line)
+            self._scanned = (lines, found)
+        return self._scanned

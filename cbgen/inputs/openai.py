@@ -9,8 +9,7 @@ fields cbgen cannot honour are reported once each (`notices`), never silently dr
 from __future__ import annotations
 
 import json
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +55,6 @@ class OpenAIBatchReader(JsonlReader):
 
     def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (), **_: Any) -> None:
         super().__init__(path, id_column="custom_id", keep_columns=keep_columns)
-        self.notices: Counter[str] = Counter()
-        self.on_notice: Callable[[str], None] | None = None  # told each notice the first time it appears
-
-    def _notice(self, message: str) -> None:
-        self.notices[message] += 1
-        if self.notices[message] == 1 and self.on_notice is not None:
-            self.on_notice(message)
 
     def to_record(self, row: dict[str, Any], index: int, location: str) -> PromptRecord:
         record = PromptRecord(id=str(index), index=index, location=location,
