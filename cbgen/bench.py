@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from cbgen.config import JobConfig
-from cbgen.engine import Engine
+from cbgen.config import JobConfig, page_size
+from cbgen.engine.engine import Engine
+from cbgen.engine.plan import EnginePlan, plan_engine
+from cbgen.engine.plan import Workload as EngineWorkload
 from cbgen.errors import CbgenError
-from cbgen.job import build_generation_config, make_cb_config, plan_batching
-from cbgen.model import LoadedModel
-from cbgen.prompts import Request, prefix_aware_order
-from cbgen.records import PromptRecord
+from cbgen.model.load import LoadedModel
+from cbgen.prompts import LOOKAHEAD, prefix_aware_order
+from cbgen.records import PromptRecord, Request
 
 WORDS = (
     "river mountain engine harvest lantern market window silver garden theory signal orbit canvas thunder "
@@ -123,10 +124,11 @@ def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None 
     return out
 
 
-def _job(workload: Workload, batching: dict[str, Any]) -> JobConfig:
+def _job(workload: Workload, batching: dict[str, Any], prefix_gating: bool = True) -> JobConfig:
     job = JobConfig()
     job.generation.max_new_tokens = workload.max_new_tokens
     job.batching = dict(batching)
+    job.run.prefix_gating = prefix_gating
     return job
 
 
@@ -148,24 +150,20 @@ class Bench:
         self.loaded = loaded
         self.batching = batching or {}
 
-    def _plan(self, workload: Workload):
-        job = _job(workload, self.batching)
-        text = self.loaded.model.config.get_text_config()
-        longest = max(len(p) for p in workload.prompts)
-        batching, window, sizing = plan_batching(job, self.loaded, longest, text.max_position_embeddings,
-                                                 len(workload.prompts))
-        generation_config, eos = build_generation_config(job, self.loaded)
-        return job, batching, window, generation_config, eos
+    def _plan(self, workload: Workload, prefix_gating: bool = True) -> tuple[JobConfig, EnginePlan]:
+        """The engine set-up `cbgen run` would make for these prompts (cbgen.engine.plan)."""
+        job = _job(workload, self.batching, prefix_gating)
+        sized_for = EngineWorkload(longest_prompt=max(len(p) for p in workload.prompts),
+                                   max_new_tokens=max([workload.max_new_tokens, *(workload.caps or [])]),
+                                   num_return_sequences=1, requests=len(workload.prompts))
+        return job, plan_engine(job, self.loaded, sized_for)
 
     def cbgen(self, workload: Workload, order: str = "gated") -> Measurement:
-        job, batching, window, generation_config, eos = self._plan(workload)
-        text = self.loaded.model.config.get_text_config()
-        engine = Engine(self.loaded.model, generation_config, make_cb_config(batching, job), max_in_flight=window,
-                        max_new_tokens=workload.max_new_tokens, num_return_sequences=1, eos_token_ids=eos,
-                        max_positions=text.max_position_embeddings, prefix_gating=order == "gated")
+        job, plan = self._plan(workload, prefix_gating=order == "gated")
+        engine = Engine(self.loaded.model, plan.engine_settings(job))
         requests = _requests(workload)
         if order != "input":
-            requests = prefix_aware_order(requests, key_tokens=batching.get("page_size", 256), lookahead=1024,
+            requests = prefix_aware_order(requests, key_tokens=page_size(plan.batching), lookahead=LOOKAHEAD,
                                           default_max_new_tokens=workload.max_new_tokens)
         start = time.perf_counter()
         generated = 0
@@ -179,10 +177,11 @@ class Bench:
 
     def generate_batch(self, workload: Workload) -> Measurement:
         """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
-        job, batching, _, generation_config, eos = self._plan(workload)
+        _, plan = self._plan(workload)
+        eos = plan.eos_token_ids
         start = time.perf_counter()
-        outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=generation_config,
-                                                   continuous_batching_config=make_cb_config(batching, job))
+        outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=plan.generation_config,
+                                                   continuous_batching_config=plan.spec.cb_config)
         seconds = time.perf_counter() - start
         assert len(outputs) == len(workload.prompts) and not any(o.error for o in outputs.values())
         # generate_batch returns results in input order (request ids req_0, req_1, ...)
@@ -193,7 +192,8 @@ class Bench:
     def static(self, workload: Workload, batch_size: int) -> Measurement:
         """`model.generate` on left-padded batches, in input order, each run to its largest cap; tokens after a
         sequence's EOS or cap are not counted."""
-        _, _, _, generation_config, eos = self._plan(workload)
+        _, plan = self._plan(workload)
+        generation_config, eos = plan.generation_config, plan.eos_token_ids
         pad = generation_config.pad_token_id
         model = self.loaded.model
         generated = 0

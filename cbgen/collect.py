@@ -3,7 +3,6 @@ shards of a job split across Slurm array tasks)."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -11,20 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.errors import CbgenError
+from cbgen.files import write_json_atomic
 from cbgen.inputs import open_reader
-from cbgen.job import shard_of
-from cbgen.outputs import open_writer, read_shards
 from cbgen.outputs.rundir import (
     FINGERPRINT_FILE,
     LOCK_FILE,
     MANIFEST_FILE,
     DirectoryLock,
+    StoredRun,
     read_json,
+    read_stored_run,
     scan_done,
-    write_json_atomic,
 )
-
-_SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
+from cbgen.outputs.writers import open_writer, read_shards
+from cbgen.sharding import parse_shard_directory, shard_directory, shard_of
 
 
 @dataclass
@@ -32,9 +31,16 @@ class RunDirectory:
     """One output directory of a job (the whole job, or one shard of it)."""
 
     path: Path
-    job: dict[str, Any]  # the job configuration stored beside the fingerprint
-    fingerprint: dict[str, Any]
+    stored: StoredRun  # the fingerprint, the job's configuration and where its ids came from
     shard: tuple[int, int] | None
+
+    @property
+    def job(self) -> dict[str, Any]:
+        return self.stored.job
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.stored.fingerprint
 
 
 def find_run_directories(base: Path) -> list[RunDirectory]:
@@ -43,15 +49,13 @@ def find_run_directories(base: Path) -> list[RunDirectory]:
     if not base.is_dir():
         raise CbgenError(f"'{base}' is not a directory; give the output directory of a cbgen run (-o)")
     candidates = [base] if (base / FINGERPRINT_FILE).is_file() else []
-    candidates += sorted(p for p in base.iterdir() if _SHARD_DIR.match(p.name) and p.is_dir())
+    candidates += sorted(p for p in base.iterdir() if parse_shard_directory(p) and p.is_dir())
     found = []
     for path in candidates:
-        stored = read_json(path / FINGERPRINT_FILE)
+        stored = read_stored_run(path)
         if stored is None:
             continue  # a shard that has not started yet
-        match = _SHARD_DIR.match(path.name)
-        shard = (int(match.group(1)), int(match.group(2))) if match and path != base else None
-        found.append(RunDirectory(path, stored.get("job", {}), stored.get("fingerprint", {}), shard))
+        found.append(RunDirectory(path, stored, parse_shard_directory(path) if path != base else None))
     if not found:
         raise CbgenError(f"'{base}' holds no cbgen run ({FINGERPRINT_FILE} or shard-*-of-* directories)")
     return found
@@ -68,14 +72,15 @@ def is_running(path: Path) -> bool:
     return False
 
 
-def expected_ids(job: dict[str, Any], input_path: str | None = None) -> Iterator[str]:
-    """The ids a job's input yields, read with the job's own input settings."""
-    source = input_path or job["input"]["path"]
+def expected_ids(stored: StoredRun, input_path: str | None = None) -> Iterator[str]:
+    """The ids a job's input yields, read with the job's own input settings (and its way of choosing ids)."""
+    i = stored.job["input"]
+    source = input_path or i["path"]
     if source in (None, "-"):
         raise CbgenError("the job read its prompts from stdin, so cbgen cannot list them; pass --input FILE")
-    i = job["input"]
     reader = open_reader(source, prompt_column=i["prompt_column"], id_column=i["id_column"],
-                         input_format=i.get("format", "auto"), split=i.get("split"), subset=i.get("subset"))
+                         input_format=i.get("format", "auto"), split=i.get("split"), subset=i.get("subset"),
+                         detect_id=stored.detects_ids)
     for record in reader:
         yield record.id
 
@@ -94,6 +99,21 @@ class DirectoryStatus:
     def remaining(self) -> int | None:
         return None if self.expected is None else self.expected - self.done
 
+    @property
+    def state(self) -> str:
+        """running, complete, incomplete, not started, or what run.json says (stopped, ...), else unknown."""
+        if self.running:
+            return "running"
+        if self.remaining == 0:
+            return "complete"
+        if self.remaining is None or self.status == "not started":
+            return self.status or "unknown"
+        return "incomplete"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"directory": str(self.path), "shard": list(self.shard) if self.shard else None, "done": self.done,
+                "failed": self.failed, "remaining": self.remaining, "state": self.state}
+
 
 def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatus]:
     """Done / failed / remaining requests of every run directory under `base`."""
@@ -101,7 +121,7 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
     expected: Counter[int | None] | None = Counter()
     try:
         count = directories[0].shard[1] if directories[0].shard else None
-        for request_id in expected_ids(directories[0].job, input_path):
+        for request_id in expected_ids(directories[0].stored, input_path):
             expected[shard_of(request_id, count) if count else None] += 1
     except CbgenError:
         expected = None  # the input is gone or was stdin: remaining is unknown
@@ -116,7 +136,7 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
     count = directories[0].shard[1] if directories[0].shard else None
     started = {d.shard[0] for d in directories if d.shard}
     for index in sorted(set(range(count or 0)) - started):
-        path = Path(base) / f"shard-{index:05d}-of-{count:05d}"
+        path = shard_directory(base, (index, count))
         result.append(DirectoryStatus(path, (index, count), 0, 0, expected[index] if expected is not None else None,
                                       False, "not started"))
     return sorted(result, key=lambda r: r.shard or (0, 0))
@@ -134,6 +154,12 @@ class MergeReport:
     @property
     def complete(self) -> bool:
         return not (self.missing or self.duplicated or self.unexpected)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"merged": self.complete, "output": str(self.output) if self.output else None, "rows": self.rows,
+                "missing": {str(shard): ids for shard, ids in sorted(self.missing.items())},
+                "duplicated": self.duplicated, "unexpected": self.unexpected,
+                "shards_not_started": self.shards_not_started}
 
 
 def merge_shards(base: Path, output: Path | None = None, input_path: str | None = None,
@@ -169,7 +195,7 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
     for directory in directories:
         for row in read_shards(directory.path, columns=["id", "sample_index"]):
             seen[row["id"]] += row["sample_index"] == 0
-    for request_id in expected_ids(directories[0].job, input_path):
+    for request_id in expected_ids(directories[0].stored, input_path):
         times = seen.pop(request_id, 0)
         if times == 0:
             report.missing.setdefault(shard_of(request_id, num_shards), []).append(request_id)

@@ -24,16 +24,6 @@ LOAD = "load"
 
 
 @dataclass
-class EngineSpec:
-    """What a follower needs to build the same manager as rank 0."""
-
-    generation_config: Any
-    cb_config: Any
-    workload_hints: Any
-    per_sequence_attention: str  # "auto" | "required" | "off", as on rank 0
-
-
-@dataclass
 class TensorParallel:
     size: int
     rank: int
@@ -91,44 +81,13 @@ def setup(job: JobConfig, env: dict[str, str] | None = None) -> TensorParallel |
 
 
 def follow(job: JobConfig, tp: TensorParallel) -> None:
-    """A follower's whole job: load the model shard, run the manager rank 0 describes until rank 0 stops it."""
-    from cbgen.attention import per_sequence_attention
-    from cbgen.model import load_model
+    """A follower's whole job: load the model shard, serve the manager rank 0 describes until rank 0 stops it."""
+    from cbgen.engine.manager import serve
+    from cbgen.model.load import load_model
 
     if tp.share() != LOAD:
         return
     loaded = load_model(job.model, tp)
-    spec: EngineSpec | None = tp.share()
-    if spec is None:
-        return
-    if spec.per_sequence_attention == "off":
-        from contextlib import nullcontext
-
-        attention = nullcontext(False)
-    else:
-        attention = per_sequence_attention(loaded.model, required=spec.per_sequence_attention == "required")
-    with attention:
-        manager = loaded.model.init_continuous_batching(
-            generation_config=spec.generation_config,
-            continuous_batching_config=spec.cb_config,
-            workload_hints=spec.workload_hints,
-        )
-        manager.warmup()
-        manager.start()
-        try:
-            while manager.is_running():
-                manager.get_result(timeout=0.5)  # every rank receives every result: drop them
-        finally:
-            manager.stop(block=True, timeout=30)
-            manager.destroy()
-
-
-def attention_plan(config, tp_size: int) -> dict[str, str] | None:
-    """None when the attention heads split `tp_size` ways (transformers' own plan applies); else a plan that
-    replicates the attention projections so only the MLP and the embeddings are sharded."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % tp_size == 0 and kv_heads % tp_size == 0:
-        return None
-    return {f"model.layers.*.self_attn.{name}_proj": "replicate" for name in "qkvo"}
+    spec = tp.share()  # rank 0's ManagerSpec, or None when it stopped before starting an engine
+    if spec is not None:
+        serve(loaded.model, spec)

@@ -1,4 +1,4 @@
-"""The one error type for user mistakes, and the exit codes cbgen documents."""
+"""The error types for user mistakes (a whole job's, one row's), and the exit codes cbgen documents."""
 
 from __future__ import annotations
 
@@ -32,3 +32,14 @@ class CbgenError(Exception):
 def debug_enabled() -> bool:
     """True when the user asked for tracebacks and library logs (CBGEN_DEBUG=1)."""
     return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+
+
+class RowError(ValueError):
+    """A problem with one input row: the row becomes an error record naming it, and the job goes on."""
+
+
+def describe_type(value: object) -> str:
+    """A JSON-ish name for the type of `value`, for row errors read by people who wrote JSON, not Python."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

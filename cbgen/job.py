@@ -1,462 +1,47 @@
-"""One generation job from input file to output directory: the library entry point behind `cbgen run`."""
+"""One generation job from input to output directory: the library entry point behind `cbgen run`.
+
+A job is a pipeline of plain iterators, each stage in its own module:
+
+    read      cbgen.inputs             rows -> PromptRecords (bad rows become error records)
+    render    cbgen.prompts.Renderer   chat template, tokenizer -> Requests
+    settings  cbgen.request_settings   the row's own sampling, caps and stop strings over the job's
+    order     cbgen.prompts            prefix-aware order, longest generations first
+    generate  cbgen.engine             transformers' continuous batching, a bounded window in flight
+    write     cbgen.outputs            rows or OpenAI lines into atomic shards, resume index, run.json
+
+This module only wires them together, resuming whatever the output directory already holds.
+"""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
 import itertools
-import os
-import platform
-import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from math import ceil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
-from cbgen import __version__
-from cbgen.config import JobConfig
-from cbgen.distributed import LOAD, EngineSpec, TensorParallel
-from cbgen.engine import Completion, Engine
-from cbgen.errors import CbgenError, ExitCode
-from cbgen.inputs import open_reader
-from cbgen.model import PER_SEQUENCE, LoadedModel, ModelSource, load_model, resolve_source
-from cbgen.outputs import open_writer
-from cbgen.outputs.openai import batch_line
-from cbgen.outputs.rundir import (
-    MANIFEST_FILE,
-    DoneIndex,
-    input_identity,
-    open_run_directory,
-    read_json,
-    write_json_atomic,
-)
+from cbgen.config import JobConfig, page_size
+from cbgen.errors import CbgenError
+from cbgen.inputs import Reader, open_reader
+from cbgen.model.source import ModelSource, resolve_source
+from cbgen.outputs.manifest import job_fingerprint, write_manifest
+from cbgen.outputs.rundir import MANIFEST_FILE, DoneIndex, open_run_directory, read_json, read_stored_run
 from cbgen.outputs.writers import shard_paths
-from cbgen.prompts import Renderer, Request, prefix_aware_order
-from cbgen.records import PromptRecord
-from cbgen.sampling import SamplingPlan
+from cbgen.progress import NullProgress, ProgressSink, plural
+from cbgen.prompts import LOOKAHEAD
+from cbgen.records import PromptRecord, Request
+from cbgen.sharding import Sharding, resolve_sharding, shard_directory, shard_of
+from cbgen.summary import RunSummary, Status
 
-LOOKAHEAD = 1024  # requests rendered ahead: sizes the KV cache and is the window of the prefix-aware order
-
-# CPU defaults, measured on a 2-core AVX-512/AMX machine with SmolLM2-135M in bf16, 64 x (128 + 64) tokens
-# (benchmarks/cpu_tuning.py, README "Performance"). With cbgen's per-sequence attention, larger decode batches win
-# (540 tok/s at 64 requests per batch vs 356 at 16); transformers' stock paged|sdpa path attends over every
-# request's KV at once, so there a smaller batch is faster (DESIGN.md: 341 vs 195 tok/s at 16 vs 64).
-CPU_BATCHING_DEFAULTS = {
-    "per-sequence": {"max_requests_per_batch": 64, "max_batch_tokens": 1024},
-    "stock": {"max_requests_per_batch": 16, "max_batch_tokens": 1024},
-}
-KV_MEMORY_SHARE = 0.25  # on CPU, the KV cache cbgen sizes never takes more than this share of available RAM
-
-
-class ProgressSink(Protocol):
-    """What a job reports as it goes. The CLI turns these calls into a Rich display or plain log lines."""
-
-    def stage(self, message: str) -> None: ...
-    def start(self, total: int | None, unit: str = "sequences") -> None: ...
-    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
-    def finish(self) -> None: ...
-
-
-class NullProgress:
-    def stage(self, message: str) -> None: ...
-    def start(self, total: int | None, unit: str = "sequences") -> None: ...
-    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
-    def finish(self) -> None: ...
-
-
-class Status:
-    COMPLETE = "complete"  # every request of the input (or of this shard) is in the output
-    STOPPED = "stopped"  # SIGTERM or Ctrl-C: resumable
-    TOO_MANY_ERRORS = "stopped after too many errors"  # --max-errors: resumable
-
-
-@dataclass
-class RunSummary:
-    """What a run did, counting the requests earlier runs of the same job already wrote; the core of run.json."""
-
-    output_dir: Path
-    model: str
-    shard: tuple[int, int] | None = None
-    status: str = Status.COMPLETE
-    requests: int = 0
-    failed_requests: int = 0
-    sequences: int = 0
-    failed: int = 0  # sequences
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    resumed_requests: int = 0  # requests already done when this run started
-    run_generated_tokens: int = 0  # generated by this run, for its throughput
-    run_prompt_tokens: int = 0
-    run_requests: int = 0
-    shards: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    kv_cache: dict[str, Any] = field(default_factory=dict)
-    engine_restarts: int = 0
-    attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
-    sampling: dict[str, Any] = field(default_factory=dict)  # per-request sampler stages, from the rows' settings
-    input_notices: dict[str, int] = field(default_factory=dict)  # input fields that could not apply, with counts
-
-    def add_done(self, done: DoneIndex) -> None:
-        self.requests += done.requests
-        self.sequences += done.sequences
-        self.failed += done.failed
-        self.failed_requests += done.failed_requests
-        self.prompt_tokens += done.prompt_tokens
-        self.generated_tokens += done.generated_tokens
-
-    def add_request(self, group: list[Completion]) -> int:
-        """Counts one finished request; returns how many of its sequences failed."""
-        failed = sum(c.finish_reason == "error" for c in group)
-        generated = sum(len(c.token_ids) for c in group)
-        self.requests += 1
-        self.run_requests += 1
-        self.failed_requests += failed > 0
-        self.sequences += len(group)
-        self.failed += failed
-        self.prompt_tokens += group[0].num_prompt_tokens
-        self.run_prompt_tokens += group[0].num_prompt_tokens
-        self.generated_tokens += generated
-        self.run_generated_tokens += generated
-        return failed
-
-    @property
-    def succeeded(self) -> int:
-        """Sequences that did not fail."""
-        return self.sequences - self.failed
-
-    @property
-    def exit_code(self) -> ExitCode:
-        if self.status == Status.STOPPED:
-            return ExitCode.STOPPED
-        if self.status == Status.TOO_MANY_ERRORS:
-            return ExitCode.TOO_MANY_ERRORS
-        return ExitCode.SOME_FAILED if self.failed else ExitCode.OK
-
-    @property
-    def generation_seconds(self) -> float:
-        return self.timings.get("generation_s", 0.0)
-
-    def throughput(self) -> dict[str, float]:
-        """This run's rates (requests resumed from earlier runs are not counted)."""
-        seconds = self.generation_seconds or float("nan")
-        return {
-            "generated_tokens_per_s": round(self.run_generated_tokens / seconds, 2),
-            "total_tokens_per_s": round((self.run_generated_tokens + self.run_prompt_tokens) / seconds, 2),
-            "requests_per_s": round(self.run_requests / seconds, 3),
-        }
-
-
-def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan | None = None):
-    """The GenerationConfig for the job. Starts from transformers' defaults, not the model's generation_config: a
-    job's sampling is exactly what its configuration (and its rows, see cbgen.sampling) says. End-of-sequence
-    tokens come from the model and tokenizer, plus --stop-token-ids."""
-    from transformers import GenerationConfig
-
-    g = job.generation
-    if plan is None:
-        plan = SamplingPlan.build(job, set(), loaded.model.config.get_text_config().vocab_size)
-    eos = set(job.generation.stop_token_ids)
-    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        eos.update([value] if isinstance(value, int) else (value or []))
-    pad = getattr(loaded.tokenizer, "pad_token_id", None)
-    config = GenerationConfig(
-        max_new_tokens=g.max_new_tokens,
-        num_return_sequences=g.num_return_sequences,
-        eos_token_id=sorted(eos) if eos else None,
-        pad_token_id=pad if pad is not None else (min(eos) if eos else None),
-        **plan.generation_fields(),
-    )
-    return config, eos
-
-
-def available_memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def kv_bytes_per_block(model_config, page_size: int, dtype_bytes: int) -> int:
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers * 2 * heads * head_dim * page_size * dtype_bytes
-
-
-def plan_batching(
-    job: JobConfig, loaded: LoadedModel, longest_prompt: int, max_positions: int | None, total: int | None = None,
-    *, max_new_tokens: int | None = None, n: int | None = None,
-) -> tuple[dict[str, Any], int, dict[str, Any]]:
-    """The ContinuousBatchingConfig fields, the in-flight window and a record of how the KV cache was sized.
-
-    On CPU the engine's default cache takes a share of *system RAM* (measured: 10 GB for one request on SmolLM2 and
-    13 s of warm-up), so unless the user sized it, cbgen gives it room for the window of requests it keeps in flight:
-    each as long as the longest prompt seen in the first rows plus max_new_tokens.
-    """
-    batching = dict(job.batching)
-    on_cpu = loaded.device == "cpu"
-    if on_cpu:
-        from cbgen.attention import cpu_attention_available
-
-        per_sequence = per_sequence_choice(job, loaded) != "off" and cpu_attention_available(loaded.model)
-        for key, value in CPU_BATCHING_DEFAULTS["per-sequence" if per_sequence else "stock"].items():
-            batching.setdefault(key, value)
-    window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", 256)
-    page_size = batching.get("page_size", 256)
-    max_new_tokens = max_new_tokens or job.generation.max_new_tokens  # the largest a request read ahead asks for
-    n = n or job.generation.num_return_sequences
-    per_request = longest_prompt + max_new_tokens
-    if max_positions:
-        per_request = min(per_request, max_positions)
-    sizing: dict[str, Any] = {"page_size": page_size, "max_in_flight": window}
-    if "num_blocks" in batching:
-        sizing["chosen_by"] = "user (num_blocks)"
-    elif "max_memory_percent" in batching or not on_cpu:
-        sizing["chosen_by"] = "transformers, from max_memory_percent of free device memory"
-    else:
-        in_flight = min(window, total) if total else window
-        blocks_per_request = ceil(per_request / page_size) + 1
-        num_blocks = in_flight * n * blocks_per_request
-        # the engine also plans, per cached token, activations and an attention-mask column: about a quarter more
-        block_bytes = kv_bytes_per_block(loaded.model.config, page_size, loaded.dtype.itemsize)
-        planned_bytes = block_bytes * 5 // 4
-        available = available_memory_bytes()
-        reason = (
-            f"{in_flight} requests in flight x {n} sequences x "
-            f"{blocks_per_request} blocks ({longest_prompt} prompt tokens, the longest of the first {LOOKAHEAD} rows, "
-            f"+ {max_new_tokens} new)"
-        )
-        if available and num_blocks * planned_bytes > KV_MEMORY_SHARE * available:
-            num_blocks = max(blocks_per_request, int(KV_MEMORY_SHARE * available // planned_bytes))
-            reason += f"; capped at {KV_MEMORY_SHARE:.0%} of available memory"
-        batching["num_blocks"] = num_blocks
-        # transformers checks the cache against a share of free memory (0.6 on CPU); cbgen has already bounded it
-        batching.setdefault("max_memory_percent", 0.9)
-        sizing.update(chosen_by="cbgen", reason=reason, bytes=num_blocks * block_bytes)
-    return batching, window, sizing
-
-
-class RequestSettings:
-    """Gives a rendered request its own settings: the row's (checked when read) over the job's."""
-
-    def __init__(self, job: JobConfig, plan: SamplingPlan) -> None:
-        self.job = job
-        self.plan = plan
-
-    def __call__(self, request: Request) -> Request:
-        settings = request.record.settings
-        if request.error is not None or not settings and not self.job.generation.stop:
-            return request
-        g = self.job.generation
-        n = settings.get("n")
-        if n is not None and n != g.num_return_sequences and g.num_return_sequences > 1:
-            request.error = (f"the row asks for n={n}, the job for {g.num_return_sequences} sequences per prompt "
-                             "(-n): rows may ask for their own n only when the job asks for one")
-            return request
-        sampling = self.plan.request_kwargs(settings)
-        if isinstance(sampling, str):
-            request.error = sampling
-            return request
-        request.sampling = sampling
-        request.n = n
-        request.max_new_tokens = settings.get("max_new_tokens")
-        request.stop = tuple(dict.fromkeys([*g.stop, *settings.get("stop", ())]))
-        return request
-
-
-class OutputRows:
-    """Turns a finished request's sequences into what the writer stores: a row per sequence, or one OpenAI batch
-    output line per request."""
-
-    def __init__(self, job: JobConfig, loaded: LoadedModel, model_name: str, logprobs: bool) -> None:
-        self.job = job
-        self.tokenizer = loaded.tokenizer
-        self.model_name = model_name
-        self.logprobs = logprobs
-
-    def text(self, completion: Completion) -> str | None:
-        if completion.finish_reason == "error":
-            return None
-        if completion.text is not None:
-            return completion.text
-        return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-
-    def wants_logprobs(self, completion: Completion) -> bool:
-        return self.job.generation.logprobs or bool(completion.request.record.settings.get("logprobs"))
-
-    def __call__(self, group: list[Completion]) -> list[dict[str, Any]]:
-        if self.job.output.format == "openai":
-            return [self.openai_line(group)]
-        return [self.row(completion) for completion in group]
-
-    def row(self, completion: Completion) -> dict[str, Any]:
-        row: dict[str, Any] = {
-            "id": completion.request.record.id,
-            "sample_index": completion.sample_index,
-            "text": self.text(completion),
-            "token_ids": completion.token_ids,
-            "num_prompt_tokens": completion.num_prompt_tokens,
-            "num_generated_tokens": len(completion.token_ids),
-            "finish_reason": completion.finish_reason,
-            "error": completion.error,
-        }
-        if self.logprobs:
-            row["logprobs"] = (completion.logprobs or []) if self.wants_logprobs(completion) else None
-        for name in self.job.input.keep_columns:
-            row[name] = completion.request.record.kept.get(name)
-        return row
-
-    def openai_line(self, group: list[Completion]) -> dict[str, Any]:
-        first = group[0]
-        record = first.request.record
-        failed = next((c for c in group if c.finish_reason == "error"), None)
-        if failed is not None:
-            return batch_line(record.id, record.endpoint, [], model=self.model_name, prompt_tokens=0,
-                              error=failed.error, input_error=failed.rejected)
-        choices = []
-        for completion in group:
-            choice = {"text": self.text(completion), "token_ids": completion.token_ids,
-                      "finish_reason": completion.finish_reason}
-            if self.wants_logprobs(completion) and completion.logprobs is not None:
-                choice["logprobs"] = completion.logprobs
-                choice["tokens"] = [self.tokenizer.decode([t]) for t in completion.token_ids]
-            choices.append(choice)
-        return batch_line(record.id, record.endpoint, choices, model=self.model_name,
-                          prompt_tokens=first.num_prompt_tokens)
-
-
-def package_versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    return {
-        "cbgen": __version__,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | None, batching: dict) -> Path:
-    """Writes run.json atomically (temporary name, then rename)."""
-    manifest = {
-        "cbgen_version": __version__,
-        "status": summary.status,
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": sys.argv,
-        "shard": {"index": summary.shard[0], "count": summary.shard[1]} if summary.shard else None,
-        "model": {
-            "name": summary.model,
-            "device": loaded.device if loaded else None,
-            "dtype": str(loaded.dtype).removeprefix("torch.") if loaded else None,
-            "attn_implementation": loaded.attn_implementation if loaded else None,
-            "cache": loaded.cache if loaded else None,
-            "random_weights": loaded.random_weights if loaded else None,
-        },
-        "attention": summary.attention,
-        "config": job.to_dict(),
-        "continuous_batching": batching,
-        "kv_cache": summary.kv_cache,
-        "versions": package_versions(),
-        "counts": {
-            "requests": summary.requests,
-            "failed_requests": summary.failed_requests,
-            "sequences": summary.sequences,
-            "succeeded": summary.succeeded,
-            "failed": summary.failed,
-            "prompt_tokens": summary.prompt_tokens,
-            "generated_tokens": summary.generated_tokens,
-            "resumed_requests": summary.resumed_requests,
-        },
-        "engine_restarts": summary.engine_restarts,
-        "sampling": summary.sampling,
-        "input_notices": summary.input_notices,
-        "timings": summary.timings,
-        "throughput": summary.throughput(),
-        "shards": summary.shards,
-    }
-    path = summary.output_dir / MANIFEST_FILE
-    write_json_atomic(path, manifest)
-    return path
-
-
-def resolve_sharding(job: JobConfig, env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
-    """(shard index, number of shards) from the flags, else from a Slurm array's variables, else None.
-
-    Slurm numbers array tasks from SLURM_ARRAY_TASK_MIN in steps of SLURM_ARRAY_TASK_STEP (`--array=1-8` or
-    `--array=0-14:2`), so the index is (TASK_ID - TASK_MIN) / TASK_STEP.
-    """
-    if job.run.num_shards is not None:
-        return (job.run.shard_index, job.run.num_shards) if job.run.num_shards > 1 else None
-    if "SLURM_ARRAY_TASK_COUNT" not in env or "SLURM_ARRAY_TASK_ID" not in env:
-        return None
-    try:
-        count = int(env["SLURM_ARRAY_TASK_COUNT"])
-        task, first = int(env["SLURM_ARRAY_TASK_ID"]), int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-        step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
-    except ValueError:
-        raise CbgenError(
-            "the SLURM_ARRAY_TASK_* variables are not integers; pass --num-shards and --shard-index"
-        ) from None
-    index = (task - first) // step
-    if not 0 <= index < count:
-        raise CbgenError(f"Slurm array task {task} is outside its array (min {first}, step {step}, count {count}); "
-                         "pass --num-shards and --shard-index")
-    return (index, count) if count > 1 else None
-
-
-def shard_of(request_id: str, num_shards: int) -> int:
-    """The shard a request belongs to: a stable hash of its id (the same on every machine and Python run)."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest(), "big") % num_shards
-
-
-def shard_directory(base: Path, sharding: tuple[int, int] | None) -> Path:
-    return base if sharding is None else base / f"shard-{sharding[0]:05d}-of-{sharding[1]:05d}"
-
-
-def model_identity(source: ModelSource) -> dict[str, Any]:
-    """What makes a model the same model for a resume: a GGUF file's name and size, a folder's config.json
-    hash, a random-weights shape (and its config file's hash), a hub id's name."""
-    if source.random_weights:
-        path = Path(source.location)
-        config = {"config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path.is_file() else {}
-        return {"random_weights": source.location} | config
-    if source.gguf_file:
-        path = Path(source.location) / source.gguf_file
-        return {"gguf": source.gguf_file, "bytes": path.stat().st_size}
-    config = Path(source.location) / "config.json"
-    if config.is_file():
-        return {"folder_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
-    return {"hub_id": source.location}
-
-
-def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
-    """The settings that change what a run writes. Batching and run settings change speed, not results, so a
-    resume may change them; bf16 greedy tokens can still drift with batch composition (see the README)."""
-    g, i = job.generation, job.input
-    return {
-        "model": model_identity(source),
-        "dtype": job.model.dtype,
-        "input": input_identity(i.path),
-        "prompt_column": i.prompt_column,
-        "id_column": i.id_column,
-        "keep_columns": list(i.keep_columns),
-        "raw_prompts": i.raw_prompts,
-        "input_format": i.format,
-        "split": i.split,
-        "subset": i.subset,
-        "generation": {**dataclasses.asdict(g), "do_sample": job.do_sample},
-        "output_format": job.output.format,
-        "shard": list(sharding) if sharding else None,
-    }
+if TYPE_CHECKING:
+    from cbgen.distributed import TensorParallel
+    from cbgen.engine.engine import Engine
+    from cbgen.model.load import LoadedModel
+    from cbgen.outputs.rows import OutputRows
+    from cbgen.outputs.writers import ShardWriter
 
 
 def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None,
@@ -466,146 +51,177 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
     With `tp` (cbgen.distributed), this is rank 0 of a tensor-parallel job: the other ranks run `follow`.
     Raises CbgenError for problems the user can fix."""
     try:
-        return _run_job(job, progress, stop, tp)
+        return _run_job(job, progress or NullProgress(), stop or threading.Event(), tp)
     finally:
         if tp is not None:
             tp.release()  # followers waiting for a model to load or an engine to join go home
 
 
-def _run_job(job: JobConfig, progress: ProgressSink | None, stop: threading.Event | None,
-             tp: TensorParallel | None) -> RunSummary:
-    progress = progress or NullProgress()
-    stop = stop or threading.Event()
+def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: TensorParallel | None) -> RunSummary:
     started = time.perf_counter()
     if job.input.path is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
-    reader = open_reader(
-        job.input.path,
-        prompt_column=job.input.prompt_column,
-        id_column=job.input.id_column,
-        keep_columns=job.input.keep_columns,
-        input_format=job.input.format,
-        split=job.input.split,
-        subset=job.input.subset,
-    )
-    source = resolve_source(job.model.model)
     sharding = resolve_sharding(job)
     out_dir = shard_directory(Path(job.output.dir), sharding)
+    stored = read_stored_run(out_dir) if out_dir.is_dir() and not job.output.overwrite else None
+    # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
+    reader = open_input(job, detect_id=stored is None or stored.detects_ids)
+    source = resolve_source(job.model.model)
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
-    stored_job = job.to_dict()
-    if Path(job.input.path).exists():  # so that `cbgen status` and `cbgen merge` find it from any directory
-        stored_job["input"]["path"] = str(Path(job.input.path).resolve())
-    lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job, job.output.overwrite)
+    ids = {"column": reader.id_column, "chosen_by": reader.id_choice}
+    lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job(job), ids,
+                                    job.output.overwrite)
     with lock:
-        return _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, started, tp)
+        summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding, ids=ids)
+        summary.add_done(done)
+        return _Run(job, reader, source, sharding, done, summary, progress, stop, started, tp).execute()
 
 
-def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, started, tp) -> RunSummary:
-    n = job.generation.num_return_sequences
-    summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding)
-    summary.resumed_requests = done.requests
-    summary.add_done(done)
+def open_input(job: JobConfig, *, detect_id: bool = True) -> Reader:
+    """The reader for the job's input, with the job's input settings."""
+    i = job.input
+    return open_reader(i.path, prompt_column=i.prompt_column, id_column=i.id_column, keep_columns=i.keep_columns,
+                       input_format=i.format, split=i.split, subset=i.subset, detect_id=detect_id)
 
-    def wanted(record: PromptRecord) -> bool:
-        if sharding is not None and shard_of(record.id, sharding[1]) != sharding[0]:
+
+def stored_job(job: JobConfig) -> dict:
+    """The configuration kept beside the fingerprint, with the input's absolute path, so that `cbgen status` and
+    `cbgen merge` find it from any directory."""
+    stored = job.to_dict()
+    if Path(job.input.path).exists():
+        stored["input"]["path"] = str(Path(job.input.path).resolve())
+    return stored
+
+
+@dataclass
+class _Run:
+    """One run of a job on its locked output directory."""
+
+    job: JobConfig
+    reader: Reader
+    source: ModelSource
+    sharding: Sharding | None
+    done: DoneIndex
+    summary: RunSummary
+    progress: ProgressSink
+    stop: threading.Event
+    started: float
+    tp: TensorParallel | None
+    used: set[str] = field(default_factory=set)  # row settings the input uses
+
+    def execute(self) -> RunSummary:
+        total = self._count_pending()
+        if total == 0:
+            return self._nothing_left()
+        self.reader.on_notice = lambda message: self.progress.stage(f"note: {message}")  # said once each
+        loaded = self._load_model()
+        engine, ordered, rows = self._prepare(loaded, total)
+        writer = self._open_writer(rows.logprobs)
+        with writer:
+            self._generate(engine, ordered, writer, rows, total)
+        self._finish(engine, loaded)
+        return self.summary
+
+    def wanted(self, record: PromptRecord) -> bool:
+        """Whether this run should generate `record`: in this shard, and not done by an earlier run."""
+        if self.sharding is not None and shard_of(record.id, self.sharding[1]) != self.sharding[0]:
             return False
-        return record.id not in done.ids
+        return record.id not in self.done.ids
 
-    if sharding is not None or done.ids:
-        total = sum(1 for record in reader if wanted(record)) if job.input.path != "-" else None
-    else:
-        total = reader.count()
-    if done.requests:
-        progress.stage(f"resuming: {done.requests} requests already done in {out_dir}, {total} to go")
-    if total == 0:
-        progress.stage("nothing left to do")
-        manifest = read_json(out_dir / MANIFEST_FILE)
-        if manifest is None:
-            write_manifest(summary, job, None, {})
-        elif manifest.get("status") != Status.COMPLETE:  # stopped just after its last request: it is complete now
-            write_json_atomic(out_dir / MANIFEST_FILE, manifest | {"status": Status.COMPLETE})
-        summary.timings["total_s"] = round(time.perf_counter() - started, 3)
-        return summary
-
-    reader.on_notice = lambda message: progress.stage(f"note: {message}")  # fields that cannot apply, said once
-    progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
-    if tp is not None:
-        tp.share(LOAD)
-    loaded = load_model(job.model, tp)
-    summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
-    text_config = loaded.model.config.get_text_config()
-    max_positions = getattr(text_config, "max_position_embeddings", None)
-    renderer = Renderer(loaded.tokenizer, vocab_size=text_config.vocab_size, raw_prompts=job.input.raw_prompts)
-
-    progress.stage("rendering prompts")
-    requests = renderer.render_all(record for record in reader if wanted(record))
-    head: list[Request] = list(itertools.islice(requests, LOOKAHEAD))
-    used = reader.settings_present()
-    if used is None:  # stdin: what the rows read ahead use
-        used = {name for r in head for name in r.record.settings}
-    plan = SamplingPlan.build(job, used, text_config.vocab_size)
-    logprobs = job.generation.logprobs or "logprobs" in used
-    generation_config, eos = build_generation_config(job, loaded, plan)
-    prepare = RequestSettings(job, plan)
-    head = [prepare(r) for r in head]
-    longest = max((len(r.input_ids) for r in head if r.input_ids), default=1)
-    longest_new = max([job.generation.max_new_tokens, *(r.max_new_tokens or 0 for r in head)])
-    most_n = max([job.generation.num_return_sequences, *(r.n or 0 for r in head)])
-    batching, window, summary.kv_cache = plan_batching(job, loaded, longest, max_positions, total,
-                                                       max_new_tokens=longest_new, n=most_n)
-    cb_config = make_cb_config(batching, job, logprobs=logprobs, per_request=plan.per_request)
-
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    hints = WorkloadHints(max_prompt_length=longest, max_generated_length=longest_new,
-                          num_requests=(total or window) * n)
-    attention = per_sequence_choice(job, loaded)
-    if tp is not None:  # the followers build the very same manager (the manager may change what it is given)
-        tp.share(EngineSpec(copy.deepcopy(generation_config), copy.deepcopy(cb_config), hints, attention))
-    engine = Engine(
-        loaded.model,
-        generation_config,
-        cb_config,
-        max_in_flight=window,
-        max_new_tokens=job.generation.max_new_tokens,
-        num_return_sequences=n,
-        eos_token_ids=eos,
-        max_positions=max_positions,
-        workload_hints=hints,
-        request_timeout=job.run.request_timeout,
-        prefix_gating=job.run.prefix_gating,
-        per_sequence_attention=attention,
-        decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
-        restartable=tp is None,
-    )
-    ordered = prefix_aware_order(
-        itertools.chain(head, map(prepare, requests)), key_tokens=batching.get("page_size", 256), lookahead=LOOKAHEAD,
-        default_max_new_tokens=job.generation.max_new_tokens,
-    )
-    writer = open_writer(
-        job.output.format,
-        out_dir,
-        rows_per_shard=job.output.rows_per_shard,
-        logprobs=logprobs,
-        kept_names=job.input.keep_columns,
-        kept_schema=reader.kept_schema,
-        first_shard=done.next_shard,
-    )
-    to_lines = OutputRows(job, loaded, source.name, logprobs)
-    with writer:
-        progress.stage("starting the engine")
-        by_request = "n" in used  # rows with their own n: count requests, whose total is known
-        if by_request:
-            progress.start(total, "requests")
+    def _count_pending(self) -> int | None:
+        if self.sharding is not None or self.done.ids:
+            total = sum(1 for record in self.reader if self.wanted(record)) if self.job.input.path != "-" else None
         else:
-            progress.start(total * n if total is not None else None)
-        generation_started = last_commit = time.perf_counter()
+            total = self.reader.count()
+        if self.done.requests:
+            self.progress.stage(f"resuming: {plural(self.done.requests, 'request')} already done in "
+                                f"{self.summary.output_dir}, {total} to go")
+        return total
+
+    def _nothing_left(self) -> RunSummary:
+        self.progress.stage("nothing left to do")
+        path = self.summary.output_dir / MANIFEST_FILE
+        manifest = read_json(path)
+        if manifest is None:
+            write_manifest(self.summary, self.job, None, {})
+        elif manifest.get("status") != Status.COMPLETE:  # stopped just after its last request: it is complete now
+            from cbgen.files import write_json_atomic
+
+            write_json_atomic(path, manifest | {"status": Status.COMPLETE})
+        self.summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
+        return self.summary
+
+    def _load_model(self) -> LoadedModel:
+        from cbgen.distributed import LOAD
+        from cbgen.model.load import load_model
+
+        tp = self.tp
+        self.progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
+        if tp is not None:
+            tp.share(LOAD)
+        loaded = load_model(self.job.model, tp)
+        self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
+        return loaded
+
+    def _prepare(self, loaded: LoadedModel, total: int | None) -> tuple[Engine, Iterator[Request], OutputRows]:
+        """Renders the prompts read ahead, plans the engine from them, and lines up the rest behind them."""
+        from cbgen.engine.engine import Engine
+        from cbgen.engine.plan import Workload, plan_engine
+        from cbgen.outputs.rows import OutputRows
+        from cbgen.prompts import Renderer, prefix_aware_order
+        from cbgen.request_settings import RequestSettings
+        from cbgen.sampling import SamplingPlan
+
+        job = self.job
+        vocab_size = loaded.model.config.get_text_config().vocab_size
+        renderer = Renderer(loaded.tokenizer, vocab_size=vocab_size, raw_prompts=job.input.raw_prompts)
+        self.progress.stage("rendering prompts")
+        requests = renderer.render_all(record for record in self.reader if self.wanted(record))
+        head = list(itertools.islice(requests, LOOKAHEAD))
+        used = self.reader.settings_present()
+        self.used = {name for r in head for name in r.record.settings} if used is None else used  # None: stdin
+        sampling = SamplingPlan.build(job, self.used, vocab_size)
+        logprobs = job.generation.logprobs or "logprobs" in self.used
+        prepare = RequestSettings(job, sampling)
+        head = [prepare(r) for r in head]
+        plan = plan_engine(job, loaded, Workload.of(job, head, total), sampling, logprobs)
+        self.summary.kv_cache = plan.kv_cache
+        self.summary.sampling = {"per_request": sampling.per_request, "stages": sorted(sampling.stages),
+                                 "row_settings": sorted(self.used)}
+        if self.tp is not None:  # the followers build the very same manager
+            self.tp.share(copy.deepcopy(plan.spec))
+        decode = lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        engine = Engine(loaded.model, plan.engine_settings(job, decode=decode, restartable=self.tp is None))
+        ordered = prefix_aware_order(itertools.chain(head, map(prepare, requests)), key_tokens=page_size(plan.batching),
+                                     lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)
+        return engine, ordered, OutputRows(job, loaded.tokenizer, self.source.name, logprobs)
+
+    def _open_writer(self, logprobs: bool) -> ShardWriter:
+        from cbgen.outputs.writers import open_writer
+
+        output = self.job.output
+        return open_writer(output.format, self.summary.output_dir, rows_per_shard=output.rows_per_shard,
+                           logprobs=logprobs, kept_names=self.job.input.keep_columns,
+                           kept_schema=self.reader.kept_schema, first_shard=self.done.next_shard)
+
+    def _generate(self, engine: Engine, ordered: Iterator[Request], writer: ShardWriter, rows: OutputRows,
+                  total: int | None) -> None:
+        """Writes each request's rows as it finishes, commits on time, and stops on a signal or too many errors."""
+        job, summary, stop = self.job, self.summary, self.stop
+        n = job.generation.num_return_sequences
+        by_request = "n" in self.used  # rows with their own n: count requests, whose total is known
+        self.progress.stage("starting the engine")
+        if by_request:
+            self.progress.start(total, "request")
+        else:
+            self.progress.start(total * n if total is not None else None, "sequence")
+        started = last_commit = time.perf_counter()
         for group in engine.run(ordered, stop):
-            writer.write_group(to_lines(group))
+            writer.write_group(rows(group))
             failed = summary.add_request(group)
-            progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens,
-                             sum(len(c.token_ids) for c in group), failed)
+            self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens,
+                                  sum(len(c.token_ids) for c in group), failed)
             if time.perf_counter() - last_commit >= job.run.commit_interval:
                 writer.commit()
                 last_commit = time.perf_counter()
@@ -614,48 +230,15 @@ def _run_locked(job, reader, source, sharding, out_dir, done, progress, stop, st
                 stop.set()
         if stop.is_set() and summary.status == Status.COMPLETE:
             summary.status = Status.STOPPED
-        summary.timings["generation_s"] = round(time.perf_counter() - generation_started, 3)
-    summary.input_notices = dict(reader.notices)
-    summary.sampling = {"per_request": plan.per_request, "stages": sorted(plan.stages),
-                        "row_settings": sorted(used)}
-    progress.finish()
-    summary.shards = [p.name for _, p in shard_paths(out_dir)]
-    summary.engine_restarts = engine.stats.restarts
-    summary.attention = engine.stats.attention
-    summary.kv_cache.update(num_blocks=engine.stats.num_blocks)
-    summary.timings["total_s"] = round(time.perf_counter() - started, 3)
-    write_manifest(summary, job, loaded, dict(engine.stats.resolved_config))
-    return summary
+        summary.timings["generation_s"] = round(time.perf_counter() - started, 3)
 
-
-def per_sequence_choice(job: JobConfig, loaded: LoadedModel) -> str:
-    """Whether the engine uses cbgen's per-sequence attention: asked for by name (then it must apply), by default
-    on CPU (where it applies), never when another implementation was named."""
-    if job.model.attn_implementation == PER_SEQUENCE:
-        from cbgen.attention import cpu_attention_unavailable_reason
-
-        reason = cpu_attention_unavailable_reason(loaded.model)
-        if reason:
-            raise CbgenError(f"--attn-implementation {PER_SEQUENCE} does not apply here: {reason}; use sdpa")
-        return "required"
-    if job.model.attn_implementation is None and loaded.device == "cpu":
-        return "auto"
-    return "off"
-
-
-def make_cb_config(batching: dict[str, Any], job: JobConfig, *, logprobs: bool | None = None,
-                   per_request: bool = False):
-    """The ContinuousBatchingConfig: the user's batching fields and cbgen's choices, plus the generation-side ones
-    (logprobs when the job or a row asks for them, per-request samplers when rows carry their own settings)."""
-    from transformers.generation import ContinuousBatchingConfig
-
-    fields = dict(batching)
-    fields["return_logprobs"] = job.generation.logprobs if logprobs is None else logprobs
-    if per_request:
-        fields["per_request_processors"] = True
-    if job.generation.seed is not None:
-        fields["seed"] = job.generation.seed
-    try:
-        return ContinuousBatchingConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise CbgenError(f"batching: {e}") from None
+    def _finish(self, engine: Engine, loaded: LoadedModel) -> None:
+        summary = self.summary
+        summary.input_notices = dict(self.reader.notices)
+        self.progress.finish()
+        summary.shards = [p.name for _, p in shard_paths(summary.output_dir)]
+        summary.engine_restarts = engine.stats.restarts
+        summary.attention = engine.stats.attention
+        summary.kv_cache.update(num_blocks=engine.stats.num_blocks)
+        summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
+        write_manifest(summary, self.job, loaded, dict(engine.stats.resolved_config))

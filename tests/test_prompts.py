@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from cbgen.prompts import Renderer, Request, prefix_aware_order
-from cbgen.records import PromptRecord
+from cbgen.prompts import Renderer, prefix_aware_order
+from cbgen.records import PromptRecord, Request
 
 
 def request(i: int, ids: list[int] | None, error: str | None = None) -> Request:

@@ -8,7 +8,7 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.config import JobConfig
-from cbgen.inputs.base import RowError
+from cbgen.errors import RowError
 from cbgen.inputs.settings import parse_settings
 from cbgen.outputs import read_shards
 from cbgen.sampling import SamplingPlan

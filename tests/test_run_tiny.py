@@ -102,7 +102,7 @@ def test_several_sequences_per_prompt(tiny_model_dir, chat_file, tmp_path):
     rows = list(read_shards(out))
     assert len(rows) == 3 * len(CHATS)
     for i in range(len(CHATS)):
-        assert sorted(r["sample_index"] for r in rows if r["id"] == str(i)) == [0, 1, 2]
+        assert sorted(r["sample_index"] for r in rows if r["id"] == f"q{i}") == [0, 1, 2]
 
 
 def test_bad_rows_become_error_records_and_good_rows_all_answered(tiny_model_dir, tmp_path):
@@ -146,9 +146,9 @@ def test_impossible_requests_are_rejected_before_admission(tiny_model_dir, tmp_p
 def test_a_dead_generation_loop_is_restarted_without_losing_work(tiny_model_dir, tmp_path, monkeypatch):
     """If a request that cannot fit reaches the engine anyway, its loop dies: cbgen fails what was in flight,
     restarts it, and answers everything else."""
-    from cbgen.engine import Engine
+    from cbgen.engine.admission import Limits
 
-    monkeypatch.setattr(Engine, "never_fits", lambda self, request: None)
+    monkeypatch.setattr(Limits, "never_fits", lambda self, request: None)
     rows = [{"input_ids": [5] * 10}, {"input_ids": [7] * 200}, {"input_ids": [8] * 12}, {"input_ids": [9] * 9}]
     out = tmp_path / "out"
     code = cbgen(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", rows), "-o", out, "--max-new-tokens", 4,

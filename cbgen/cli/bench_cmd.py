@@ -52,7 +52,7 @@ def bench(
     )
     from cbgen.config import ModelSection, check_value
     from cbgen.errors import CbgenError
-    from cbgen.model import load_model
+    from cbgen.model.load import load_model
 
     chosen_paths = _split(paths)
     unknown = [p for p in chosen_paths if p not in PATHS]

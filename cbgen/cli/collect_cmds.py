@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Optional
 
 import typer
@@ -15,39 +16,45 @@ InputOverride = Annotated[
     typer.Option("--input", help="The job's input file, if it has moved since the run (or was read from stdin).",
                  metavar="FILE"),
 ]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead, for scripts.")]
+
+_STATE_WORDS = {"incomplete": "incomplete: run it again to resume"}
 
 
 def status(
     directory: Annotated[str, typer.Argument(help="The job's output directory (-o of cbgen run).")],
     input_path: InputOverride = None,
+    as_json: AsJson = False,
 ):
     """Report done / failed / remaining requests of a job, shard by shard.
 
     Exit code 0 when every request is done, 1 when some are not (or failed), 2 for a directory that holds no job.
+    With --json: {"directory", "complete", "done", "failed", "remaining", "directories": [{"directory", "shard",
+    "done", "failed", "remaining", "state"}, ...]}; remaining is null when the input cannot be read.
+
+    Example: cbgen status out/ --json | jq .remaining
     """
     from cbgen.collect import job_status
 
     rows = job_status(directory, input_path)
+    remaining = [r.remaining for r in rows]
+    total_remaining = None if None in remaining else sum(remaining)
+    incomplete = any(r.remaining != 0 or r.failed for r in rows)
+    if as_json:
+        typer.echo(json.dumps({"directory": directory, "complete": not incomplete, "done": sum(r.done for r in rows),
+                               "failed": sum(r.failed for r in rows), "remaining": total_remaining,
+                               "directories": [r.to_dict() for r in rows]}))
+        raise typer.Exit(ExitCode.SOME_FAILED if incomplete else ExitCode.OK)
     table = Table(title=f"cbgen status: {directory}", title_justify="left")
     for column in ("directory", "done", "failed", "remaining", "state"):
         table.add_column(column, justify="right" if column in ("done", "failed", "remaining") else "left")
     for row in rows:
-        if row.running:
-            state = "running"
-        elif row.remaining == 0:
-            state = "complete"
-        elif row.remaining is None or row.status == "not started":
-            state = row.status or "unknown"
-        else:
-            state = "incomplete: run it again to resume"
         table.add_row(row.path.name if row.shard else str(row.path), str(row.done), str(row.failed),
-                      "?" if row.remaining is None else str(row.remaining), state)
+                      "?" if row.remaining is None else str(row.remaining), _STATE_WORDS.get(row.state, row.state))
     if len(rows) > 1:
-        remaining = [r.remaining for r in rows]
         table.add_row("total", str(sum(r.done for r in rows)), str(sum(r.failed for r in rows)),
-                      "?" if None in remaining else str(sum(remaining)), "", style="bold")
+                      "?" if total_remaining is None else str(total_remaining), "", style="bold")
     Console().print(table)
-    incomplete = any(r.remaining != 0 or r.failed for r in rows)
     raise typer.Exit(ExitCode.SOME_FAILED if incomplete else ExitCode.OK)
 
 
@@ -60,15 +67,22 @@ def merge(
     to_dataset: Annotated[bool, typer.Option("--to-dataset", help="Write a Hugging Face dataset (open it with "
                                              "datasets.load_from_disk) instead of shards; also works on a job that "
                                              "was not split.")] = False,
+    as_json: AsJson = False,
 ):
     """Check that every input id is present exactly once across the shards of a split job, then merge them.
 
     Nothing is written when ids are missing or repeated; the message says which, and which shard to rerun.
-    Exit code 0 when merged, 1 when the shards are incomplete, 2 for a usage error.
+    Exit code 0 when merged, 1 when the shards are incomplete, 2 for a usage error. With --json: {"merged", "output",
+    "rows", "missing": {shard: [ids]}, "duplicated", "unexpected", "shards_not_started"}.
+
+    Example: cbgen merge out/ -o merged/ --json
     """
     from cbgen.collect import merge_shards
 
     report = merge_shards(directory, output, input_path, to_dataset=to_dataset)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict()))
+        raise typer.Exit(ExitCode.OK if report.complete else ExitCode.SOME_FAILED)
     console = Console(stderr=True)
     if report.complete:
         if to_dataset:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from cbgen.cli._options import ConfigFile, job_options
-from cbgen.config import CONFIG_TEMPLATE, build_config
+from cbgen.config import build_config, config_template
 from cbgen.errors import CbgenError
 
 app = typer.Typer(help="Inspect and create job configuration files.", no_args_is_help=True)
@@ -33,5 +33,5 @@ def init(
     target = Path(path)
     if target.exists() and not force:
         raise CbgenError(f"'{target}' already exists; pass --force to replace it")
-    target.write_text(CONFIG_TEMPLATE, encoding="utf-8")
+    target.write_text(config_template(), encoding="utf-8")
     typer.echo(f"wrote {target}; edit it, then: cbgen run --config {target} PROMPTS.jsonl")

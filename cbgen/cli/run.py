@@ -13,8 +13,9 @@ import typer
 from rich.console import Console
 
 from cbgen.cli._options import ConfigFile, job_options
-from cbgen.cli.progress import make_progress, summary_table
+from cbgen.cli.display import make_progress, summary_table
 from cbgen.config import build_config
+from cbgen.config.sections import help_of
 from cbgen.errors import ExitCode
 
 EPILOG = (
@@ -45,9 +46,7 @@ EPILOG = (
 def run(
     input_path: Annotated[
         Optional[str],  # noqa: UP045 (typer)
-        typer.Argument(metavar="INPUT", help="Prompts: a JSONL or Parquet file (or a folder of them), an OpenAI "
-                       "Batch API file, a Hugging Face dataset (save_to_disk folder, dataset folder or hub id); "
-                       "- reads JSONL from stdin.", show_default=False),
+        typer.Argument(metavar="INPUT", help=help_of("input", "path"), show_default=False),
     ] = None,
     config: ConfigFile = None,
     *,

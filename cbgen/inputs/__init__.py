@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cbgen.errors import CbgenError
-from cbgen.inputs.base import RESERVED_COLUMNS, Reader
+from cbgen.inputs.base import Reader
+from cbgen.inputs.checks import ROW_NUMBER
 from cbgen.inputs.jsonl import JsonlReader
 
-__all__ = ["RESERVED_COLUMNS", "JsonlReader", "Reader", "open_reader"]
+__all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_reader"]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", ".arrow")
@@ -20,14 +21,15 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub datase
 
 def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                 keep_columns: Sequence[str] = (), input_format: str = "auto", split: str | None = None,
-                subset: str | None = None) -> Reader:
+                subset: str | None = None, detect_id: bool = True) -> Reader:
     """Open the reader that fits `path` ("-" is JSONL on stdin) and `input_format`, checking up front what can be
-    checked.
+    checked. `detect_id`: without `id_column`, rows carrying an `id` field are known by it (see Reader).
 
     Raises `CbgenError` for a missing, unreadable or unsupported file, a schema without the needed columns, or a
     kept column that would clash with an output column.
     """
-    options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns)}
+    options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns),
+               "detect_id": detect_id}
     local = Path(path)
     fmt = input_format
     if fmt == "auto":

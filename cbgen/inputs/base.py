@@ -2,6 +2,9 @@
 
 Subclasses only say how raw rows are produced; ids, kept columns, prompt detection and validation live here so
 every input format behaves the same way.
+
+Ids: `--id-column NAME` names the id field; without it, rows that carry an `id` field (or column) are known by it,
+and rows that carry none by their position from 0 (`--id-column @row` asks for positions even when rows have ids).
 """
 
 from __future__ import annotations
@@ -11,41 +14,45 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cbgen.errors import CbgenError
-from cbgen.records import PromptRecord
+from cbgen.errors import CbgenError, RowError, describe_type
+from cbgen.inputs.checks import ROW_NUMBER, check_id, check_input_ids, check_messages
+from cbgen.inputs.settings import ROW_SETTINGS, parse_settings
+from cbgen.records import RESERVED_NAMES, PromptRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 PROMPT_FIELDS = ("prompt", "messages", "input_ids")
-ROLES = ("assistant", "developer", "system", "tool", "user")
-# Names the output writers use for their own columns; a kept column with one of these names would be overwritten.
-RESERVED_COLUMNS = frozenset(
-    {"id", "sample_index", "text", "token_ids", "num_prompt_tokens", "num_generated_tokens", "finish_reason",
-     "error", "logprobs"}
-)
-
-
-class RowError(ValueError):
-    """A problem with one row: the row becomes an error record and reading goes on."""
+ID_FIELD = "id"  # the field that names a row when --id-column does not
 
 
 class Reader(ABC):
-    """A streaming source of `PromptRecord`s; iterate over it to read the rows in order."""
+    """A streaming source of `PromptRecord`s; iterate over it to read the rows in order.
+
+    `detect_id`: when no id column is given, take the rows' own `id` field if they have one (subclasses call
+    `_detect_id_column` once they know the fields). Off when resuming a run that numbered its rows.
+    """
 
     def __init__(self, name: str, *, prompt_column: str | None, id_column: str | None,
-                 keep_columns: Sequence[str]) -> None:
-        reserved = [c for c in keep_columns if c in RESERVED_COLUMNS]
+                 keep_columns: Sequence[str], detect_id: bool = True) -> None:
+        reserved = [c for c in keep_columns if c in RESERVED_NAMES]
         if reserved:
             raise CbgenError(f"--keep-columns {reserved[0]!r} is a reserved output name; rename the column in "
-                             f"{name!r} (reserved: {', '.join(sorted(RESERVED_COLUMNS))})")
+                             f"{name!r} (reserved: {', '.join(sorted(RESERVED_NAMES))})")
         self._name = name
         # input fields that cannot apply, counted; `on_notice` is told each one the first time it appears
         self.notices: Counter[str] = Counter()
         self.on_notice: Callable[[str], None] | None = None
         self.prompt_column = prompt_column
-        self.id_column = id_column
+        self.detect_id = detect_id and id_column is None
+        self.id_column = None if id_column == ROW_NUMBER else id_column
+        self.id_choice = "--id-column" if self.id_column else "row number"  # how the id column was chosen
         self.keep_columns = tuple(dict.fromkeys(keep_columns))
+
+    def _detect_id_column(self, fields: Sequence[str]) -> None:
+        """Takes the rows' `id` field as their id when no id column was given and the rows carry one."""
+        if self.detect_id and ID_FIELD in fields:
+            self.id_column, self.id_choice = ID_FIELD, "the rows' own id field"
 
     def _notice(self, message: str) -> None:
         self.notices[message] += 1
@@ -91,8 +98,10 @@ class Reader(ABC):
             first = seen.setdefault(key, position)
             if first != position:
                 location, earlier = self._where(position, first)
-                raise CbgenError(f"{location}: duplicate id {key!r} ({earlier}); ids must be unique: "
-                                 "fix the file, or drop --id-column to number rows")
+                way_out = ("drop --id-column to number the rows" if self.id_choice == "--id-column"
+                           else f"pass --id-column {ROW_NUMBER} to number the rows instead")
+                raise CbgenError(f"{location}: duplicate id {key!r} ({earlier}); the ids in field {self.id_column!r} "
+                                 f"must be unique: fix the file, or {way_out}")
 
     def __iter__(self) -> Iterator[PromptRecord]:
         for index, (location, row, error) in enumerate(self._rows()):
@@ -125,16 +134,10 @@ class Reader(ABC):
             else:
                 want = _EXPECTED.get(kind, "a string, a list of messages or a list of token ids")
                 raise RowError(f"{field!r} must be {want}, got {describe_type(value)}")
-            record.settings = self._settings(row)
+            record.settings = parse_settings(row)
         except RowError as e:
             record.error = str(e)
         return record
-
-    def _settings(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The row's own generation settings (temperature, top_p, top_k, max_new_tokens, stop)."""
-        from cbgen.inputs.settings import parse_settings
-
-        return parse_settings(row)
 
     def settings_present(self) -> set[str] | None:
         """Which row settings appear anywhere in the input, found cheaply before generation (the engine's samplers
@@ -158,12 +161,32 @@ class Reader(ABC):
         return found[0], row[found[0]]
 
 
-def check_id(value: Any, column: str) -> str:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        raise RowError(f"the id field {column!r} is missing, null or empty")
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise RowError(f"the id field {column!r} must be a string or an integer, got {describe_type(value)}")
-    return str(value)
+class ColumnarReader(Reader):
+    """A reader of a source with named columns (Parquet, datasets): the columns are checked against its schema up
+    front, and only those needed are read."""
+
+    def _resolve_columns(self, where: str, names: Sequence[str]) -> list[str]:
+        """The columns to read from a source with columns `names`, or a CbgenError naming the missing one and the
+        columns there are. `where` names the source in messages ("'data.parquet'", "dataset 'x'")."""
+        shown = ", ".join(names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "")
+        if self.prompt_column is not None:
+            if self.prompt_column not in names:
+                raise CbgenError(f"{where} has no column '{self.prompt_column}' (--prompt-column); its columns are: "
+                                 f"{shown}")
+            prompt_columns = [self.prompt_column]
+        else:
+            prompt_columns = [c for c in PROMPT_FIELDS if c in names]
+            if not prompt_columns:
+                raise CbgenError(f"{where} has none of the columns prompt, messages, input_ids; its columns are: "
+                                 f"{shown}; name the prompt column with --prompt-column")
+        for flag, columns in (("--id-column", [self.id_column] if self.id_column else []),
+                              ("--keep-columns", self.keep_columns)):
+            for column in columns:
+                if column not in names:
+                    raise CbgenError(f"{where} has no column '{column}' ({flag}); its columns are: {shown}")
+        settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
+        return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
+                                   *self.keep_columns, *settings]))
 
 
 _EXPECTED = {"prompt": "a string", "messages": "a list of messages", "input_ids": "a list of token ids"}
@@ -178,36 +201,3 @@ def _kind(value: Any) -> str | None:
     if isinstance(value, list) and isinstance(value[0], int):
         return "input_ids"
     return None
-
-
-def check_messages(field: str, messages: list[Any]) -> list[dict[str, Any]]:
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RowError(f"{field!r} message {i} must be an object with 'role' and 'content', "
-                           f"got {describe_type(message)}")
-        # Parquet structs carry every field on every row; a null there means the field is absent.
-        message = {k: v for k, v in message.items() if v is not None}
-        role = message.get("role")
-        if role not in ROLES:
-            got = "no role" if role is None else f"role {role!r}"
-            raise RowError(f"{field!r} message {i} has {got}; expected one of {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), (str, list)):
-            got = "no content" if "content" not in message else f"content that is {describe_type(message['content'])}"
-            raise RowError(f"{field!r} message {i} has {got}; expected a string (or a list of parts)")
-        out.append(message)
-    return out
-
-
-def check_input_ids(field: str, ids: list[Any]) -> list[int]:
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise RowError(f"{field!r} must be a list of non-negative integers; item {i} is {t!r}")
-    return ids
-
-
-def describe_type(value: Any) -> str:
-    """A JSON-ish name for the type of `value`, for row errors read by people who wrote JSON, not Python."""
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)

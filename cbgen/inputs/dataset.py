@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.errors import CbgenError
-from cbgen.inputs.base import PROMPT_FIELDS, Reader
+from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 BATCH_SIZE = 1000
@@ -71,29 +71,18 @@ def load(source: str, *, split: str | None, subset: str | None) -> Any:
     return _pick_split(dataset, split, source)
 
 
-class DatasetReader(Reader):
+class DatasetReader(ColumnarReader):
     """Rows of one split of a Hugging Face dataset; only the needed columns are read."""
 
     def __init__(self, source: str, *, split: str | None = None, subset: str | None = None,
                  prompt_column: str | None = None, id_column: str | None = None,
-                 keep_columns: Sequence[str] = ()) -> None:
-        super().__init__(source, prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns)
+                 keep_columns: Sequence[str] = (), detect_id: bool = True) -> None:
+        super().__init__(source, prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
+                         detect_id=detect_id)
         dataset = load(source, split=split, subset=subset)
         names = list(dataset.column_names)
-        shown = ", ".join(names[:50])
-        if prompt_column is not None and prompt_column not in names:
-            raise CbgenError(f"dataset '{source}' has no column '{prompt_column}' (--prompt-column); its columns "
-                             f"are: {shown}")
-        prompts = [prompt_column] if prompt_column else [c for c in PROMPT_FIELDS if c in names]
-        if not prompts:
-            raise CbgenError(f"dataset '{source}' has none of the columns prompt, messages, input_ids; its columns "
-                             f"are: {shown}; name the prompt column with --prompt-column")
-        for flag, columns in (("--id-column", [id_column] if id_column else []), ("--keep-columns", keep_columns)):
-            for column in columns:
-                if column not in names:
-                    raise CbgenError(f"dataset '{source}' has no column '{column}' ({flag}); its columns are: {shown}")
-        self.columns = list(dict.fromkeys([*prompts, *([id_column] if id_column else []), *keep_columns,
-                                           *(c for c in ROW_SETTINGS if c in names)]))
+        self._detect_id_column([ID_FIELD] if ID_FIELD in names else [])
+        self.columns = self._resolve_columns(f"dataset '{source}'", names)
         self.dataset = dataset.select_columns(self.columns)
 
     @property

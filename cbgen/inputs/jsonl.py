@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from cbgen.errors import CbgenError
-from cbgen.inputs.base import Reader, describe_type
+from cbgen.errors import CbgenError, describe_type
+from cbgen.inputs.base import Reader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 
@@ -18,14 +18,34 @@ class JsonlReader(Reader):
     """Reads a JSONL file line by line; `path=None` reads stdin. Blank lines are skipped and not counted."""
 
     def __init__(self, path: str | Path | None, *, prompt_column: str | None = None, id_column: str | None = None,
-                 keep_columns: Sequence[str] = ()) -> None:
+                 keep_columns: Sequence[str] = (), detect_id: bool = True) -> None:
         super().__init__("<stdin>" if path is None else str(path), prompt_column=prompt_column,
-                         id_column=id_column, keep_columns=keep_columns)
+                         id_column=id_column, keep_columns=keep_columns, detect_id=detect_id)
         self.path = None if path is None else Path(path)
         self._scanned: tuple[int, set[str]] | None = None  # (lines, settings named), see _scan
+        self._stdin_head: list[tuple[int, bytes]] = []  # stdin lines read ahead, replayed by _lines
         if self.path is not None:
             with self._open() as f:  # fail now, not mid-job, on a missing, unreadable or non-gzip file
                 f.read(1)
+        if self.detect_id:
+            self._detect_id_column(list(self._first_object()))
+
+    def _first_object(self) -> dict[str, Any]:
+        """The first line that is a JSON object (read ahead on stdin), or {} when none is among the first lines."""
+        lines = self._lines()
+        try:
+            for seen, (number, line) in enumerate(lines, 1):
+                if self.path is None:
+                    self._stdin_head.append((number, line))
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None
+                if isinstance(row, dict) or seen >= 64:
+                    return row or {}
+            return {}
+        finally:
+            lines.close()
 
     def _open(self) -> IO[bytes]:
         assert self.path is not None
@@ -51,8 +71,10 @@ class JsonlReader(Reader):
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """Yield `(line_number, line)` for the non-blank lines, counting from 1 over all physical lines."""
         if self.path is None:
-            lines: Iterator[tuple[int, bytes]] = enumerate(sys.stdin.buffer, 1)
-            yield from ((n, line) for n, line in lines if line.strip())
+            head, self._stdin_head = self._stdin_head, []
+            yield from head
+            start = head[-1][0] + 1 if head else 1
+            yield from ((n, line) for n, line in enumerate(sys.stdin.buffer, start) if line.strip())
             return
         try:
             with self._open() as f:

@@ -13,14 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.inputs.base import RowError, check_id, check_input_ids, check_messages, describe_type
+from cbgen.errors import RowError, describe_type
+from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import JsonlReader
 from cbgen.inputs.settings import CHECKS, parse_settings
-from cbgen.outputs.openai import CHAT, COMPLETIONS
+from cbgen.openai_batch import COMPLETIONS, RequestLine
 from cbgen.records import PromptRecord
 
-ENDPOINTS = (CHAT, COMPLETIONS)
-LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).
 HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
             "logprobs"}
@@ -33,16 +32,11 @@ NOT_HONOURED = {
 }
 
 
-def looks_like_batch_line(row: Any) -> bool:
-    return isinstance(row, dict) and "custom_id" in row and "body" in row
-
-
 def is_openai_batch_file(path: str | Path) -> bool:
     """Whether the first non-blank line of a JSONL file is an OpenAI batch request line."""
-    reader = JsonlReader(path)
-    for _, line in reader._lines():
+    for _, line in JsonlReader(path, detect_id=False)._lines():
         try:
-            return looks_like_batch_line(json.loads(line))
+            return RequestLine.matches(json.loads(line))
         except ValueError:
             return False
     return False
@@ -55,28 +49,23 @@ class OpenAIBatchReader(JsonlReader):
 
     def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (), **_: Any) -> None:
         super().__init__(path, id_column="custom_id", keep_columns=keep_columns)
+        self.id_choice = "OpenAI batch lines' custom_id"
 
     def to_record(self, row: dict[str, Any], index: int, location: str) -> PromptRecord:
         record = PromptRecord(id=str(index), index=index, location=location,
                               kept={c: row.get(c) for c in self.keep_columns})
         try:
             record.id = check_id(row.get("custom_id"), "custom_id")
-            for key in sorted(set(row) - LINE_FIELDS - set(self.keep_columns)):
-                self._notice(f"line field {key!r} is not part of an OpenAI batch request line and was ignored")
-            if row.get("method", "POST") != "POST":
-                raise RowError(f"'method' must be POST, got {row.get('method')!r}")
-            url = row.get("url")
-            if url not in ENDPOINTS:
-                raise RowError(f"'url' must be {CHAT} or {COMPLETIONS} (the endpoints cbgen serves), got {url!r}")
-            body = row.get("body")
-            if not isinstance(body, dict):
-                raise RowError(f"'body' must be an object, got {describe_type(body)}")
-            record.endpoint = url
-            if url == CHAT:
-                self._chat_prompt(record, body)
+            line = RequestLine.parse(row)
+            for key in line.extra:
+                if key not in self.keep_columns:
+                    self._notice(f"line field {key!r} is not part of an OpenAI batch request line and was ignored")
+            record.endpoint = line.url
+            if line.chat:
+                self._chat_prompt(record, line.body)
             else:
-                self._completion_prompt(record, body)
-            record.settings = self._body_settings(body, url)
+                self._completion_prompt(record, line.body)
+            record.settings = self._body_settings(line.body, line.url)
         except RowError as e:
             record.error = str(e)
         return record

@@ -12,49 +12,31 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbgen.errors import CbgenError
-from cbgen.inputs.base import PROMPT_FIELDS, Reader
+from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 BATCH_SIZE = 1024
 
 
-class ParquetReader(Reader):
+class ParquetReader(ColumnarReader):
     """Reads only the needed columns, 1024 rows at a time; the columns are checked against every file's schema."""
 
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
-                 keep_columns: Sequence[str] = ()) -> None:
-        super().__init__(str(path), prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns)
+                 keep_columns: Sequence[str] = (), detect_id: bool = True) -> None:
+        super().__init__(str(path), prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
+                         detect_id=detect_id)
         local = Path(path)
         self.files = sorted(str(f) for f in local.glob("*.parquet")) if local.is_dir() else [str(path)]
         if not self.files:
             raise CbgenError(f"input directory '{self.name}' contains no .parquet files")
         schemas = [_read_schema(file) for file in self.files]
+        if all(ID_FIELD in schema.names for schema, _ in schemas):
+            self._detect_id_column([ID_FIELD])
         # Per file: without --prompt-column one file may hold `prompt` and the next `messages`.
-        self._columns = [self._resolve_columns(file, schema.names) for file, (schema, _) in zip(self.files, schemas)]
+        self._columns = [self._resolve_columns(f"'{file}'", schema.names)
+                         for file, (schema, _) in zip(self.files, schemas)]
         self._schema = schemas[0][0]
         self._starts = [0, *accumulate(n for _, n in schemas)]  # global position of each file's first row
-
-    def _resolve_columns(self, file: str, names: list[str]) -> list[str]:
-        """The columns to read from `file`, or a `CbgenError` naming the missing one and the columns there are."""
-        shown = ", ".join(names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "")
-        if self.prompt_column is not None:
-            if self.prompt_column not in names:
-                raise CbgenError(f"'{file}' has no column '{self.prompt_column}' (--prompt-column); its columns are: "
-                                 f"{shown}")
-            prompt_columns = [self.prompt_column]
-        else:
-            prompt_columns = [c for c in PROMPT_FIELDS if c in names]
-            if not prompt_columns:
-                raise CbgenError(f"'{file}' has none of the columns prompt, messages, input_ids; its columns are: "
-                                 f"{shown}; name the prompt column with --prompt-column")
-        for flag, columns in (("--id-column", [self.id_column] if self.id_column else []),
-                              ("--keep-columns", self.keep_columns)):
-            for column in columns:
-                if column not in names:
-                    raise CbgenError(f"'{file}' has no column '{column}' ({flag}); its columns are: {shown}")
-        settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
-        return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
-                                   *self.keep_columns, *settings]))
 
     def settings_present(self) -> set[str]:
         """Row settings are columns: known from the schemas."""

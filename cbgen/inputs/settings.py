@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cbgen.inputs.base import RowError, describe_type
+from cbgen.errors import RowError, describe_type
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128

@@ -1,6 +1,6 @@
-"""Output rows and the shard writers that put them on disk (JSONL or Parquet)."""
+"""Outputs: rows (what a finished request becomes), the shard writers that put them on disk (JSONL, Parquet),
+the run directory (lock, fingerprint, resume index) and run.json."""
 
-from cbgen.outputs.schema import BASE_FIELDS, RESERVED_NAMES, arrow_schema, infer_kept_schema
 from cbgen.outputs.writers import (
     JsonlShardWriter,
     ParquetShardWriter,
@@ -10,13 +10,9 @@ from cbgen.outputs.writers import (
 )
 
 __all__ = [
-    "BASE_FIELDS",
-    "RESERVED_NAMES",
     "JsonlShardWriter",
     "ParquetShardWriter",
     "ShardWriter",
-    "arrow_schema",
-    "infer_kept_schema",
     "open_writer",
     "read_shards",
 ]

@@ -8,7 +8,6 @@ Everything a resume trusts is on disk under a final name only once complete: sha
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import socket
@@ -18,12 +17,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from cbgen.errors import CbgenError
+from cbgen.files import write_json_atomic
 from cbgen.outputs.writers import read_shards, shard_paths
 
 LOCK_FILE = ".cbgen.lock"
 FINGERPRINT_FILE = "fingerprint.json"
 MANIFEST_FILE = "run.json"
-_SAMPLE = 1 << 20  # bytes hashed at each end of an input file to recognise it
+# The format of fingerprint.json and run.json, raised whenever what they hold changes meaning (see StoredRun).
+FORMAT = 2
 
 
 class DirectoryLock:
@@ -68,30 +69,6 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def input_identity(path: str) -> dict[str, Any]:
-    """What makes an input the same input: its size and the hash of its first and last MiB (not its path, so a
-    moved file still resumes; not its mtime, which copies and checkouts change). Stdin has no identity."""
-    if path == "-":
-        return {"source": "stdin"}
-    target = Path(path)
-    if not target.exists():
-        return {"hub_dataset": path}  # a hub id: its revision is the hub's business
-    # a folder: its data files (Parquet files, a dataset saved with save_to_disk, a dataset repository's files)
-    files = sorted(p for p in target.rglob("*") if p.is_file() and not p.name.startswith(".")) \
-        if target.is_dir() else [target]
-    digest = hashlib.sha256()
-    size = 0
-    for file in files:
-        file_size = file.stat().st_size
-        size += file_size
-        with open(file, "rb") as f:
-            digest.update(f.read(_SAMPLE))
-            if file_size > _SAMPLE:
-                f.seek(max(_SAMPLE, file_size - _SAMPLE))
-                digest.update(f.read(_SAMPLE))
-    return {"files": len(files), "bytes": size, "sha256_head_tail": digest.hexdigest()}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -153,7 +130,7 @@ def scan_done(directory: Path) -> DoneIndex:
 
 
 def remove_temporary_files(directory: Path) -> None:
-    """Drops what a killed run was still writing: hidden `.part-*.tmp` shards and `.*.tmp` manifests."""
+    """Drops what a killed run was still writing: hidden `.part-*.tmp` shards and `.*.tmp` JSON files."""
     for path in Path(directory).glob(".*.tmp"):
         path.unlink(missing_ok=True)
 
@@ -168,6 +145,7 @@ def clear_results(directory: Path) -> None:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
+    """A run directory's JSON file, None when missing; a damaged one is a CbgenError that says what to do."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -176,24 +154,51 @@ def read_json(path: Path) -> dict[str, Any] | None:
         raise CbgenError(f"'{path}' cannot be read ({e}); remove it, or pass --overwrite to start over") from None
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Writes `data` as JSON under a temporary name, then renames it into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+@dataclass
+class StoredRun:
+    """What fingerprint.json says of the job a directory holds.
+
+    Format 1 (cbgen 0.1.0 up to the restructuring) had no `format` key and no record of the ids: it numbered rows
+    unless --id-column named a field (OpenAI batch files: custom_id). Format 2 adds both; since format 2, rows that
+    carry an `id` field are known by it without --id-column, so a format-1 directory resumes with that detection
+    off and its ids stay what they were.
+    """
+
+    format: int
+    fingerprint: dict[str, Any]
+    job: dict[str, Any]
+    ids: dict[str, Any] | None = None  # {"column": name or None, "chosen_by": ...}; None in format 1
+
+    @property
+    def detects_ids(self) -> bool:
+        """Whether the run that wrote it took the rows' own `id` field without being told."""
+        return self.format >= 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "fingerprint": self.fingerprint, "job": self.job, "ids": self.ids}
+
+
+def read_stored_run(directory: Path) -> StoredRun | None:
+    """The directory's fingerprint.json, any format, or None when it has none."""
+    data = read_json(Path(directory) / FINGERPRINT_FILE)
+    if data is None:
+        return None
+    version = data.get("format", 1)
+    if not isinstance(version, int) or version > FORMAT:
+        raise CbgenError(f"'{Path(directory) / FINGERPRINT_FILE}' was written by a newer cbgen (format {version}, this "
+                         f"one reads up to {FORMAT}); upgrade cbgen, or choose another directory with -o")
+    return StoredRun(version, data.get("fingerprint", {}), data.get("job", {}), data.get("ids"))
 
 
 def open_run_directory(
-    directory: Path, fingerprint: dict[str, Any], job: dict[str, Any], overwrite: bool
+    directory: Path, fingerprint: dict[str, Any], job: dict[str, Any], ids: dict[str, Any], overwrite: bool
 ) -> tuple[DirectoryLock, DoneIndex]:
     """Locks `directory` and returns what it already holds, after checking it belongs to the same job.
 
-    FINGERPRINT_FILE keeps the fingerprint (compared on every resume) and the job's configuration (for `cbgen
-    status` and `cbgen merge`). A directory with results of a different job is refused unless `overwrite`; so is
-    one with shards but no fingerprint (not written by cbgen, or by a version without fingerprints).
+    FINGERPRINT_FILE keeps the fingerprint (compared on every resume), the job's configuration and where its ids
+    come from (for `cbgen status` and `cbgen merge`). A directory with results of a different job is refused unless
+    `overwrite`; so is one with shards but no fingerprint (not written by cbgen). A directory written in an older
+    format is brought to this one once it is known to hold the same job.
     """
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
@@ -207,22 +212,25 @@ def open_run_directory(
         remove_temporary_files(directory)
         if overwrite:
             clear_results(directory)
-        stored = read_json(directory / FINGERPRINT_FILE)
+        current = StoredRun(FORMAT, fingerprint, job, ids)
+        stored = read_stored_run(directory)
         if stored is None:
             if shard_paths(directory):
                 raise CbgenError(
                     f"output directory '{directory}' holds shards but no {FINGERPRINT_FILE}, so cbgen cannot tell "
                     "which job wrote them; choose another directory with -o, or pass --overwrite to replace them"
                 )
-            write_json_atomic(directory / FINGERPRINT_FILE, {"fingerprint": fingerprint, "job": job})
+            write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict())
             return lock, DoneIndex()
-        differences = compare_fingerprints(stored.get("fingerprint", {}), fingerprint)
+        differences = compare_fingerprints(stored.fingerprint, fingerprint)
         if differences:
             raise CbgenError(
                 f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
                 "rerun with the same model, input and generation settings to resume it, pass --overwrite to start "
                 "over, or choose another directory with -o"
             )
+        if stored.format < FORMAT:
+            write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict() | {"upgraded_from": stored.format})
         return lock, scan_done(directory)
     except BaseException:
         lock.release()

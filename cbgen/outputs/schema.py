@@ -1,4 +1,4 @@
-"""The shape of an output row, and its Parquet schema."""
+"""The Parquet schema of output rows (their fields are cbgen.records.BASE_FIELDS)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 
-# One output row per returned sequence, with its keys in this order; `logprobs` follows when the job asked for
-# logprobs, then the kept input columns.
-BASE_FIELDS: tuple[str, ...] = (
-    "id",
-    "sample_index",
-    "text",  # None when the request failed
-    "token_ids",
-    "num_prompt_tokens",
-    "num_generated_tokens",
-    "finish_reason",  # "stop" | "length" | "error"
-    "error",  # None unless finish_reason is "error"
-)
-RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs"))
+from cbgen.records import BASE_FIELDS
 
 _BASE_TYPES: dict[str, pa.DataType] = {
     "id": pa.string(),
@@ -39,7 +27,7 @@ def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequ
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
     column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
     """
-    fields = [pa.field(name, type_) for name, type_ in _BASE_TYPES.items()]
+    fields = [pa.field(name, _BASE_TYPES[name]) for name in BASE_FIELDS]
     if logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
     for name in kept_names:

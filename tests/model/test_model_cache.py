@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbgen import model
 from cbgen.config import ModelSection
+from cbgen.model import cache as model_cache
+from cbgen.model import load as model_load
+from cbgen.model import source as model_source
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 128, 512
 
@@ -25,7 +27,7 @@ def write_tiny_gguf(path: Path) -> Path:
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(model.embedded_model_path()))
+    reader = gguf.GGUFReader(str(model_source.embedded_model_path()))
     field = lambda key: reader.fields[key].contents()  # noqa: E731
     tokens = field("tokenizer.ggml.tokens")[:VOCAB]
     kept = set(tokens)
@@ -91,12 +93,12 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q8_0.gguf")
 
 
-def load(gguf: Path, cache_dir: Path | None, dtype: str = "float32", **settings) -> model.LoadedModel:
-    return model.load_model(ModelSection(model=str(gguf), dtype=dtype, device="cpu",
+def load(gguf: Path, cache_dir: Path | None, dtype: str = "float32", **settings) -> model_load.LoadedModel:
+    return model_load.load_model(ModelSection(model=str(gguf), dtype=dtype, device="cpu",
                                          cache_dir=str(cache_dir) if cache_dir else None, **settings))
 
 
-def greedy(loaded: model.LoadedModel, text: str = "What is the capital of France?") -> list[int]:
+def greedy(loaded: model_load.LoadedModel, text: str = "What is the capital of France?") -> list[int]:
     ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
@@ -105,16 +107,16 @@ def greedy(loaded: model.LoadedModel, text: str = "What is the capital of France
 
 
 def entry_folder(cache_dir: Path, gguf: Path, entry: str) -> Path:
-    return model.GgufCache(cache_dir, gguf).folder / entry
+    return model_cache.GgufCache(cache_dir, gguf).folder / entry
 
 
 def test_miss_then_hit_gives_the_same_model(tiny_gguf, tmp_path):
     cold = load(tiny_gguf, tmp_path)
-    assert cold.cache == model.CACHE_WRITTEN
+    assert cold.cache == model_cache.CACHE_WRITTEN
     assert (entry_folder(tmp_path, tiny_gguf, "model-float32") / "model.safetensors").is_file()
     assert (entry_folder(tmp_path, tiny_gguf, "tokenizer") / "tokenizer.json").is_file()
     warm = load(tiny_gguf, tmp_path)
-    assert warm.cache == model.CACHE_HIT
+    assert warm.cache == model_cache.CACHE_HIT
     for loaded in (cold, warm):
         assert getattr(loaded.model, "hf_quantizer", None) is None
         assert not hasattr(loaded.model.config, "quantization_config")
@@ -128,7 +130,7 @@ def test_miss_then_hit_gives_the_same_model(tiny_gguf, tmp_path):
     assert len(warm.tokenizer) == len(cold.tokenizer) == VOCAB
     # the same as a plain GGUF load, untouched by the cache
     direct = load(tiny_gguf, None, use_cache=False)
-    assert direct.cache == model.CACHE_OFF
+    assert direct.cache == model_cache.CACHE_OFF
     assert greedy(direct) == greedy(warm)
 
 
@@ -138,19 +140,19 @@ def test_gguf_model_saves_once_the_quantizer_marker_is_dropped(tiny_gguf, tmp_pa
     loaded = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
     with pytest.raises(ValueError, match="not serializable"):
         loaded.save_pretrained(tmp_path / "refused")
-    assert model.drop_gguf_marker(loaded)
+    assert model_cache.drop_gguf_marker(loaded)
     loaded.save_pretrained(tmp_path / "saved")
     assert (tmp_path / "saved" / "model.safetensors").is_file()
 
 
 def test_a_different_dtype_is_a_different_entry(tiny_gguf, tmp_path):
-    assert load(tiny_gguf, tmp_path, "float32").cache == model.CACHE_WRITTEN
+    assert load(tiny_gguf, tmp_path, "float32").cache == model_cache.CACHE_WRITTEN
     bf16 = load(tiny_gguf, tmp_path, "bfloat16")
-    assert bf16.cache == model.CACHE_WRITTEN  # tokenizer hit, model written
+    assert bf16.cache == model_cache.CACHE_WRITTEN  # tokenizer hit, model written
     assert bf16.model.dtype == torch.bfloat16
-    assert load(tiny_gguf, tmp_path, "bfloat16").cache == model.CACHE_HIT
-    assert load(tiny_gguf, tmp_path, "float32").cache == model.CACHE_HIT
-    folder = model.GgufCache(tmp_path, tiny_gguf).folder
+    assert load(tiny_gguf, tmp_path, "bfloat16").cache == model_cache.CACHE_HIT
+    assert load(tiny_gguf, tmp_path, "float32").cache == model_cache.CACHE_HIT
+    folder = model_cache.GgufCache(tmp_path, tiny_gguf).folder
     assert sorted(p.name for p in folder.iterdir()) == ["model-bfloat16", "model-float32", "tokenizer"]
 
 
@@ -163,7 +165,7 @@ def test_an_interrupted_write_is_never_trusted(tiny_gguf, tmp_path):
     old = leftover.stat().st_mtime - 7 * 3600
     os.utime(leftover, (old, old))
     loaded = load(tiny_gguf, tmp_path)
-    assert loaded.cache == model.CACHE_WRITTEN
+    assert loaded.cache == model_cache.CACHE_WRITTEN
     assert not leftover.exists()  # swept: older than any running writer
     assert [p.name for p in final.parent.glob(".tmp-*")] == []
 
@@ -174,10 +176,10 @@ def test_an_entry_without_its_marker_or_with_broken_weights_is_rebuilt(tiny_gguf
     (final / "model.safetensors").write_bytes(b"not safetensors")
     with caplog.at_level(logging.WARNING, logger="cbgen.model"):
         rebuilt = load(tiny_gguf, tmp_path)
-    assert rebuilt.cache == model.CACHE_WRITTEN and "is broken (SafetensorError" in caplog.text
+    assert rebuilt.cache == model_cache.CACHE_WRITTEN and "is broken (SafetensorError" in caplog.text
     assert greedy(rebuilt) == reference
     (final / "cbgen-cache.json").unlink()  # as if written by hand, or by a foreign tool
-    assert load(tiny_gguf, tmp_path).cache == model.CACHE_WRITTEN
+    assert load(tiny_gguf, tmp_path).cache == model_cache.CACHE_WRITTEN
 
 
 def test_unwritable_cache_falls_back_and_warns_once(tiny_gguf, tmp_path, caplog):
@@ -187,7 +189,7 @@ def test_unwritable_cache_falls_back_and_warns_once(tiny_gguf, tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="cbgen.model"):
         first = load(tiny_gguf, cache_dir)
         second = load(tiny_gguf, cache_dir)
-    assert first.cache == second.cache == model.CACHE_UNWRITABLE
+    assert first.cache == second.cache == model_cache.CACHE_UNWRITABLE
     warnings = [r for r in caplog.records if "cannot write the model cache" in r.getMessage()]
     assert len(warnings) == 1
     assert greedy(first) == greedy(load(tiny_gguf, None, use_cache=False))
@@ -199,24 +201,24 @@ def test_a_bad_setting_does_not_cost_the_cache(tiny_gguf, tmp_path):
     load(tiny_gguf, tmp_path)
     with pytest.raises(CbgenError):
         load(tiny_gguf, tmp_path, attn_implementation="no-such-attention")
-    assert load(tiny_gguf, tmp_path).cache == model.CACHE_HIT
+    assert load(tiny_gguf, tmp_path).cache == model_cache.CACHE_HIT
 
 
 def test_no_model_cache_writes_nothing(tiny_gguf, tmp_path):
     loaded = load(tiny_gguf, tmp_path, use_cache=False)
-    assert loaded.cache == model.CACHE_OFF
+    assert loaded.cache == model_cache.CACHE_OFF
     assert list(tmp_path.iterdir()) == []
 
 
 def test_cache_location(monkeypatch, tmp_path):
-    monkeypatch.delenv(model.CACHE_ENV, raising=False)
+    monkeypatch.delenv(model_cache.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert model.default_cache_dir() == tmp_path / "xdg" / "cbgen"
+    assert model_cache.default_cache_dir() == tmp_path / "xdg" / "cbgen"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert model.default_cache_dir() == Path.home() / ".cache" / "cbgen"
-    monkeypatch.setenv(model.CACHE_ENV, str(tmp_path / "env"))
-    assert model.default_cache_dir() == tmp_path / "env"
-    assert model.default_cache_dir(ModelSection(cache_dir=str(tmp_path / "flag"))) == tmp_path / "flag"
+    assert model_cache.default_cache_dir() == Path.home() / ".cache" / "cbgen"
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "env"))
+    assert model_cache.default_cache_dir() == tmp_path / "env"
+    assert model_cache.default_cache_dir(ModelSection(cache_dir=str(tmp_path / "flag"))) == tmp_path / "flag"
 
 
 def test_file_digest_is_memoised_by_size_and_mtime(tmp_path):
@@ -224,8 +226,8 @@ def test_file_digest_is_memoised_by_size_and_mtime(tmp_path):
 
     data, memo = tmp_path / "weights.gguf", tmp_path / "cache" / "digests.json"
     data.write_bytes(b"one")
-    assert model.file_digest(data, memo) == hashlib.sha256(b"one").hexdigest()
+    assert model_cache.file_digest(data, memo) == hashlib.sha256(b"one").hexdigest()
     assert memo.is_file()
     data.write_bytes(b"two")  # same size; a new mtime
     os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
-    assert model.file_digest(data, memo) == hashlib.sha256(b"two").hexdigest()
+    assert model_cache.file_digest(data, memo) == hashlib.sha256(b"two").hexdigest()

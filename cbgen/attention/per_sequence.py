@@ -1,45 +1,16 @@
-"""Per-sequence attention for transformers' continuous batching on CPU.
-
-What: an attention function for the continuous-batching engine (`ContinuousBatchingManager`, `generate_batch`) that
-attends each request only to its own keys: all single-token queries of a step (decode) as one batched SDPA over each
-request's own KV, padded to the longest with a key mask, and every longer query chunk (prefill, chunked prefill) as
-one causal SDPA of its own. Grouped-query heads are never copied: decode folds the query heads onto their KV head and
-prefill uses `enable_gqa=True`.
-
-Why: on CPU the engine runs as `paged|sdpa`, whose attention scores the whole packed batch against the keys of every
-request with one dense mask: a decode step of P requests of length L costs O(P²·L) and discards (P-1)/P of it, and
-GQA is expanded with `repeat_kv`. That attention was 70% of a decode step at 64 sequences (see DESIGN.md §2).
-
-How it is selected: the engine accepts only `sdpa`, `paged|eager` or flash names, so the function is registered under
-`"sdpa"` with the public `transformers.AttentionInterface.register`, but only inside `per_sequence_attention(model)`,
-which puts the previous function back on exit. The registry is process-wide, so the function serves every `sdpa` call
-while installed and hands each call that it was not built for to the stock function unchanged: calls without a paged
-cache (plain `model.generate`), other devices, training (dropout), torch.compile tracing, soft-capping, position bias,
-attention sinks or any keyword argument it does not know, attention types other than full and sliding-window, and
-batches whose lengths do not match the layout it expects. It relies on the engine's argument layout, which is checked
-against the transformers versions in `VALIDATED_TRANSFORMERS`; with any other version it never installs.
-"""
+"""The per-sequence attention function: a drop-in for transformers' `sdpa_attention_forward` that attends each request
+of a paged continuous batch to its own keys only (see cbgen.attention for why and when)."""
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
-VALIDATED_TRANSFORMERS: tuple[tuple[int, int], ...] = ((5, 23),)
-"""transformers (major, minor) versions whose continuous-batching argument layout this module was checked against."""
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
+from cbgen.attention import support
+from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
 
 # Keyword arguments the engine or the supported models pass that do not change what attention computes. Any other
 # keyword with a value (e.g. `s_aux` attention sinks) sends the call to the stock function.
@@ -59,155 +30,9 @@ _KNOWN_KWARGS = frozenset(
         "sliding_window",
         "output_attentions",
         "softcap",
+        "output_router_logits",  # MoE models (Mixtral, Qwen3-MoE) pass it to every layer, attention included
     }
 )
-
-
-# ------------------------------------------------------------------------------------------------------------------ #
-# Availability
-
-
-@lru_cache(maxsize=8)
-def _release(version: str) -> tuple[int, int] | None:
-    """(major, minor) of a version string, or None when it cannot be read."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(version).release
-    except InvalidVersion:
-        return None
-    return (release[0], release[1]) if len(release) >= 2 else None
-
-
-def _transformers_version() -> tuple[int, int] | None:
-    import transformers
-
-    return _release(transformers.__version__)
-
-
-def _paged_cache_class() -> type | None:
-    """The engine's cache class, or None when this transformers version is not one we validated."""
-    if _transformers_version() not in VALIDATED_TRANSFORMERS:
-        return None
-    try:
-        from transformers.generation.continuous_batching import PagedAttentionCache
-    except ImportError:
-        return None
-    return PagedAttentionCache
-
-
-def _layer_types(config: Any) -> list[str]:
-    """The attention type of each layer, as the engine's cache groups them (one KV layout per type)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return list(layer_types)
-    attention_type = SLIDING_ATTENTION if getattr(config, "sliding_window", None) is not None else FULL_ATTENTION
-    return [attention_type] * int(getattr(config, "num_hidden_layers", 0) or 0)
-
-
-def cpu_attention_unavailable_reason(model: torch.nn.Module) -> str | None:
-    """Why `per_sequence_attention(model)` would leave the stock attention in place, or None when it applies."""
-    version = _transformers_version()
-    if version not in VALIDATED_TRANSFORMERS:
-        import transformers
-
-        validated = ", ".join(f"{major}.{minor}" for major, minor in VALIDATED_TRANSFORMERS)
-        return f"transformers {transformers.__version__} is not a validated version ({validated})"
-    if _paged_cache_class() is None:
-        return "transformers has no continuous-batching PagedAttentionCache"
-    if (_release(torch.__version__) or (0, 0)) < (2, 5):
-        return f"torch {torch.__version__} predates enable_gqa in scaled_dot_product_attention (needs 2.5)"
-    config = getattr(model, "config", None)
-    if config is None:
-        return "the model has no config"
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return f"the model uses attn_implementation={getattr(config, '_attn_implementation', None)!r}, not 'sdpa'"
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        return "the model has no parameters"
-    if device.type != "cpu":
-        return f"the model is on {device.type}, and the per-sequence attention is for CPU"
-    unknown = sorted(set(_layer_types(config)) - {FULL_ATTENTION, SLIDING_ATTENTION})
-    if unknown:
-        return f"the model has attention types {unknown} that only the stock attention handles"
-    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"the model soft-caps attention logits ({name})"
-    return None
-
-
-def cpu_attention_available(model: torch.nn.Module) -> bool:
-    """True when `per_sequence_attention(model)` would install the per-sequence attention for this model."""
-    return cpu_attention_unavailable_reason(model) is None
-
-
-# ------------------------------------------------------------------------------------------------------------------ #
-# Installation
-
-
-class _Installation:
-    """The process-wide registration: counted, so nested or concurrent engines share one installation."""
-
-    lock = threading.Lock()
-    depth = 0
-    stock: Callable[..., Any] | None = None  # what "sdpa" was before the first install
-
-
-def _registered_sdpa() -> Callable[..., Any]:
-    from transformers import AttentionInterface
-
-    return AttentionInterface()["sdpa"]  # a fresh instance has no local overrides: this is the global entry
-
-
-def _stock_sdpa() -> Callable[..., Any]:
-    if _Installation.stock is not None:
-        return _Installation.stock
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward
-
-
-@contextmanager
-def per_sequence_attention(model: torch.nn.Module, *, required: bool = False) -> Iterator[bool]:
-    """Serves the model's continuous-batching attention per sequence while the block runs; yields whether it does.
-
-    Enter it around the whole life of a `ContinuousBatchingManager` (its generation thread looks the attention
-    function up at every forward pass). On exit, the function that was registered under "sdpa" before is put back.
-    When the model is not supported (see `cpu_attention_unavailable_reason`), nothing is installed and the block runs
-    on the stock attention; with `required=True` that raises `RuntimeError` instead.
-    """
-    reason = cpu_attention_unavailable_reason(model)
-    if reason is not None:
-        if required:
-            raise RuntimeError(f"per-sequence attention is not available: {reason}")
-        logger.info("per-sequence attention not used: %s", reason)
-        yield False
-        return
-    from transformers import AttentionInterface
-
-    with _Installation.lock:
-        if _Installation.depth == 0:
-            current = _registered_sdpa()
-            _Installation.stock = None if current is per_sequence_sdpa_forward else current
-            AttentionInterface.register("sdpa", per_sequence_sdpa_forward)
-        _Installation.depth += 1
-    try:
-        yield True
-    finally:
-        with _Installation.lock:
-            _Installation.depth -= 1
-            if _Installation.depth == 0:
-                stock, _Installation.stock = _stock_sdpa(), None
-                if _registered_sdpa() is per_sequence_sdpa_forward:
-                    AttentionInterface.register("sdpa", stock)
-                else:
-                    logger.warning("the 'sdpa' attention was replaced while cbgen's per-sequence attention was "
-                                   "installed; leaving the replacement in place")
-
-
-# ------------------------------------------------------------------------------------------------------------------ #
-# The attention function
 
 
 @dataclass
@@ -223,10 +48,10 @@ class _Batch:
 
 def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | None:
     """The layer's attention type and the window the stock mask applies to it; None when unsupported."""
-    layer_types = _layer_types(config)
-    if layer_idx >= len(layer_types):
+    types = layer_types(config)
+    if layer_idx >= len(types):
         return None
-    layer_type = layer_types[layer_idx]
+    layer_type = types[layer_idx]
     if layer_type == FULL_ATTENTION:
         return layer_type, None
     if layer_type != SLIDING_ATTENTION:
@@ -295,7 +120,7 @@ def _handles(
     kwargs: dict[str, Any],
 ) -> bool:
     """Whether this call is a plain paged continuous-batching call on CPU, the only kind this path computes."""
-    cache_class = _paged_cache_class()
+    cache_class = paged_cache_class()
     if cache_class is None or not isinstance(cache, cache_class):
         return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
@@ -333,7 +158,7 @@ def per_sequence_sdpa_forward(
     keys and values; returns [1, tokens, heads, dim]). The dense `attention_mask` the engine builds is ignored: the
     per-request causal (and sliding-window) structure is rebuilt from the cumulative sequence lengths.
     """
-    stock = _stock_sdpa()
+    stock = support.stock("sdpa")
     batch = None
     if _handles(module, query, key, value, dropout, position_bias, cache, kwargs):
         batch = _plan(module, query, key, kwargs)

@@ -22,7 +22,8 @@ from transformers import (
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import cbgen.attention as attention
+import cbgen.attention.per_sequence as attention
+import cbgen.attention.support as support
 from cbgen.attention import cpu_attention_available, per_sequence_attention, per_sequence_sdpa_forward
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
@@ -185,7 +186,7 @@ def test_unvalidated_transformers_version_stays_on_stock(llama, monkeypatch):
 
     assert cpu_attention_available(llama)
     monkeypatch.setattr(transformers, "__version__", "5.99.0")
-    assert "5.99.0" in attention.cpu_attention_unavailable_reason(llama)
+    assert "5.99.0" in support.cpu_attention_unavailable_reason(llama)
     stock = AttentionInterface()["sdpa"]
     with per_sequence_attention(llama) as active:
         assert not active

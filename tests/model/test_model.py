@@ -5,53 +5,65 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbgen import model
 from cbgen.config import ModelSection
 from cbgen.errors import CbgenError
+from cbgen.model import cache as model_cache
+from cbgen.model import load as model_load
+from cbgen.model import source as model_source
 
 
 def test_embedded_default(monkeypatch):
-    source = model.resolve_source(None)
-    assert source.gguf_file == model.EMBEDDED_FILE and "embedded" in source.name
+    source = model_source.resolve_source(None)
+    assert source.gguf_file == model_source.EMBEDDED_FILE and "embedded" in source.name
 
 
 def test_gguf_file_folder_and_hub_id(tmp_path, tiny_model_dir):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert model.resolve_source(str(gguf)) == model.ModelSource(str(gguf), str(tmp_path), "m.gguf")
-    assert model.resolve_source(str(tiny_model_dir)).location == str(tiny_model_dir)
-    assert model.resolve_source("Qwen/Qwen3-4B").location == "Qwen/Qwen3-4B"
+    assert model_source.resolve_source(str(gguf)) == model_source.ModelSource(str(gguf), str(tmp_path), "m.gguf")
+    assert model_source.resolve_source(str(tiny_model_dir)).location == str(tiny_model_dir)
+    assert model_source.resolve_source("Qwen/Qwen3-4B").location == "Qwen/Qwen3-4B"
 
 
 def test_folder_without_config_is_refused(tmp_path):
     with pytest.raises(CbgenError, match="has no config.json"):
-        model.resolve_source(str(tmp_path))
+        model_source.resolve_source(str(tmp_path))
 
 
 def test_dtype_auto_follows_the_hardware(monkeypatch):
-    monkeypatch.setattr(model, "cpu_has_bf16_units", lambda: True)
-    assert model.resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(model, "cpu_has_bf16_units", lambda: False)
-    assert model.resolve_dtype("auto", "cpu") is torch.float32
-    assert model.resolve_dtype("auto", "cuda") is torch.bfloat16
-    assert model.resolve_dtype("float16", "cpu") is torch.float16
+    monkeypatch.setattr(model_load, "cpu_has_bf16_units", lambda: True)
+    assert model_load.resolve_dtype("auto", "cpu") is torch.bfloat16
+    monkeypatch.setattr(model_load, "cpu_has_bf16_units", lambda: False)
+    assert model_load.resolve_dtype("auto", "cpu") is torch.float32
+    assert model_load.resolve_dtype("auto", "cuda") is torch.bfloat16
+    assert model_load.resolve_dtype("float16", "cpu") is torch.float16
 
 
 def test_cuda_requested_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(CbgenError, match="no CUDA device"):
-        model.resolve_device("cuda")
-    assert model.resolve_device("auto") == "cpu"
+        model_load.resolve_device("cuda")
+    assert model_load.resolve_device("auto") == "cpu"
 
 
 def test_attention_defaults(monkeypatch):
-    assert model.resolve_attn_implementation(None, "cpu") == "sdpa"
-    assert model.resolve_attn_implementation("paged|eager", "cpu") == "paged|eager"
+    """Unnamed, the attention is transformers' choice for the model (sdpa where it has one, else eager); on CUDA,
+    flash attention where it is installed and the model supports it. A named one is taken as is."""
+    import transformers.utils
+
+    assert model_load.resolve_attn_implementation(None, "cpu") is None
+    assert model_load.resolve_attn_implementation("paged|eager", "cpu") == "paged|eager"
+    assert model_load.resolve_attn_implementation("per-sequence", "cpu") == "sdpa"
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert model_load.resolve_attn_implementation(None, "cuda", lambda: True) == "flash_attention_2"
+    assert model_load.resolve_attn_implementation(None, "cuda", lambda: False) is None
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    assert model_load.resolve_attn_implementation(None, "cuda", lambda: True) is None
 
 
 def test_tiny_model_loads_with_tokenizer(tiny_model_dir):
     settings = ModelSection(model=str(tiny_model_dir), dtype="float32")
-    loaded = model.load_model(settings)
+    loaded = model_load.load_model(settings)
     assert loaded.dtype is torch.float32 and loaded.device == "cpu" and loaded.attn_implementation == "sdpa"
     assert loaded.tokenizer.chat_template and loaded.model.config.num_hidden_layers == 2
 
@@ -61,21 +73,21 @@ def test_tiny_model_loads_with_tokenizer(tiny_model_dir):
 
 def test_random_weight_names_resolve():
     for spec in ("llama-1b", "LLaMA-1B", "random-weights:llama-1b"):
-        source = model.resolve_source(spec)
-        assert source == model.ModelSource("random-weights:llama-1b", "llama-1b", random_weights=True)
-    assert model.resolve_source("gpt2").random_weights is False  # a hub id without an owner stays a hub id
+        source = model_source.resolve_source(spec)
+        assert source == model_source.ModelSource("random-weights:llama-1b", "llama-1b", random_weights=True)
+    assert model_source.resolve_source("gpt2").random_weights is False  # a hub id without an owner stays a hub id
 
 
 @pytest.mark.parametrize("spec", ["random-weights:llama-2b", "lama-1b", "qwen3-4", "random-weights:nope"])
 def test_unknown_shape_lists_the_known_ones(spec):
     with pytest.raises(CbgenError, match="known: smollm2-135m, llama-1b") as error:
-        model.resolve_source(spec)
+        model_source.resolve_source(spec)
     assert "\n" not in str(error.value)
 
 
 def test_missing_config_json_is_refused(tmp_path):
     with pytest.raises(CbgenError, match="does not exist"):
-        model.resolve_source(str(tmp_path / "config.json"))
+        model_source.resolve_source(str(tmp_path / "config.json"))
 
 
 # Parameter counts of the public checkpoints, to 3 significant digits: the shapes are theirs.
@@ -83,11 +95,11 @@ PUBLIC_SIZES = {"smollm2-135m": 134.5e6, "llama-1b": 1.236e9, "llama-3b": 3.213e
                 "qwen3-0.6b": 0.596e9, "qwen3-1.7b": 1.721e9, "qwen3-4b": 4.022e9, "qwen3-8b": 8.191e9}
 
 
-@pytest.mark.parametrize("name", list(model.RANDOM_SHAPES))
+@pytest.mark.parametrize("name", list(model_source.RANDOM_SHAPES))
 def test_random_shapes_match_the_public_models(name):
     from transformers import AutoModelForCausalLM
 
-    config = model.random_model_config(model.resolve_source(name))
+    config = model_source.random_model_config(model_source.resolve_source(name))
     with torch.device("meta"):  # shapes only, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     count = sum(p.numel() for p in skeleton.parameters())
@@ -97,7 +109,7 @@ def test_random_shapes_match_the_public_models(name):
 
 def test_random_shape_loads_with_the_embedded_tokenizer(tmp_path_factory):
     cache_dir = tmp_path_factory.getbasetemp() / "model-cache"
-    loaded = model.load_model(ModelSection(model="smollm2-135m", dtype="float32", cache_dir=str(cache_dir)))
+    loaded = model_load.load_model(ModelSection(model="smollm2-135m", dtype="float32", cache_dir=str(cache_dir)))
     assert loaded.random_weights and loaded.source.name == "random-weights:smollm2-135m"
     config = loaded.model.config
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
@@ -118,12 +130,12 @@ def tiny_config_json(folder, vocab_size: int):
 def test_config_json_loads_with_random_weights(tmp_path, tmp_path_factory):
     cache_dir = str(tmp_path_factory.getbasetemp() / "model-cache")
     path = tiny_config_json(tmp_path, 49152)
-    first = model.load_model(ModelSection(model=str(path), dtype="bfloat16", cache_dir=cache_dir))
+    first = model_load.load_model(ModelSection(model=str(path), dtype="bfloat16", cache_dir=cache_dir))
     assert first.random_weights and first.source.name == f"random-weights:{path}"
     assert first.model.config.num_hidden_layers == 2 and first.model.config.hidden_size == 64
     assert first.model.dtype == torch.bfloat16
-    again = model.load_model(ModelSection(model=f"random-weights:{path}", dtype="bfloat16", cache_dir=cache_dir))
-    assert again.cache == model.CACHE_HIT  # the embedded tokenizer, from the cache
+    again = model_load.load_model(ModelSection(model=f"random-weights:{path}", dtype="bfloat16", cache_dir=cache_dir))
+    assert again.cache == model_cache.CACHE_HIT  # the embedded tokenizer, from the cache
     for name, tensor in first.model.state_dict().items():  # seeded: the same weights every run
         assert torch.equal(again.model.state_dict()[name], tensor), name
 
@@ -132,4 +144,4 @@ def test_config_with_a_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path
     path = tiny_config_json(tmp_path, 1000)
     cache_dir = str(tmp_path_factory.getbasetemp() / "model-cache")
     with pytest.raises(CbgenError, match="vocab_size 1000 is smaller than the SmolLM2 tokenizer's 49152"):
-        model.load_model(ModelSection(model=str(path), cache_dir=cache_dir))
+        model_load.load_model(ModelSection(model=str(path), cache_dir=cache_dir))

@@ -1,4 +1,5 @@
-"""Progress of a job: a Rich display on a terminal, a plain line every few seconds elsewhere (cron, Slurm logs)."""
+"""What `cbgen run` shows: progress as a Rich display on a terminal or a plain line every few seconds elsewhere
+(cron, Slurm logs), and the summary table at the end."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from cbgen.job import RunSummary
+from cbgen.progress import NullProgress, plural
+from cbgen.summary import RunSummary
 
 
 class _Counters:
@@ -74,10 +76,10 @@ class RichProgress:
     def stage(self, message: str) -> None:
         self.console.log(message)
 
-    def start(self, total: int | None, unit: str = "sequences") -> None:
+    def start(self, total: int | None, unit: str = "sequence") -> None:
         self.counters.started = time.perf_counter()
         self.progress.start()
-        self.task = self.progress.add_task(f"generating ({unit})", total=total)
+        self.task = self.progress.add_task(f"generating ({unit}s)", total=total)
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
@@ -96,17 +98,17 @@ class PlainProgress:
         self.interval = interval
         self.counters = _Counters()
         self.total: int | None = None
-        self.unit = "sequences"
+        self.unit = "sequence"
         self.last = 0.0
 
     def stage(self, message: str) -> None:
         self._line(message)
 
-    def start(self, total: int | None, unit: str = "sequences") -> None:
+    def start(self, total: int | None, unit: str = "sequence") -> None:
         self.total = total
         self.unit = unit
         self.counters.started = self.last = time.perf_counter()
-        self._line(f"generating {total if total is not None else 'all'} {unit}")
+        self._line(f"generating {plural(total, unit) if total is not None else f'all {unit}s'}")
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
@@ -125,7 +127,9 @@ class PlainProgress:
         elapsed = time.perf_counter() - c.started
         if self.total and c.done:
             eta = f", ETA {_duration(elapsed / c.done * (self.total - c.done))}"
-        self._line(f"{done} {self.unit}, {c.tokens_per_second:.1f} generated tok/s, {c.failed} failed, "
+        noun = self.unit if (self.total or c.done) == 1 else f"{self.unit}s"
+        self._line(f"{done} {noun}, "
+                   f"{c.tokens_per_second:.1f} generated tok/s, {c.failed} failed, "
                    f"elapsed {_duration(elapsed)}{eta}")
 
     def _line(self, message: str) -> None:
@@ -141,8 +145,6 @@ def _duration(seconds: float) -> str:
 
 
 def make_progress(console: Console, quiet: bool):
-    from cbgen.job import NullProgress
-
     if quiet:
         return NullProgress()
     return RichProgress(console) if console.is_terminal else PlainProgress(console)
@@ -155,7 +157,7 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_column()
     rows = [
         ("model", summary.model),
-        ("requests", f"{summary.requests} ({summary.sequences} sequences)"),
+        ("requests", f"{summary.requests} ({plural(summary.sequences, 'sequence')})"),
         ("succeeded / failed", f"{summary.succeeded} / {summary.failed}"),
         ("prompt / generated tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
         ("generated tokens/s", f"{throughput['generated_tokens_per_s']:,.1f}"),
@@ -164,7 +166,7 @@ def summary_table(summary: RunSummary) -> Table:
                                                         for k in ("model_load_s", "generation_s", "total_s"))),
         ("KV cache", f"{summary.kv_cache.get('num_blocks')} blocks of {summary.kv_cache.get('page_size')} tokens "
                      f"({summary.kv_cache.get('chosen_by')})"),
-        ("output", f"{summary.output_dir} ({len(summary.shards)} shards + run.json)"),
+        ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from transformers.generation import ContinuousBatchingConfig
 
-from cbgen.config import BATCHING_REDIRECTS, CONFIG_TEMPLATE, JobConfig, build_config, check_value
+from cbgen.config import BATCHING_REDIRECTS, JobConfig, build_config, check_value, config_template
 from cbgen.errors import CbgenError
 
 
@@ -28,7 +28,7 @@ def test_defaults_then_yaml_then_flags(tmp_path):
 
 def test_template_parses_to_the_defaults(tmp_path):
     """`cbgen config init` writes a template whose values are exactly the built-in defaults."""
-    assert build_config(write(tmp_path, CONFIG_TEMPLATE)).to_dict() == JobConfig().to_dict()
+    assert build_config(write(tmp_path, config_template())).to_dict() == JobConfig().to_dict()
 
 
 def test_every_continuous_batching_field_is_reachable():
@@ -44,7 +44,7 @@ def test_every_continuous_batching_field_is_reachable():
         )
         assert check_value("batching", field.name, value, "x") == (tuple(value) if isinstance(value, list) else value)
         # and the template documents it
-        assert f"{field.name}:" in CONFIG_TEMPLATE or field.name in BATCHING_REDIRECTS
+        assert f"{field.name}:" in config_template() or field.name in BATCHING_REDIRECTS
 
 
 @pytest.mark.parametrize(

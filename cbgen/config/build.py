@@ -1,0 +1,90 @@
+"""Building a job configuration: built-in defaults < YAML file < flags, validated before any model loads."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cbgen.config.sections import SECTIONS, JobConfig
+from cbgen.config.values import check_value
+from cbgen.errors import CbgenError
+
+
+def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Reads a job file into {section: {key: value}}, checking every key and value; errors name the file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CbgenError(f"config file '{path}' does not exist; create one with `cbgen config init {path}`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CbgenError(f"config file '{path}' cannot be read: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise CbgenError(f"{path}{line}: YAML syntax error: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CbgenError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
+    result: dict[str, dict[str, Any]] = {}
+    for section, values in data.items():
+        if section not in SECTIONS:
+            close = difflib.get_close_matches(str(section), list(SECTIONS), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise CbgenError(f"{path}: unknown section '{section}'; {hint}allowed: {', '.join(SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise CbgenError(f"{path}: section '{section}' must be a mapping of keys to values")
+        result[section] = {
+            key: check_value(section, key, value, f"{path}: {section}.{key}") for key, value in values.items()
+        }
+    return result
+
+
+def build_config(
+    config_file: str | Path | None = None, overrides: dict[tuple[str, str], tuple[Any, str]] | None = None
+) -> JobConfig:
+    """Builds the effective configuration: defaults, then the YAML file, then `overrides`.
+
+    `overrides` maps (section, key) to (value, flag name); only flags the user actually gave belong there.
+    """
+    layers: dict[str, dict[str, Any]] = read_yaml(config_file) if config_file else {}
+    for (section, key), (value, flag) in (overrides or {}).items():
+        layers.setdefault(section, {})[key] = check_value(section, key, value, flag)
+    job = JobConfig()
+    for section, values in layers.items():
+        if section == "batching":
+            job.batching.update(values)
+        else:
+            target = getattr(job, section)
+            for key, value in values.items():
+                setattr(target, key, value)
+    check_combinations(job)
+    return job
+
+
+def check_combinations(job: JobConfig) -> None:
+    """Rejects settings that are each valid but cannot go together, saying what to change."""
+    g = job.generation
+    sampling = [name for name in ("temperature", "top_p", "top_k") if getattr(g, name) is not None]
+    if g.do_sample is False and sampling:
+        flags = ", ".join(f"--{s.replace('_', '-')}" for s in sampling)
+        raise CbgenError(f"greedy decoding ignores {flags}: drop --greedy (do_sample: false) or drop {flags}")
+    r = job.run
+    if (r.shard_index is None) != (r.num_shards is None):
+        raise CbgenError("--num-shards and --shard-index go together: give both, or neither (Slurm arrays set them)")
+    if r.num_shards is not None and r.shard_index >= r.num_shards:
+        raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
+    if g.num_return_sequences > 1 and not job.do_sample:
+        raise CbgenError(
+            f"--num-return-sequences {g.num_return_sequences} needs sampling (greedy would return the same text "
+            f"{g.num_return_sequences} times): add --do-sample or --temperature, or use --num-return-sequences 1"
+        )

@@ -1,0 +1,184 @@
+"""The sections of a job configuration, each field with its default and its help text.
+
+These dataclasses are the one source of cbgen's defaults and of what each setting means: the command-line help
+(`cbgen.cli._options`) and the YAML template (`cbgen.config.template`) are both made from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from cbgen.config.batching import BATCHING_FIELDS
+
+
+def setting(default: Any, help: str) -> Any:
+    """A dataclass field with its help text; a list default gets a fresh list per instance."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def help_of(section: str, key: str) -> str:
+    if section == "batching":
+        return BATCHING_FIELDS[key].help
+    return next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == key).metadata["help"]
+
+
+def default_of(section: str, key: str) -> Any:
+    if section == "batching":
+        return BATCHING_FIELDS[key].default
+    return getattr(SECTIONS[section](), key)
+
+
+RANDOM_SHAPE_NAMES = "llama-1b, llama-3b, llama-8b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, smollm2-135m"
+
+
+@dataclass
+class ModelSection:
+    model: str | None = setting(
+        None, "Hub id, local model folder, or .gguf file (its tokenizer comes from the same file); or random weights "
+        f"for benchmarking: a config.json, or a shape name ({RANDOM_SHAPE_NAMES}). Default: the embedded "
+        "SmolLM2-135M-Instruct.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = setting(
+        "auto", "Weight and activation precision. auto: bfloat16 on CUDA and on CPUs with bf16 matrix units "
+        "(AVX-512 BF16 or AMX), else float32.")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "Where the model runs. auto: CUDA when visible.")
+    attn_implementation: str | None = setting(
+        None, "Attention: per-sequence (cbgen's CPU attention for continuous batching: each request attends only to "
+        "its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on CPU "
+        "per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.")
+    trust_remote_code: bool = setting(
+        False, "Allow the model folder's own Python code to run. Off unless you trust its author.")
+    cache_dir: str | None = setting(
+        None, "Where GGUF models converted to safetensors are cached, so only the first run dequantizes them. "
+        "Default: $CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen (~/.cache/cbgen).")
+    use_cache: bool = setting(
+        True, "Use (and fill) the converted-GGUF cache; off dequantizes the GGUF file on every run.")
+    tp_size: int = setting(
+        1, "Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m cbgen run "
+        "... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress. A "
+        "model whose attention heads do not split N ways shards only its MLP and embeddings.")
+
+
+@dataclass
+class InputSection:
+    path: str | None = setting(
+        None, "Prompts: a JSONL or Parquet file (or a folder of them), an OpenAI Batch API file, a Hugging Face "
+        "dataset (save_to_disk folder, dataset folder or hub id); - reads JSONL from stdin.")
+    prompt_column: str | None = setting(
+        None, "Field holding the prompt: text, a list of chat messages, or token ids. Default: each row's 'prompt', "
+        "'messages' or 'input_ids'.")
+    id_column: str | None = setting(
+        None, "Field holding a unique id per row, copied to the output. Default: the rows' 'id' field when they have "
+        "one (custom_id for OpenAI batch files), else the row number from 0.")
+    keep_columns: list[str] = setting([], "Input fields copied into every output row; comma-separated or repeated.")
+    raw_prompts: bool = setting(
+        False, "Tokenize 'prompt' text as is, instead of as one user turn of the model's chat template (the default "
+        "when the tokenizer has one).")
+    format: Literal["auto", "jsonl", "parquet", "openai", "dataset"] = setting(
+        "auto", "What the input is. auto: from the path: .jsonl/.json/.ndjson (OpenAI Batch API lines are recognised "
+        "by their custom_id and body), .parquet, a folder of them, a dataset saved with save_to_disk, or a Hugging "
+        "Face hub dataset id.")
+    split: str | None = setting(
+        None, "Dataset split to read (Hugging Face datasets). Default: train, or the only split.")
+    subset: str | None = setting(None, "Dataset configuration (subset) name, for hub datasets that have several.")
+
+
+@dataclass
+class GenerationSection:
+    max_new_tokens: int = setting(256, "Most tokens generated per sequence.")
+    do_sample: bool | None = setting(
+        None, "Sample the next token, or always take the most likely one. Default: sample when temperature, top_p "
+        "or top_k is given, else greedy.")
+    temperature: float | None = setting(None, "Sampling temperature (> 0); lower is more deterministic.")
+    top_p: float | None = setting(
+        None, "Sample only from the smallest set of tokens whose probabilities add up to this (0-1].")
+    top_k: int | None = setting(None, "Sample only from the k most likely tokens.")
+    seed: int | None = setting(
+        None, "Seed for sampling, repeatable run to run. A request's samples still depend on which requests share "
+        "its batches.")
+    num_return_sequences: int = setting(
+        1, "Sequences per prompt (needs sampling); each is an output row with its sample_index.")
+    logprobs: bool = setting(False, "Write the log-probability of every generated token.")
+    stop_token_ids: list[int] = setting(
+        [], "Extra token ids that end a sequence, besides the model's end-of-sequence tokens.")
+    stop: list[str] = setting(
+        [], "Strings that end a sequence as soon as they appear (the request is cancelled then, not run to "
+        "max_new_tokens); the text is cut before the string and finish_reason is 'stop'. Rows may add their own "
+        "with a 'stop' field.")
+
+
+@dataclass
+class OutputSection:
+    dir: str = setting("cbgen-out", "Directory for the shards and run.json.")
+    format: Literal["jsonl", "parquet", "openai"] = setting(
+        "jsonl", "Shard format: jsonl or parquet (a row per sequence, readable with datasets.load_dataset), or "
+        "openai (a line per request, as OpenAI's Batch API output file has it).")
+    rows_per_shard: int = setting(
+        10_000, "Rows per shard file; a shard appears under its final name only once complete.")
+    overwrite: bool = setting(False, "Delete the results of an earlier run in the output directory first.")
+
+
+@dataclass
+class RunSection:
+    max_in_flight: int | None = setting(
+        None, "Requests handed to the engine at once; results are written as they finish, so memory stays bounded. "
+        "Default: twice max_requests_per_batch (512 when transformers chooses that).")
+    quiet: bool = setting(False, "No progress display and no summary; errors are still printed.")
+    request_timeout: float | None = setting(
+        None, "Seconds a request may take once handed to the engine; a slower one is cancelled and recorded as "
+        "failed. Default: no limit.")
+    max_errors: int | None = setting(
+        None, "Stop the job (resumable) once more than this many requests have failed. Default: never.")
+    commit_interval: float = setting(
+        60.0, "Commit the open shard at least every this many seconds, so a killed job loses little work.")
+    num_shards: int | None = setting(
+        None, "Split the input into this many parts by a stable hash of the id, one per job; each writes to "
+        "DIR/shard-IIIII-of-NNNNN. Default: the Slurm array size (SLURM_ARRAY_TASK_COUNT).")
+    shard_index: int | None = setting(
+        None, "Which part this job runs, from 0. Default: the Slurm array task (SLURM_ARRAY_TASK_ID minus "
+        "SLURM_ARRAY_TASK_MIN).")
+    prefix_gating: bool = setting(
+        True, "Admit the first request of each shared prompt prefix, and the others once it has computed the "
+        "prefix, so they reuse its KV cache instead of all computing it at once.")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "input": InputSection,
+    "generation": GenerationSection,
+    "batching": dict,  # ContinuousBatchingConfig fields, only those set by the user
+    "output": OutputSection,
+    "run": RunSection,
+}
+
+
+@dataclass
+class JobConfig:
+    """Everything a job needs, validated. `batching` holds only the ContinuousBatchingConfig fields the user set."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    input: InputSection = field(default_factory=InputSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    batching: dict[str, Any] = field(default_factory=dict)
+    output: OutputSection = field(default_factory=OutputSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    @property
+    def do_sample(self) -> bool:
+        g = self.generation
+        if g.do_sample is not None:
+            return g.do_sample
+        return any(v is not None for v in (g.temperature, g.top_p, g.top_k))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS if name != "batching"}
+        out["batching"] = dict(self.batching)
+        return {name: out[name] for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)

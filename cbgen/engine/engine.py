@@ -1,0 +1,328 @@
+"""Drives transformers' ContinuousBatchingManager over a stream of requests with a bounded in-flight window.
+
+Results are yielded as they finish, so the caller writes them out while generation goes on and memory does not grow
+with the input. Requests that can never run are failed before admission (cbgen.engine.admission). If the manager's
+loop dies anyway, the requests in flight are failed with its error and a fresh manager carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from cbgen.engine.admission import Limits, Placement, PrefixGate
+from cbgen.engine.manager import (
+    CacheFacts,
+    ManagerSpec,
+    attention_scope,
+    drain,
+    loop_error,
+    start_manager,
+    stop_manager,
+)
+from cbgen.engine.stops import StopStrings
+from cbgen.errors import CbgenError
+from cbgen.records import Completion, Request
+
+log = logging.getLogger(__name__)
+
+CHILD_MARK = "__child#"  # transformers names the extra sequences of a request "<id>__child#<k>"
+COPY_MARK = "~copy"  # cbgen's own suffix for the separate sequences of a request whose n differs from the job's
+
+
+def request_key(manager_id: str) -> str:
+    """The engine's key of a request, from the id the manager knows one of its sequences by."""
+    return manager_id.partition(CHILD_MARK)[0].partition(COPY_MARK)[0]
+
+
+@dataclass
+class EngineSettings:
+    """How the engine runs: what builds its manager, how much it keeps in flight, and what ends a sequence."""
+
+    spec: ManagerSpec
+    max_in_flight: int
+    max_new_tokens: int  # the job's; a request may ask for its own
+    num_return_sequences: int  # the job's; a request may ask for its own (then it runs as copies)
+    eos_token_ids: set[int]
+    max_positions: int | None  # the model's context
+    request_timeout: float | None = None
+    prefix_gating: bool = True
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for stop strings
+    # a fresh manager after a loop death; not under tensor parallelism, whose other ranks cannot follow suit
+    restartable: bool = True
+
+
+@dataclass
+class EngineStats:
+    restarts: int = 0
+    num_blocks: int | None = None
+    attention: str = "stock"  # what attention ran (cbgen.engine.manager.attention_scope)
+    resolved_config: dict = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    """A request in the engine: the manager ids of its sequences and those already finished."""
+
+    request: Request
+    max_new_tokens: int
+    started: float  # time.monotonic() when handed to the manager
+    ids: dict[str, int] = field(default_factory=dict)  # manager id of each sequence -> its sample index
+    done: dict[int, Completion] = field(default_factory=dict)  # sample index -> completion
+    later: list[str] = field(default_factory=list)  # copies admitted once the first has computed the prompt
+    stop: StopStrings | None = None
+    checked: dict[int, int] = field(default_factory=dict)  # sample index -> tokens already searched for stops
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def close_with_error(self, error: str) -> list[Completion]:
+        """The sequences it finished, plus an error for each one it did not."""
+        return [self.done.get(i) or Completion(self.request, i, [], None, "error", error) for i in range(self.n)]
+
+
+@dataclass
+class _Feed:
+    source: Iterator[Request]
+    exhausted: bool = False
+
+
+class Engine:
+    """Feeds requests to a ContinuousBatchingManager, at most `max_in_flight` at a time, and yields Completions."""
+
+    def __init__(self, model, settings: EngineSettings) -> None:
+        self.model = model
+        self.settings = settings
+        self.limits = Limits(settings.max_new_tokens, settings.max_positions)
+        self.stats = EngineStats()
+        self._manager = None
+        self._prefix_sharing = False
+        self._counter = 0
+
+    def run(self, requests: Iterable[Request], stop: threading.Event | None = None) -> Iterator[list[Completion]]:
+        """Yields the sequences of each request together (sorted by sample index), in the order requests finish.
+
+        When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
+        are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
+        On CPU, attention runs per sequence while the engine runs, where the model allows it (cbgen.attention).
+        """
+        with attention_scope(self.model, self.settings.spec.attention) as running:
+            self.stats.attention = running
+            self._start()
+            try:
+                yield from self._loop(iter(requests), stop or threading.Event())
+            finally:
+                if self._manager is not None:
+                    for _ in stop_manager(self._manager):
+                        pass
+                    self._manager = None
+
+    # ------------------------------------------------------------------------------------------------------------ #
+    # the loop
+
+    def _loop(self, source: Iterator[Request], stop: threading.Event) -> Iterator[list[Completion]]:
+        gate = PrefixGate(self.limits.page_size, max_parked=4 * self.settings.max_in_flight,
+                          enabled=self.settings.prefix_gating and self._prefix_sharing)
+        in_flight: dict[str, _InFlight] = {}
+        feed = _Feed(source)
+        while True:
+            if stop.is_set():
+                yield from self._stop_now(in_flight)
+                return
+            while len(in_flight) < self.settings.max_in_flight:
+                picked = yield from self._next_admissible(feed, gate)
+                if picked is None:
+                    break
+                request, lead = picked
+                if not self._manager.is_running():  # died on an earlier request: never feed a dead loop
+                    yield from self._recover(in_flight, gate)
+                yield from self._admit(request, lead, in_flight, gate)
+            if feed.exhausted and not in_flight and not gate.waiting:
+                return
+            if self.settings.request_timeout is not None:
+                yield from self._expire(in_flight, gate)
+            yield from self._collect(in_flight, gate)
+
+    def _next_admissible(self, feed: _Feed, gate: PrefixGate):
+        """The next request to admit and whether it leads its prefix, or None when none can go now. Yields the
+        requests it fails on the way (those that can never run)."""
+        if gate.ready:
+            return gate.ready.popleft(), False
+        while not feed.exhausted and not gate.full:
+            request = next(feed.source, None)
+            if request is None:
+                feed.exhausted = True
+                return None
+            reason = request.error or self.limits.never_fits(request)
+            if reason is not None:
+                yield self._reject(request, reason)
+                continue
+            placement = gate.place(request)
+            if placement is not Placement.PARKED:
+                return request, placement is Placement.LEADER
+        return None
+
+    def _collect(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
+        """Waits briefly for one result and yields the request it completes, if any."""
+        result = self._manager.get_result(timeout=0.05)
+        if result is None:
+            if not self._manager.is_running():
+                yield from self._recover(in_flight, gate)
+            return
+        key = request_key(result.request_id)
+        if result.generated_tokens or result.is_finished():
+            gate.prefix_computed(key)  # its first token exists: all its prompt's blocks do too
+            self._admit_later(key, in_flight)
+        if (group := self._complete(result, in_flight)) is not None:
+            yield group
+
+    # ------------------------------------------------------------------------------------------------------------ #
+    # the manager
+
+    def _start(self) -> None:
+        self._manager, facts = start_manager(self.model, self.settings.spec)
+        self._record(facts)
+
+    def _record(self, facts: CacheFacts) -> None:
+        self.limits.num_blocks, self.limits.page_size = facts.num_blocks, facts.page_size
+        self._prefix_sharing = facts.prefix_sharing
+        self.stats.num_blocks = facts.num_blocks
+        self.stats.resolved_config = facts.resolved_config
+
+    def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
+        """Stops the manager at once and yields the requests that had finished all their sequences."""
+        manager, self._manager = self._manager, None
+        for result in stop_manager(manager, hard=True):
+            # a hard stop fails what was running: those requests are left for a resume, not reported as failed
+            if result.is_finished() and result.error is None and (group := self._complete(result, in_flight)):
+                yield group
+        in_flight.clear()
+
+    def _recover(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
+        """The manager's loop has died: take what it finished, fail the rest with its error, start a fresh one."""
+        for result in drain(self._manager):
+            if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
+                yield group
+        error = loop_error(self._manager)
+        if not self.settings.restartable:
+            raise CbgenError(f"{error}; under tensor parallelism the job stops here (run it again to resume)")
+        log.warning("%s; restarting it (%d requests in flight failed)", error, len(in_flight))
+        for key in list(in_flight):
+            gate.prefix_computed(key)
+            yield in_flight.pop(key).close_with_error(error)
+        manager, self._manager = self._manager, None
+        for _ in stop_manager(manager):
+            pass
+        self.stats.restarts += 1
+        self._start()
+
+    # ------------------------------------------------------------------------------------------------------------ #
+    # requests
+
+    def _reject(self, request: Request, error: str) -> list[Completion]:
+        """Fails a request that never reached the engine; the error names the input line or row."""
+        n = request.n or self.settings.num_return_sequences
+        error = f"{request.record.location}: {error}"
+        return [Completion(request, i, [], None, "error", error, rejected=True) for i in range(n)]
+
+    def _admit(self, request: Request, lead: bool, in_flight: dict[str, _InFlight], gate: PrefixGate):
+        """Hands one request to the manager. A leader streams, so its first token tells when its prefix is cached;
+        so do requests with stop strings, checked token by token. A request asking for another number of sequences
+        than the job (only when the job asks for one) runs as that many copies: the first one computes the prompt,
+        the others follow once it is cached."""
+        key = f"r{self._counter}"
+        self._counter += 1
+        entry = _InFlight(request, self.limits.max_new_for(request), time.monotonic())
+        n, job_n = request.n or self.settings.num_return_sequences, self.settings.num_return_sequences
+        if n == job_n:
+            entry.ids = {key: 0} | {f"{key}{CHILD_MARK}{k}": k + 1 for k in range(n - 1)}
+            first = [key]
+        else:
+            entry.ids = {f"{key}{COPY_MARK}{j}": j for j in range(n)}
+            first = list(entry.ids)[:1] if self._prefix_sharing else list(entry.ids)
+            entry.later = [i for i in entry.ids if i not in first]
+        if request.stop:
+            entry.stop = StopStrings(request.stop, self.settings.decode)
+        for manager_id in first:
+            if not self._add(entry, manager_id, streaming=lead or bool(entry.later)):
+                yield self._reject(request, "the engine refused the request (it was stopping)")
+                if lead:
+                    gate.prefix_computed(key)
+                return
+        if lead:
+            gate.lead(request, key)
+        in_flight[key] = entry
+
+    def _add(self, entry: _InFlight, manager_id: str, streaming: bool) -> bool:
+        request = entry.request
+        accepted = self._manager.add_request(request.input_ids, request_id=manager_id,
+                                             max_new_tokens=entry.max_new_tokens,
+                                             streaming=streaming or entry.stop is not None, **request.sampling)
+        return accepted is not None
+
+    def _admit_later(self, key: str, in_flight: dict[str, _InFlight]) -> None:
+        """The first copy of `key` has computed its prompt: the other copies go now and share its KV blocks."""
+        entry = in_flight.get(key)
+        if entry is None or not entry.later:
+            return
+        later, entry.later = entry.later, []
+        for manager_id in later:
+            self._add(entry, manager_id, streaming=False)
+
+    def _complete(self, result, in_flight: dict[str, _InFlight]) -> list[Completion] | None:
+        """Records a sequence that finished (or reached a stop string); returns the request's sequences once all of
+        them are in."""
+        key = request_key(result.request_id)
+        entry = in_flight.get(key)
+        if entry is None:  # a late result for a request already failed (recovery) or cancelled (timeout)
+            return None
+        sample_index = entry.ids.get(result.request_id)
+        if sample_index is None or sample_index in entry.done:
+            return None  # a sequence already ended by a stop string: what it streamed after is not wanted
+        tokens = list(result.generated_tokens)
+        logprobs = [float(x) for x in result.logprobs] if result.logprobs else None
+        stopped = None
+        if entry.stop is not None and result.error is None:
+            stopped = entry.stop.find(tokens, entry.checked.get(sample_index, 0))
+            entry.checked[sample_index] = len(tokens)
+        if stopped is not None:
+            cut, text = stopped
+            if not result.is_finished():
+                self._manager.cancel_request(result.request_id)
+            completion = Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
+                                    "stop", None, text)
+        elif not result.is_finished():
+            return None  # a streamed step
+        else:
+            reason = self._finish_reason(tokens, entry.max_new_tokens, result.error)
+            error = str(result.error) if result.error is not None else None
+            completion = Completion(entry.request, sample_index, tokens, logprobs, reason, error)
+        entry.done[sample_index] = completion
+        if len(entry.done) < entry.n:
+            return None
+        del in_flight[key]
+        return [entry.done[i] for i in range(entry.n)]
+
+    def _finish_reason(self, tokens: list[int], max_new_tokens: int, error) -> str:
+        if error is not None:
+            return "error"
+        if tokens and tokens[-1] in self.settings.eos_token_ids:
+            return "stop"
+        return "length" if len(tokens) >= max_new_tokens else "stop"
+
+    def _expire(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
+        """Cancels requests that have run longer than --request-timeout. The manager returns nothing for a
+        cancelled request, so cbgen records the failure itself."""
+        now, timeout = time.monotonic(), self.settings.request_timeout
+        for key, entry in list(in_flight.items()):
+            if now - entry.started <= timeout:
+                continue
+            for manager_id, sample in entry.ids.items():
+                if sample not in entry.done and manager_id not in entry.later:
+                    self._manager.cancel_request(manager_id)
+            gate.prefix_computed(key)  # or not: its followers go ahead and compute it themselves
+            yield in_flight.pop(key).close_with_error(f"timed out after {timeout:g} s (--request-timeout)")

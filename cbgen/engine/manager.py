@@ -1,0 +1,98 @@
+"""One ContinuousBatchingManager's life: built from a spec, warmed up, started, stopped, drained. The engine uses it
+in a single process and on rank 0; tensor-parallel followers use it to serve the same manager as rank 0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbgen.attention import per_sequence_attention
+from cbgen.attention.softcap import softcapped_paged_eager
+
+
+@dataclass
+class ManagerSpec:
+    """Everything that builds a manager. A tensor-parallel follower receives rank 0's, so that both build the same
+    one (the manager may change what it is given, so rank 0 sends copies taken before it starts)."""
+
+    generation_config: Any
+    cb_config: Any
+    workload_hints: Any = None
+    attention: str = "auto"  # cbgen's per-sequence attention: "auto" (where it applies), "required" or "off"
+
+
+@dataclass
+class CacheFacts:
+    """What a started manager's KV cache turned out to be."""
+
+    page_size: int
+    num_blocks: int | None
+    prefix_sharing: bool  # block sharing is only ever allowed: the cache turns it off for sliding-window layers
+    resolved_config: dict[str, Any] = field(default_factory=dict)
+
+
+@contextmanager
+def attention_scope(model, attention: str) -> Iterator[str]:
+    """The attention the manager runs with, around its whole life (its thread looks the function up every step):
+    cbgen's per-sequence attention where asked and applicable, and soft-capping where the model needs it. Yields
+    what runs: "per-sequence", "stock", or "stock, soft-capped"."""
+    with ExitStack() as stack:
+        per_sequence = attention != "off" and stack.enter_context(
+            per_sequence_attention(model, required=attention == "required"))
+        capped = stack.enter_context(softcapped_paged_eager(model))
+        yield "per-sequence" if per_sequence else "stock, soft-capped" if capped else "stock"
+
+
+def start_manager(model, spec: ManagerSpec) -> tuple[Any, CacheFacts]:
+    """A started manager, its cache built by a warm-up so that its real size is known before the first admission."""
+    manager = model.init_continuous_batching(generation_config=spec.generation_config,
+                                             continuous_batching_config=spec.cb_config,
+                                             workload_hints=spec.workload_hints)
+    manager.warmup()
+    cache = getattr(manager.batch_processor, "cache", None)
+    resolved = manager.continuous_batching_config
+    facts = CacheFacts(
+        page_size=resolved.page_size,
+        num_blocks=getattr(cache, "num_blocks", None) or resolved.num_blocks,
+        prefix_sharing=bool(getattr(cache, "use_prefix_sharing", resolved.allow_block_sharing)),
+        resolved_config={k: v for k, v in vars(resolved).items()
+                         if isinstance(v, (int, float, str, bool, tuple, type(None)))},
+    )
+    manager.start()
+    return manager, facts
+
+
+def stop_manager(manager, *, hard: bool = False) -> Iterator[Any]:
+    """Stops and destroys `manager`, yielding the results it still holds. A hard stop fails what was running."""
+    try:
+        manager.stop(block=True, timeout=20 if hard else 30, hard_stop=hard)
+        yield from drain(manager)
+    finally:
+        manager.destroy()
+
+
+def drain(manager) -> Iterator[Any]:
+    """The results waiting in the manager's queue, without waiting for more."""
+    while (result := manager.get_result(timeout=0)) is not None:
+        yield result
+
+
+def loop_error(manager) -> str:
+    """Why a manager's generation loop stopped, as a message for the requests it took down."""
+    fatal = getattr(manager.background_thread_status, "fatal_error", None)
+    return f"the generation loop stopped: {fatal}" if fatal else "the generation loop stopped unexpectedly"
+
+
+def serve(model, spec: ManagerSpec) -> None:
+    """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it. Every rank receives
+    every result; the follower drops them."""
+    with attention_scope(model, spec.attention):
+        manager, _ = start_manager(model, spec)
+        try:
+            while manager.is_running():
+                manager.get_result(timeout=0.5)
+        finally:
+            for _ in stop_manager(manager):
+                pass

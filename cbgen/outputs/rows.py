@@ -1,0 +1,68 @@
+"""What the writer stores for a finished request: a row per returned sequence, or one OpenAI batch output line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cbgen.config import JobConfig
+from cbgen.openai_batch import Choice, OutputLine
+from cbgen.records import Completion
+
+
+class OutputRows:
+    """Turns a finished request's sequences into what the writer stores. `logprobs` says whether rows carry a
+    logprobs field (the job or some row asked for them)."""
+
+    def __init__(self, job: JobConfig, tokenizer, model_name: str, logprobs: bool) -> None:
+        self.job = job
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.logprobs = logprobs
+
+    def __call__(self, group: list[Completion]) -> list[dict[str, Any]]:
+        if self.job.output.format == "openai":
+            return [self.openai_line(group).to_dict()]
+        return [self.row(completion) for completion in group]
+
+    def text(self, completion: Completion) -> str | None:
+        if completion.finish_reason == "error":
+            return None
+        if completion.text is not None:
+            return completion.text
+        return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+    def wants_logprobs(self, completion: Completion) -> bool:
+        return self.job.generation.logprobs or bool(completion.request.record.settings.get("logprobs"))
+
+    def row(self, completion: Completion) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "id": completion.request.record.id,
+            "sample_index": completion.sample_index,
+            "text": self.text(completion),
+            "token_ids": completion.token_ids,
+            "num_prompt_tokens": completion.num_prompt_tokens,
+            "num_generated_tokens": len(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "error": completion.error,
+        }
+        if self.logprobs:
+            row["logprobs"] = (completion.logprobs or []) if self.wants_logprobs(completion) else None
+        for name in self.job.input.keep_columns:
+            row[name] = completion.request.record.kept.get(name)
+        return row
+
+    def openai_line(self, group: list[Completion]) -> OutputLine:
+        first = group[0]
+        record = first.request.record
+        failed = next((c for c in group if c.finish_reason == "error"), None)
+        if failed is not None:
+            return OutputLine.failure(record.id, failed.error or "failed", input_error=failed.rejected)
+        choices = []
+        for completion in group:
+            choice = Choice(self.text(completion), completion.token_ids, completion.finish_reason)
+            if self.wants_logprobs(completion) and completion.logprobs is not None:
+                choice.logprobs = completion.logprobs
+                choice.tokens = [self.tokenizer.decode([t]) for t in completion.token_ids]
+            choices.append(choice)
+        return OutputLine.success(record.id, record.endpoint, choices, model=self.model_name,
+                                  prompt_tokens=first.num_prompt_tokens)
