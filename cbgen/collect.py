@@ -171,26 +171,39 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
     needs no merging, but can still be turned into a dataset."""
     base = Path(base)
     found = find_run_directories(base)
-    directories = [d for d in found if d.shard is not None]
+    directories = sorted((d for d in found if d.shard is not None), key=lambda d: d.shard[0])
     if not directories and to_dataset:
         return _whole_job_to_dataset(found[0], Path(output) if output else base / "merged", input_path)
     if not directories:
         raise CbgenError(f"'{base}' holds no shard-*-of-* directories: only a job run with --num-shards (or as a "
                          "Slurm array) needs merging")
+    report = check_shards(base, directories, input_path)
+    if not report.complete:
+        return report
+    target = Path(output) if output else base / "merged"
+    if target.exists() and any(target.iterdir()):
+        raise CbgenError(f"merge target '{target}' is not empty; remove it or choose another with -o")
+    job = directories[0].job
+    if to_dataset:
+        report.rows = save_dataset([d.path for d in directories], target, job)
+    else:
+        report.rows = _copy_rows(directories, target, job)
+    report.output = target
+    return report
+
+
+def check_shards(base: Path, directories: list[RunDirectory], input_path: str | None) -> MergeReport:
+    """Which input ids the shards of one split job miss, repeat, or hold without the input having them."""
     counts = {d.shard[1] for d in directories}
     if len(counts) > 1:
         raise CbgenError(f"'{base}' mixes jobs split {sorted(counts)} ways; merge one split at a time")
     num_shards = counts.pop()
-    reference = directories[0].fingerprint
+    reference = {k: v for k, v in directories[0].fingerprint.items() if k != "shard"}
     for directory in directories[1:]:
-        if {k: v for k, v in directory.fingerprint.items() if k != "shard"} != {
-            k: v for k, v in reference.items() if k != "shard"
-        }:
+        if {k: v for k, v in directory.fingerprint.items() if k != "shard"} != reference:
             raise CbgenError(f"'{directory.path}' was written by a different job than '{directories[0].path}'")
     report = MergeReport(output=None)
-    present = {d.shard[0] for d in directories}
-    report.shards_not_started = sorted(set(range(num_shards)) - present)
-
+    report.shards_not_started = sorted(set(range(num_shards)) - {d.shard[0] for d in directories})
     seen: Counter[str] = Counter()  # requests: a request's first sequence (or its one error row)
     for directory in directories:
         for row in read_shards(directory.path, columns=["id", "sample_index"]):
@@ -202,33 +215,22 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
         elif times != 1:
             report.duplicated.append(request_id)
     report.unexpected = sorted(seen)
-    if not report.complete:
-        return report
+    return report
 
-    target = Path(output) if output else base / "merged"
-    job = directories[0].job
-    if target.exists() and any(target.iterdir()):
-        raise CbgenError(f"merge target '{target}' is not empty; remove it or choose another with -o")
-    ordered = sorted(directories, key=lambda d: d.shard[0])
-    if to_dataset:
-        report.rows = save_dataset([d.path for d in ordered], target, job)
-        report.output = target
-        return report
+
+def _copy_rows(directories: list[RunDirectory], target: Path, job: dict[str, Any]) -> int:
+    """Writes the shards' rows, in shard order, as shards of the job's own format in `target`; returns how many."""
+    rows = 0
     writer = open_writer(job["output"]["format"], target, rows_per_shard=job["output"]["rows_per_shard"],
                          logprobs=job["generation"]["logprobs"], kept_names=job["input"]["keep_columns"])
     with writer:
-        for directory in ordered:
+        for directory in directories:
             for row in read_shards(directory.path, as_rows=False):  # OpenAI lines are copied as they are
                 writer.write(row)
-                report.rows += 1
-    write_json_atomic(target / MANIFEST_FILE, {
-        "merged_from": [str(d.path) for d in directories],
-        "rows": report.rows,
-        "shards": [p.name for p in writer.shards],
-        "job": job,
-    })
-    report.output = target
-    return report
+                rows += 1
+    write_json_atomic(target / MANIFEST_FILE, {"merged_from": [str(d.path) for d in directories], "rows": rows,
+                                               "shards": [p.name for p in writer.shards], "job": job})
+    return rows
 
 
 def _whole_job_to_dataset(directory: RunDirectory, target: Path, input_path: str | None) -> MergeReport:

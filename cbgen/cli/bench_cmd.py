@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cbgen.errors import CbgenError
+
 PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "generate_batch", "static")
 
 
@@ -51,15 +53,9 @@ def bench(
         write_outputs,
     )
     from cbgen.config import ModelSection, check_value
-    from cbgen.errors import CbgenError
     from cbgen.model.load import load_model
 
-    chosen_paths = _split(paths)
-    unknown = [p for p in chosen_paths if p not in PATHS]
-    if unknown:
-        raise CbgenError(f"--paths: unknown path '{unknown[0]}'; choose from: {', '.join(PATHS)}")
-    if size not in ("tiny", "small", "medium"):
-        raise CbgenError(f"--size must be one of: tiny, small, medium (got {size!r})")
+    chosen_paths = _checked_paths(paths, size)
     batching = {key: check_value("batching", key, value, f"--{key.replace('_', '-')}")
                 for key, value in (("max_batch_tokens", max_batch_tokens), ("page_size", page_size),
                                    ("max_requests_per_batch", max_requests_per_batch)) if value is not None}
@@ -84,6 +80,21 @@ def bench(
     rows = summarise(results, flops_per_token, peak)
     meta = meta_for(loaded, size, peak, batching)
     json_path, png_path = write_outputs(rows, meta, Path(output_dir))
+    _print_table(rows, meta, size)
+    console.print(f"bf16 matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}", markup=False)
+
+
+def _checked_paths(paths: str, size: str) -> list[str]:
+    chosen = _split(paths)
+    unknown = [p for p in chosen if p not in PATHS]
+    if unknown:
+        raise CbgenError(f"--paths: unknown path '{unknown[0]}'; choose from: {', '.join(PATHS)}")
+    if size not in ("tiny", "small", "medium"):
+        raise CbgenError(f"--size must be one of: tiny, small, medium (got {size!r})")
+    return chosen
+
+
+def _print_table(rows: list[dict], meta: dict, size: str) -> None:
     table = Table(title=f"cbgen bench: {meta['model']}, {meta['dtype']}, {meta['device']}, size {size}",
                   title_justify="left")
     columns = ["workload", "path", "seconds", "prompt_tok_s", "generated_tok_s", "total_tok_s", "time_vs_cbgen",
@@ -96,4 +107,3 @@ def bench(
     if not out.is_terminal:
         out.width = 160  # a log file: do not wrap the table at 80 columns
     out.print(table)
-    console.print(f"bf16 matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}", markup=False)
