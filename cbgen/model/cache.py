@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.config import ModelSection
 from cbgen.files import read_json_or_none, write_json_atomic
+from cbgen.model.source import ModelSource
 
 if TYPE_CHECKING:
     import torch
@@ -203,3 +204,39 @@ def rebuild(cache: GgufCache, entry: str, failure: str | None) -> None:
     if failure is not None:
         log.warning("cbgen: the cache entry '%s' is broken (%s); rebuilding it", cache.folder / entry, failure)
         cache.discard(entry)
+
+
+def gguf_tokenizer(gguf: Path, cache: GgufCache | None):
+    """The tokenizer inside a GGUF file, and the cache status of its converted copy."""
+    from transformers import AutoTokenizer
+
+    tokenizer, failure = load_cached(cache, "tokenizer", AutoTokenizer.from_pretrained)
+    if tokenizer is not None:
+        return tokenizer, CACHE_HIT
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if cache is None:
+        return tokenizer, CACHE_OFF
+    rebuild(cache, "tokenizer", failure)
+    return tokenizer, CACHE_WRITTEN if cache.write("tokenizer", tokenizer.save_pretrained) else CACHE_UNWRITABLE
+
+
+def load_gguf(source: ModelSource, cache: GgufCache | None, dtype: torch.dtype, **load_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(source.location) / source.gguf_file
+    tokenizer, tokenizer_status = gguf_tokenizer(gguf, cache)
+    entry = f"model-{str(dtype).removeprefix('torch.')}"
+    model, failure = load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, **load_kwargs))
+    if model is not None:
+        return model, tokenizer, combine_statuses(tokenizer_status, CACHE_HIT)
+    model = AutoModelForCausalLM.from_pretrained(source.location, gguf_file=source.gguf_file, dtype=dtype,
+                                                 **load_kwargs)
+    if cache is None:
+        status = CACHE_OFF
+    elif not drop_gguf_marker(model):
+        status = CACHE_UNSUPPORTED
+    else:
+        rebuild(cache, entry, failure)
+        status = CACHE_WRITTEN if cache.write(entry, model.save_pretrained) else CACHE_UNWRITABLE
+    return model, tokenizer, combine_statuses(tokenizer_status, status)

@@ -13,19 +13,7 @@ import torch
 
 from cbgen.config import ModelSection
 from cbgen.errors import CbgenError, debug_enabled
-from cbgen.model.cache import (
-    CACHE_HIT,
-    CACHE_OFF,
-    CACHE_UNSUPPORTED,
-    CACHE_UNWRITABLE,
-    CACHE_WRITTEN,
-    GgufCache,
-    combine_statuses,
-    default_cache_dir,
-    drop_gguf_marker,
-    load_cached,
-    rebuild,
-)
+from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
 
 log = logging.getLogger(__name__)
@@ -110,42 +98,6 @@ class LoadedModel:
     @property
     def random_weights(self) -> bool:
         return self.source.random_weights
-
-
-def gguf_tokenizer(gguf: Path, cache: GgufCache | None):
-    """The tokenizer inside a GGUF file, and the cache status of its converted copy."""
-    from transformers import AutoTokenizer
-
-    tokenizer, failure = load_cached(cache, "tokenizer", AutoTokenizer.from_pretrained)
-    if tokenizer is not None:
-        return tokenizer, CACHE_HIT
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if cache is None:
-        return tokenizer, CACHE_OFF
-    rebuild(cache, "tokenizer", failure)
-    return tokenizer, CACHE_WRITTEN if cache.write("tokenizer", tokenizer.save_pretrained) else CACHE_UNWRITABLE
-
-
-def load_gguf(source: ModelSource, cache: GgufCache | None, dtype: torch.dtype, **load_kwargs):
-    from transformers import AutoModelForCausalLM
-
-    gguf = Path(source.location) / source.gguf_file
-    tokenizer, tokenizer_status = gguf_tokenizer(gguf, cache)
-    entry = f"model-{str(dtype).removeprefix('torch.')}"
-    model, failure = load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, **load_kwargs))
-    if model is not None:
-        return model, tokenizer, combine_statuses(tokenizer_status, CACHE_HIT)
-    model = AutoModelForCausalLM.from_pretrained(source.location, gguf_file=source.gguf_file, dtype=dtype,
-                                                 **load_kwargs)
-    if cache is None:
-        status = CACHE_OFF
-    elif not drop_gguf_marker(model):
-        status = CACHE_UNSUPPORTED
-    else:
-        rebuild(cache, entry, failure)
-        status = CACHE_WRITTEN if cache.write(entry, model.save_pretrained) else CACHE_UNWRITABLE
-    return model, tokenizer, combine_statuses(tokenizer_status, status)
 
 
 def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, device: str, attn: str):

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from cbgen.errors import CbgenError
-from cbgen.model.cache import CACHE_HIT, CACHE_OFF, GgufCache
-from cbgen.model.load import gguf_tokenizer, load_gguf
+from cbgen.model.cache import CACHE_HIT, CACHE_OFF, GgufCache, gguf_tokenizer, load_gguf
 from cbgen.model.source import ModelSource
 
 

@@ -1,0 +1,89 @@
+"""The house rules the tree keeps: no import cycles between cbgen's modules, no module over ~400 lines and no
+function over ~60 without a reason written here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cbgen
+
+ROOT = Path(cbgen.__file__).parent
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+# function -> why it may be longer
+LONG_FUNCTIONS = {
+    "cbgen.cli.bench_cmd.bench": "typer declares each of its 13 options in the signature",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The cbgen modules a module imports, at the top or inside functions; `if TYPE_CHECKING:` blocks, which never
+    run, are left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and "TYPE_CHECKING" in ast.unparse(block.test) for stmt in block.body for node in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("cbgen"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cbgen"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return {name for name in found if name in MODULES}
+
+
+def test_no_import_cycles():
+    graph = {name: runtime_imports(path) - {name} for name, path in MODULES.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [name, target]) if target in path
+                              else f"{name} -> {target}")
+            elif target not in state:
+                visit(target, path + [name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert not cycles, "import cycles: " + "; ".join(cycles)
+
+
+def test_modules_stay_small():
+    big = {name: n for name, path in MODULES.items()
+           if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {big}"
+
+
+def test_functions_stay_short():
+    long = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and f"{name}.{node.name}" not in LONG_FUNCTIONS:
+                    long[f"{name}.{node.name}"] = lines
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long} (split them, or say why in LONG_FUNCTIONS)"
+
+
+def test_the_cycle_check_sees_lazy_imports(tmp_path):
+    """The check itself: an import inside a function counts (the cycles this tree once had were such imports)."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from cbgen.job import run_job\n\nif TYPE_CHECKING:\n    import cbgen.engine\n")
+    assert runtime_imports(module) == {"cbgen.job"}
