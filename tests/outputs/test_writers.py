@@ -222,7 +222,7 @@ def test_directory_created_with_parents(tmp_path: Path) -> None:
 def test_unwritable_directory_is_a_cbgen_error(tmp_path: Path, fmt: str) -> None:
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
-    with pytest.raises(CbgenError, match=r"output directory '.*file\.txt/out' is not writable: .*choose another with -o"):
+    with pytest.raises(CbgenError, match=r"directory '.*file\.txt/out' is not writable: .*choose another with -o"):
         open_writer(fmt, blocker / "out")
 
 
