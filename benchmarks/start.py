@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 # Runs `cbgen run` in the child, noting when the model is loaded and when the first result is written, as wall
-# clock times (comparable with the parent's). Patches only cbgen.job's names; a missing one just goes unmeasured.
+# clock times (comparable with the parent's), by wrapping cbgen's own load_model and open_writer.
 DRIVER = r"""
 import json, os, sys, time
 events = {}
@@ -29,27 +29,25 @@ def note(name):
     with open(os.environ["CBGEN_START_EVENTS"], "w") as f:
         json.dump(events, f)
 note("interpreter")
-import cbgen.job as job
-note("imported")
-if hasattr(job, "load_model"):
-    real_load = job.load_model
-    def load_model(*args, **kwargs):
-        loaded = real_load(*args, **kwargs)
-        note("model_loaded")
-        return loaded
-    job.load_model = load_model
-if hasattr(job, "open_writer"):
-    real_open = job.open_writer
-    def open_writer(*args, **kwargs):
-        writer = real_open(*args, **kwargs)
-        real_write = writer.write_group
-        def write_group(*a, **k):
-            note("first_result")
-            return real_write(*a, **k)
-        writer.write_group = write_group
-        return writer
-    job.open_writer = open_writer
 from cbgen.cli import main
+import cbgen.job, cbgen.engine.engine, cbgen.model.load as load, cbgen.outputs.writers as writers
+note("imported")
+real_load = load.load_model
+def load_model(*args, **kwargs):
+    loaded = real_load(*args, **kwargs)
+    note("model_loaded")
+    return loaded
+load.load_model = load_model
+real_open = writers.open_writer
+def open_writer(*args, **kwargs):
+    writer = real_open(*args, **kwargs)
+    real_write = writer.write_group
+    def write_group(*a, **k):
+        note("first_result")
+        return real_write(*a, **k)
+    writer.write_group = write_group
+    return writer
+writers.open_writer = open_writer
 sys.argv = ["cbgen", "run", *sys.argv[1:]]
 main()
 """
