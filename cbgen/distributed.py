@@ -84,10 +84,12 @@ def follow(job: JobConfig, tp: TensorParallel) -> None:
     """A follower's whole job: load the model shard, serve the manager rank 0 describes until rank 0 stops it."""
     from cbgen.engine.manager import serve
     from cbgen.model.load import load_model
+    from cbgen.startup import release_gc
 
     if tp.share() != LOAD:
         return
     loaded = load_model(job.model, tp)
+    release_gc()
     spec = tp.share()  # rank 0's ManagerSpec, or None when it stopped before starting an engine
     if spec is not None:
         serve(loaded.model, spec)

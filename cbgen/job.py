@@ -34,6 +34,7 @@ from cbgen.progress import NullProgress, ProgressSink, plural
 from cbgen.prompts import LOOKAHEAD
 from cbgen.records import PromptRecord, Request
 from cbgen.sharding import Sharding, resolve_sharding, shard_directory, shard_of
+from cbgen.startup import release_gc
 from cbgen.summary import RunSummary, Status
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class _Run:
         if tp is not None:
             tp.share(LOAD)
         loaded = load_model(self.job.model, tp)
+        release_gc()  # the libraries and the model exist now: later collections skip them
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -14,6 +15,7 @@ import typer  # noqa: E402
 
 from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run  # noqa: E402
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled  # noqa: E402
+from cbgen.startup import hold_gc  # noqa: E402
 
 app = typer.Typer(
     name="cbgen",
@@ -58,4 +60,14 @@ def run_cli(argv: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run_cli())
+    """The `cbgen` command. Exits without Python's slow teardown once everything is written (the job has written
+    and flushed its files by then; only the interpreter's own clean-up of torch's objects is skipped), except under
+    torchrun, whose process group is torn down at exit."""
+    hold_gc()
+    code = run_cli()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

@@ -231,3 +231,32 @@ def test_file_digest_is_memoised_by_size_and_mtime(tmp_path):
     data.write_bytes(b"two")  # same size; a new mtime
     os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
     assert model_cache.file_digest(data, memo) == hashlib.sha256(b"two").hexdigest()
+
+
+def test_cached_tokenizer_describes_its_added_tokens(tmp_path):
+    """The cached tokenizer of the embedded GGUF carries `added_tokens_decoder` (without it transformers parses the
+    whole tokenizer.json in Python on every load), and it is still the GGUF's own tokenizer; an entry written
+    without it gets it on its next load."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    gguf = model_source.embedded_model_path()
+    cache = model_cache.GgufCache(tmp_path, gguf)
+    written, status = model_cache.gguf_tokenizer(gguf, cache)
+    config_path = cache.find("tokenizer") / "tokenizer_config.json"
+    described = json.loads(config_path.read_text())["added_tokens_decoder"]
+    assert described["2"]["content"] == written.eos_token
+    cached, status = model_cache.gguf_tokenizer(gguf, cache)
+    assert status == model_cache.CACHE_HIT
+    original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <|im_end|> 🙂"}]
+    for tokenizer in (written, cached):
+        assert tokenizer.apply_chat_template(messages, tokenize=True) == original.apply_chat_template(messages,
+                                                                                                   tokenize=True)
+        assert tokenizer.all_special_ids == original.all_special_ids and len(tokenizer) == len(original)
+    config = json.loads(config_path.read_text())
+    del config["added_tokens_decoder"]  # as cbgen wrote entries before
+    config_path.write_text(json.dumps(config))
+    assert model_cache.gguf_tokenizer(gguf, cache)[1] == model_cache.CACHE_HIT
+    assert json.loads(config_path.read_text())["added_tokens_decoder"] == described
