@@ -80,7 +80,8 @@ def expected_ids(stored: StoredRun, input_path: str | None = None) -> Iterator[s
         raise CbgenError("the job read its prompts from stdin, so cbgen cannot list them; pass --input FILE")
     reader = open_reader(source, prompt_column=i["prompt_column"], id_column=i["id_column"],
                          input_format=i.get("format", "auto"), split=i.get("split"), subset=i.get("subset"),
-                         detect_id=stored.detects_ids)
+                         detect_id=stored.detects_ids, **({"max_line_bytes": i["max_line_bytes"]}
+                                                         if "max_line_bytes" in i else {}))
     for record in reader:
         yield record.id
 

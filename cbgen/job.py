@@ -32,7 +32,7 @@ from cbgen.outputs.rundir import MANIFEST_FILE, DoneIndex, open_run_directory, r
 from cbgen.outputs.writers import shard_paths
 from cbgen.progress import NullProgress, ProgressSink, plural
 from cbgen.prompts import LOOKAHEAD
-from cbgen.records import PromptRecord, Request
+from cbgen.records import Completion, PromptRecord, Request
 from cbgen.sharding import Sharding, resolve_sharding, shard_directory, shard_of
 from cbgen.startup import release_gc
 from cbgen.summary import RunSummary, Status
@@ -83,7 +83,8 @@ def open_input(job: JobConfig, *, detect_id: bool = True) -> Reader:
     """The reader for the job's input, with the job's input settings."""
     i = job.input
     return open_reader(i.path, prompt_column=i.prompt_column, id_column=i.id_column, keep_columns=i.keep_columns,
-                       input_format=i.format, split=i.split, subset=i.subset, detect_id=detect_id)
+                       input_format=i.format, split=i.split, subset=i.subset, detect_id=detect_id,
+                       max_line_bytes=i.max_line_bytes)
 
 
 def stored_job(job: JobConfig) -> dict:
@@ -112,17 +113,35 @@ class _Run:
     used: set[str] = field(default_factory=set)  # row settings the input uses
 
     def execute(self) -> RunSummary:
+        from cbgen.outputs.rows import OutputRows
+
         total = self._count_pending()
         if total == 0:
             return self._nothing_left()
         self.reader.on_notice = lambda message: self.progress.stage(f"note: {message}")  # said once each
+        records = (record for record in self.reader if self.wanted(record))
+        head = list(itertools.islice(records, LOOKAHEAD))
+        used = self.reader.settings_present()
+        self.used = {name for r in head for name in r.settings} if used is None else used  # None: stdin
+        logprobs = self.job.generation.logprobs or "logprobs" in self.used
+        if len(head) < LOOKAHEAD and all(record.error is not None for record in head):
+            # no row can run: each becomes its error record, and no model is loaded
+            self._write(self._refused(head), OutputRows(self.job, None, self.source.name, logprobs), total)
+            self._finish(None, None)
+            return self.summary
         loaded = self._load_model()
-        engine, ordered, rows = self._prepare(loaded, total)
-        writer = self._open_writer(rows.logprobs)
-        with writer:
-            self._generate(engine, ordered, writer, rows, total)
+        engine, ordered = self._prepare(loaded, total, head, records)
+        self._write(engine.run(ordered, self.stop), OutputRows(self.job, loaded.tokenizer, self.source.name, logprobs),
+                    total)
         self._finish(engine, loaded)
         return self.summary
+
+    def _refused(self, records: list[PromptRecord]) -> Iterator[list[Completion]]:
+        from cbgen.engine.admission import rejection
+
+        n = self.job.generation.num_return_sequences
+        for record in records:
+            yield rejection(Request(record, error=record.error), record.error, n)
 
     def wanted(self, record: PromptRecord) -> bool:
         """Whether this run should generate `record`: in this shard, and not done by an earlier run."""
@@ -166,28 +185,25 @@ class _Run:
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded
 
-    def _prepare(self, loaded: LoadedModel, total: int | None) -> tuple[Engine, Iterator[Request], OutputRows]:
-        """Renders the prompts read ahead, plans the engine from them, and lines up the rest behind them."""
+    def _prepare(self, loaded: LoadedModel, total: int | None, head: list[PromptRecord],
+                 rest: Iterator[PromptRecord]) -> tuple[Engine, Iterator[Request]]:
+        """Renders the records read ahead, plans the engine from them, and lines up the rest behind them."""
         from cbgen.engine.engine import Engine
         from cbgen.engine.plan import Workload, plan_engine
-        from cbgen.outputs.rows import OutputRows
         from cbgen.prompts import Renderer, prefix_aware_order
         from cbgen.request_settings import RequestSettings
         from cbgen.sampling import SamplingPlan
 
         job = self.job
-        vocab_size = loaded.model.config.get_text_config().vocab_size
-        renderer = Renderer(loaded.tokenizer, vocab_size=vocab_size, raw_prompts=job.input.raw_prompts)
+        text_config = loaded.model.config.get_text_config()
+        renderer = Renderer(loaded.tokenizer, vocab_size=text_config.vocab_size, raw_prompts=job.input.raw_prompts,
+                            max_positions=getattr(text_config, "max_position_embeddings", None))
         self.progress.stage("rendering prompts")
-        requests = renderer.render_all(record for record in self.reader if self.wanted(record))
-        head = list(itertools.islice(requests, LOOKAHEAD))
-        used = self.reader.settings_present()
-        self.used = {name for r in head for name in r.record.settings} if used is None else used  # None: stdin
-        sampling = SamplingPlan.build(job, self.used, vocab_size)
-        logprobs = job.generation.logprobs or "logprobs" in self.used
+        sampling = SamplingPlan.build(job, self.used, text_config.vocab_size)
         prepare = RequestSettings(job, sampling)
-        head = [prepare(r) for r in head]
-        plan = plan_engine(job, loaded, Workload.of(job, head, total), sampling, logprobs)
+        requests = [prepare(renderer.render(record)) for record in head]
+        workload = Workload.of(job, requests, total, whole=len(head) < LOOKAHEAD)
+        plan = plan_engine(job, loaded, workload, sampling, job.generation.logprobs or "logprobs" in self.used)
         self.summary.kv_cache = plan.kv_cache
         self.summary.sampling = {"per_request": sampling.per_request, "stages": sorted(sampling.stages),
                                  "row_settings": sorted(self.used)}
@@ -195,9 +211,10 @@ class _Run:
             self.tp.share(copy.deepcopy(plan.spec))
         decode = lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         engine = Engine(loaded.model, plan.engine_settings(job, decode=decode, restartable=self.tp is None))
-        ordered = prefix_aware_order(itertools.chain(head, map(prepare, requests)), key_tokens=page_size(plan.batching),
+        following = map(prepare, renderer.render_all(rest))
+        ordered = prefix_aware_order(itertools.chain(requests, following), key_tokens=page_size(plan.batching),
                                      lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)
-        return engine, ordered, OutputRows(job, loaded.tokenizer, self.source.name, logprobs)
+        return engine, ordered
 
     def _open_writer(self, logprobs: bool) -> ShardWriter:
         from cbgen.outputs.writers import open_writer
@@ -207,9 +224,13 @@ class _Run:
                            logprobs=logprobs, kept_names=self.job.input.keep_columns,
                            kept_schema=self.reader.kept_schema, first_shard=self.done.next_shard)
 
-    def _generate(self, engine: Engine, ordered: Iterator[Request], writer: ShardWriter, rows: OutputRows,
-                  total: int | None) -> None:
+    def _write(self, groups: Iterator[list[Completion]], rows: OutputRows, total: int | None) -> None:
         """Writes each request's rows as it finishes, commits on time, and stops on a signal or too many errors."""
+        with self._open_writer(rows.logprobs) as writer:
+            self._write_all(groups, writer, rows, total)
+
+    def _write_all(self, groups: Iterator[list[Completion]], writer: ShardWriter, rows: OutputRows,
+                   total: int | None) -> None:
         job, summary, stop = self.job, self.summary, self.stop
         n = job.generation.num_return_sequences
         by_request = "n" in self.used  # rows with their own n: count requests, whose total is known
@@ -219,7 +240,7 @@ class _Run:
         else:
             self.progress.start(total * n if total is not None else None, "sequence")
         started = last_commit = time.perf_counter()
-        for group in engine.run(ordered, stop):
+        for group in groups:
             writer.write_group(rows(group))
             failed = summary.add_request(group)
             self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens,
@@ -234,13 +255,14 @@ class _Run:
             summary.status = Status.STOPPED
         summary.timings["generation_s"] = round(time.perf_counter() - started, 3)
 
-    def _finish(self, engine: Engine, loaded: LoadedModel) -> None:
+    def _finish(self, engine: Engine | None, loaded: LoadedModel | None) -> None:
         summary = self.summary
         summary.input_notices = dict(self.reader.notices)
         self.progress.finish()
         summary.shards = [p.name for _, p in shard_paths(summary.output_dir)]
-        summary.engine_restarts = engine.stats.restarts
-        summary.attention = engine.stats.attention
-        summary.kv_cache.update(num_blocks=engine.stats.num_blocks)
+        if engine is not None:
+            summary.engine_restarts = engine.stats.restarts
+            summary.attention = engine.stats.attention if engine.stats.started else None
+            summary.kv_cache.update(num_blocks=engine.stats.num_blocks)
         summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
-        write_manifest(summary, self.job, loaded, dict(engine.stats.resolved_config))
+        write_manifest(summary, self.job, loaded, dict(engine.stats.resolved_config) if engine else {})

@@ -9,6 +9,15 @@ from cbgen.records import PromptRecord, Request
 LOOKAHEAD = 1024  # requests rendered ahead: the window of the prefix-aware order (and what sizes the KV cache)
 
 
+def _text_length(content) -> int:
+    """Characters in a message's content: a string, or a list of parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") if isinstance(part, dict) else len(str(part)) for part in content)
+    return 0
+
+
 def prefix_key(input_ids: list[int], key_tokens: int) -> tuple[int, ...] | None:
     """The prefix by which requests share KV blocks: the first `key_tokens` tokens (one KV page). None for a prompt
     that does not fill one: it has no complete block another request could reuse."""
@@ -17,37 +26,77 @@ def prefix_key(input_ids: list[int], key_tokens: int) -> tuple[int, ...] | None:
 
 class Renderer:
     """Turns records into token ids with the tokenizer: chat turns through the chat template (with the generation
-    prompt), text as one user turn unless `raw_prompts` (or the tokenizer has no chat template), ids as given."""
+    prompt), text as one user turn unless `raw_prompts` (or the tokenizer has no chat template), ids as given.
 
-    def __init__(self, tokenizer, *, vocab_size: int, raw_prompts: bool = False) -> None:
+    With `max_positions` (the model's context), text that cannot fit is refused before it is tokenized: no token
+    covers more characters than the longest one in the vocabulary, so a prompt longer than the context times that
+    many characters has more tokens than the context holds, and tokenizing megabytes only to say so would cost
+    seconds and gigabytes. Any failure while rendering one row is that row's error.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, raw_prompts: bool = False,
+                 max_positions: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
         self.raw_prompts = raw_prompts or not self.has_chat_template
+        self.max_positions = max_positions
+        self._max_chars: int | None = None
+
+    @property
+    def max_chars(self) -> int | None:
+        """The most characters a prompt that fits the context can have (None: no context known)."""
+        if self.max_positions is None:
+            return None
+        if self._max_chars is None:
+            longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+            self._max_chars = self.max_positions * max(longest, 1)
+        return self._max_chars
 
     def render(self, record: PromptRecord) -> Request:
         if record.error is not None:
             return Request(record, error=record.error)
         try:
-            if record.input_ids is not None:
-                ids = list(record.input_ids)
-                bad = next((t for t in ids if t >= self.vocab_size), None)
-                if bad is not None:
-                    error = f"input_ids: token id {bad} is outside the vocabulary (size {self.vocab_size})"
-                    return Request(record, error=error)
-            elif record.messages is not None:
-                if not self.has_chat_template:
-                    error = "the tokenizer has no chat template: give 'prompt' text or 'input_ids'"
-                    return Request(record, error=error)
-                ids = self._chat(record.messages)
-            else:
-                ids = self._text(record.prompt or "", record.raw)
-        except Exception as e:  # a template may raise anything (jinja errors, role-order checks): it is the row's fault
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return self._render(record)
+        except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja errors, role-order checks), and
+            # so may a tokenizer on odd text: it is the row's fault, never the job's
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             return Request(record, error=f"cannot render the prompt: {first_line}")
+
+    def _render(self, record: PromptRecord) -> Request:
+        too_long = self._too_long(record)
+        if too_long is not None:
+            return Request(record, error=too_long)
+        if record.input_ids is not None:
+            ids = list(record.input_ids)
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                return Request(record, error=f"input_ids: token id {bad} is outside the vocabulary "
+                                             f"(size {self.vocab_size})")
+        elif record.messages is not None:
+            if not self.has_chat_template:
+                return Request(record, error="the tokenizer has no chat template: give 'prompt' text or 'input_ids'")
+            ids = self._chat(record.messages)
+        else:
+            ids = self._text(record.prompt or "", record.raw)
         if not ids:
             return Request(record, error="the prompt renders to zero tokens")
         return Request(record, input_ids=ids)
+
+    def _too_long(self, record: PromptRecord) -> str | None:
+        """Why the record's text cannot fit the context, told from its length alone; or None. (Token ids are
+        checked against the context before admission, cbgen.engine.admission.)"""
+        limit = self.max_chars
+        if limit is None or record.input_ids is not None:
+            return None
+        if record.messages is not None:
+            length = sum(_text_length(m.get("content")) for m in record.messages)
+        else:
+            length = len(record.prompt or "")
+        if length <= limit:
+            return None
+        return (f"prompt of {length:,} characters cannot fit the model's context of {self.max_positions:,} tokens "
+                f"(no token covers more than {limit // self.max_positions} characters); shorten the prompt")
 
     def _chat(self, messages: list[dict]) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(

@@ -59,7 +59,8 @@ class Completion:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.input_ids or [])
+        """Prompt tokens the engine took in: none for a request refused before admission."""
+        return 0 if self.rejected else len(self.request.input_ids or [])
 
 
 # One output row per returned sequence, with its keys in this order; `logprobs` follows when the job asked for

@@ -33,8 +33,12 @@ def rows_by_id(out):
     ({"top_k": 2.5}, "'top_k' must be an integer >= 0 (0 = no limit), got 2.5"),
     ({"max_new_tokens": 0}, "'max_new_tokens' must be a positive integer, got 0"),
     ({"max_new_tokens": True}, "'max_new_tokens' must be a positive integer, got a boolean"),
-    ({"stop": ""}, "'stop' must be a non-empty string or a list of at most 16 of them, got a string"),
-    ({"stop": ["a", 3]}, "'stop' must be a non-empty string or a list of at most 16 of them, got a list"),
+    ({"stop": ""}, "'stop' must be a non-empty string of at most 1000 characters, or a list of at most 16 of them, "
+                   "got a string"),
+    ({"stop": ["a", 3]}, "'stop' must be a non-empty string of at most 1000 characters, or a list of at most 16 of "
+                         "them, got a list"),
+    ({"stop": ["x" * 1001]}, "'stop' must be a non-empty string of at most 1000 characters, or a list of at most 16 "
+                             "of them, got a list"),
 ])
 def test_bad_settings_name_the_field(row, message):
     with pytest.raises(RowError) as e:

@@ -81,6 +81,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("input", "id_column", ("--id-column",), str, PANEL_INPUT, metavar="NAME"),
     JobOption("input", "keep_columns", ("--keep-columns",), list[str], PANEL_INPUT, metavar="A,B"),
     JobOption("input", "raw_prompts", ("--raw-prompts/--chat-prompts",), bool, PANEL_INPUT),
+    JobOption("input", "max_line_bytes", ("--max-line-bytes",), int, PANEL_INPUT, metavar="BYTES"),
     JobOption("generation", "max_new_tokens", ("--max-new-tokens",), int, PANEL_GENERATION),
     JobOption("generation", "do_sample", ("--do-sample/--greedy",), bool, PANEL_GENERATION),
     JobOption("generation", "temperature", ("--temperature", "-t"), float, PANEL_GENERATION),

@@ -34,6 +34,7 @@ def default_of(section: str, key: str) -> Any:
     return getattr(SECTIONS[section](), key)
 
 
+MAX_LINE_BYTES = 32 << 20  # more than a prompt for a million-token context takes as JSON text
 RANDOM_SHAPE_NAMES = "llama-1b, llama-3b, llama-8b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, smollm2-135m"
 
 
@@ -86,6 +87,9 @@ class InputSection:
     split: str | None = setting(
         None, "Dataset split to read (Hugging Face datasets). Default: train, or the only split.")
     subset: str | None = setting(None, "Dataset configuration (subset) name, for hub datasets that have several.")
+    max_line_bytes: int = setting(
+        MAX_LINE_BYTES, "Longest JSONL line read, in bytes; a longer one becomes that row's error record without "
+        "being read into memory. The default holds a prompt for a million-token context.")
 
 
 @dataclass

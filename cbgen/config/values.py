@@ -40,6 +40,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "generation.stop": (lambda v: all(s != "" for s in v), "a list of non-empty strings"),
     "input.split": (lambda v: v.strip() != "", "a split name such as train"),
     "input.subset": (lambda v: v.strip() != "", "a configuration name"),
+    "input.max_line_bytes": (lambda v: v >= 1024, "a number of bytes, at least 1024"),
     "output.rows_per_shard": (lambda v: v >= 1, "a positive integer"),
     "run.max_in_flight": (lambda v: v >= 1, "a positive integer"),
     "run.request_timeout": (lambda v: v > 0, "a positive number of seconds"),

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from math import ceil
 
 from cbgen.prompts import prefix_key
-from cbgen.records import Request
+from cbgen.records import Completion, Request
+
+
+def rejection(request: Request, error: str, n: int) -> list[Completion]:
+    """The sequences of a request refused before admission, each failed with `error` after its input location."""
+    error = f"{request.record.location}: {error}"
+    return [Completion(request, i, [], None, "error", error, rejected=True) for i in range(n)]
 
 
 @dataclass

@@ -7,13 +7,14 @@ loop dies anyway, the requests in flight are failed with its error and a fresh m
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from cbgen.engine.admission import Limits, Placement, PrefixGate
+from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
 from cbgen.engine.manager import (
     CacheFacts,
     ManagerSpec,
@@ -57,6 +58,7 @@ class EngineSettings:
 
 @dataclass
 class EngineStats:
+    started: bool = False  # a manager ran (not when every request was refused before admission)
     restarts: int = 0
     num_blocks: int | None = None
     attention: str = "stock"  # what attention ran (cbgen.engine.manager.attention_scope)
@@ -109,12 +111,20 @@ class Engine:
         When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
         On CPU, attention runs per sequence while the engine runs, where the model allows it (cbgen.attention).
+        The manager (and its KV cache) starts only once a request that can run arrives.
         """
+        source = iter(requests)
+        for first in source:
+            if first.error is None:
+                break
+            yield self._reject(first, first.error)
+        else:
+            return  # nothing could run: no manager, no cache
         with attention_scope(self.model, self.settings.spec.attention) as running:
             self.stats.attention = running
             self._start()
             try:
-                yield from self._loop(iter(requests), stop or threading.Event())
+                yield from self._loop(itertools.chain([first], source), stop or threading.Event())
             finally:
                 if self._manager is not None:
                     for _ in stop_manager(self._manager):
@@ -185,6 +195,7 @@ class Engine:
 
     def _start(self) -> None:
         self._manager, facts = start_manager(self.model, self.settings.spec)
+        self.stats.started = True
         self._record(facts)
 
     def _record(self, facts: CacheFacts) -> None:
@@ -224,10 +235,7 @@ class Engine:
     # requests
 
     def _reject(self, request: Request, error: str) -> list[Completion]:
-        """Fails a request that never reached the engine; the error names the input line or row."""
-        n = request.n or self.settings.num_return_sequences
-        error = f"{request.record.location}: {error}"
-        return [Completion(request, i, [], None, "error", error, rejected=True) for i in range(n)]
+        return rejection(request, error, request.n or self.settings.num_return_sequences)
 
     def _admit(self, request: Request, lead: bool, in_flight: dict[str, _InFlight], gate: PrefixGate):
         """Hands one request to the manager. A leader streams, so its first token tells when its prefix is cached;

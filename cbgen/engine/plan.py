@@ -35,12 +35,14 @@ class Workload:
     requests: int | None  # in the whole job; None when unknown (stdin)
 
     @classmethod
-    def of(cls, job: JobConfig, head: list[Request], total: int | None) -> Workload:
+    def of(cls, job: JobConfig, head: list[Request], total: int | None, *, whole: bool = False) -> Workload:
+        """From the requests read ahead; `whole`: they are all the job's, so only those that can run count."""
         g = job.generation
-        return cls(longest_prompt=max((len(r.input_ids) for r in head if r.input_ids), default=1),
-                   max_new_tokens=max([g.max_new_tokens, *(r.max_new_tokens or 0 for r in head)]),
-                   num_return_sequences=max([g.num_return_sequences, *(r.n or 0 for r in head)]),
-                   requests=total)
+        runnable = [r for r in head if r.error is None]
+        return cls(longest_prompt=max((len(r.input_ids) for r in runnable), default=1),
+                   max_new_tokens=max([g.max_new_tokens, *(r.max_new_tokens or 0 for r in runnable)]),
+                   num_return_sequences=max([g.num_return_sequences, *(r.n or 0 for r in runnable)]),
+                   requests=max(len(runnable), 1) if whole else total)
 
 
 @dataclass

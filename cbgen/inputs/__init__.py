@@ -10,7 +10,7 @@ from pathlib import Path
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import Reader
 from cbgen.inputs.checks import ROW_NUMBER
-from cbgen.inputs.jsonl import JsonlReader
+from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 
 __all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_reader"]
 
@@ -21,7 +21,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub datase
 
 def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                 keep_columns: Sequence[str] = (), input_format: str = "auto", split: str | None = None,
-                subset: str | None = None, detect_id: bool = True) -> Reader:
+                subset: str | None = None, detect_id: bool = True, max_line_bytes: int = MAX_LINE_BYTES) -> Reader:
     """Open the reader that fits `path` ("-" is JSONL on stdin) and `input_format`, checking up front what can be
     checked. `detect_id`: without `id_column`, rows carrying an `id` field are known by it (see Reader).
 
@@ -40,7 +40,8 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
         if prompt_column or id_column:
             raise CbgenError("--prompt-column and --id-column do not apply to an OpenAI batch file: its lines carry "
                              "body.messages or body.prompt, and custom_id")
-        return OpenAIBatchReader(None if str(path) == "-" else path, keep_columns=keep_columns)
+        return OpenAIBatchReader(None if str(path) == "-" else path, keep_columns=keep_columns,
+                                 max_line_bytes=max_line_bytes)
     if fmt == "dataset":
         from cbgen.inputs.dataset import DatasetReader
 
@@ -49,7 +50,7 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
         raise CbgenError(f"--split and --subset apply to Hugging Face datasets, and '{path}' is read as {fmt}; "
                          "add --input-format dataset to read it with the datasets library")
     if fmt == "jsonl":
-        return JsonlReader(None if str(path) == "-" else path, **options)
+        return JsonlReader(None if str(path) == "-" else path, max_line_bytes=max_line_bytes, **options)
     from cbgen.inputs.parquet import ParquetReader  # pyarrow is slow to import; JSONL jobs do without it
 
     return ParquetReader(path, **options)

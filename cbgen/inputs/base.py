@@ -105,11 +105,16 @@ class Reader(ABC):
 
     def __iter__(self) -> Iterator[PromptRecord]:
         for index, (location, row, error) in enumerate(self._rows()):
-            if row is None:
-                kept = dict.fromkeys(self.keep_columns)
-                yield PromptRecord(id=str(index), index=index, location=location, kept=kept, error=error)
-            else:
-                yield self.to_record(row, index, location)
+            if row is not None:
+                try:
+                    record = self.to_record(row, index, location)
+                except Exception as e:  # noqa: BLE001 - whatever one row holds, it must not end the job
+                    error = f"cannot read the row: {type(e).__name__}: {first_line(e)}"
+                else:
+                    yield record
+                    continue
+            kept = dict.fromkeys(self.keep_columns)
+            yield PromptRecord(id=str(index), index=index, location=location, kept=kept, error=error)
 
     def to_record(self, row: dict[str, Any], index: int, location: str) -> PromptRecord:
         """Turn one raw row into a record; any problem is recorded in `error` instead of raised."""
@@ -187,6 +192,10 @@ class ColumnarReader(Reader):
         settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
         return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
                                    *self.keep_columns, *settings]))
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 _EXPECTED = {"prompt": "a string", "messages": "a list of messages", "input_ids": "a list of token ids"}

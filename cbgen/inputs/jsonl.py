@@ -1,4 +1,9 @@
-"""JSON Lines input: one JSON object per line, from a file (optionally gzipped) or stdin."""
+"""JSON Lines input: one JSON object per line, from a file (optionally gzipped) or stdin.
+
+Lines are read with a bound: a line longer than `max_line_bytes` is skipped in chunks, never held whole, and becomes
+that row's error record. Any line that cannot be parsed (malformed, invalid UTF-8, nested too deeply for Python) is
+an error record too; the file goes on.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,52 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
+from cbgen.config.sections import MAX_LINE_BYTES
 from cbgen.errors import CbgenError, describe_type
 from cbgen.inputs.base import Reader
 from cbgen.inputs.settings import ROW_SETTINGS
+
+_CHUNK = 1 << 20
+
+
+class TooLong(NamedTuple):
+    """A line longer than the reader's limit, read past without being kept."""
+
+    size: int
+
+
+def bounded_lines(f: IO[bytes], limit: int) -> Iterator[bytes | TooLong]:
+    """The lines of a binary stream, each at most `limit` bytes (besides its newline) held at once; a longer line
+    comes as TooLong(its size)."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while chunk := f.readline(_CHUNK):
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+                break
+        yield TooLong(size)
+
+
+def _decode(data: bytes, *, first: bool = False) -> Any:
+    """One line's JSON value. Raises ValueError (also for invalid UTF-8) or RecursionError."""
+    return json.loads(data.decode("utf-8-sig" if first else "utf-8"))
 
 
 class JsonlReader(Reader):
     """Reads a JSONL file line by line; `path=None` reads stdin. Blank lines are skipped and not counted."""
 
     def __init__(self, path: str | Path | None, *, prompt_column: str | None = None, id_column: str | None = None,
-                 keep_columns: Sequence[str] = (), detect_id: bool = True) -> None:
+                 keep_columns: Sequence[str] = (), detect_id: bool = True,
+                 max_line_bytes: int = MAX_LINE_BYTES) -> None:
         super().__init__("<stdin>" if path is None else str(path), prompt_column=prompt_column,
                          id_column=id_column, keep_columns=keep_columns, detect_id=detect_id)
         self.path = None if path is None else Path(path)
+        self.max_line_bytes = max_line_bytes
         self._scanned: tuple[int, set[str]] | None = None  # (lines, settings named), see _scan
         self._stdin_head: list[tuple[int, bytes]] = []  # stdin lines read ahead, replayed by _lines
         if self.path is not None:
@@ -38,8 +74,8 @@ class JsonlReader(Reader):
                 if self.path is None:
                     self._stdin_head.append((number, line))
                 try:
-                    row = json.loads(line)
-                except ValueError:
+                    row = None if isinstance(line, TooLong) else _decode(line, first=number == 1)
+                except (ValueError, RecursionError):
                     row = None
                 if isinstance(row, dict) or seen >= 64:
                     return row or {}
@@ -68,45 +104,49 @@ class JsonlReader(Reader):
         except (gzip.BadGzipFile, EOFError):
             raise CbgenError(f"input file '{self.name}' is not a valid gzip file") from None
 
-    def _lines(self) -> Iterator[tuple[int, bytes]]:
+    def _lines(self) -> Iterator[tuple[int, bytes | TooLong]]:
         """Yield `(line_number, line)` for the non-blank lines, counting from 1 over all physical lines."""
         if self.path is None:
             head, self._stdin_head = self._stdin_head, []
             yield from head
             start = head[-1][0] + 1 if head else 1
-            yield from ((n, line) for n, line in enumerate(sys.stdin.buffer, start) if line.strip())
+            lines = enumerate(bounded_lines(sys.stdin.buffer, self.max_line_bytes), start)
+            yield from ((n, line) for n, line in lines if isinstance(line, TooLong) or line.strip())
             return
         try:
             with self._open() as f:
-                yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+                lines = enumerate(bounded_lines(f, self.max_line_bytes), 1)
+                yield from ((n, line) for n, line in lines if isinstance(line, TooLong) or line.strip())
         except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream shows up only here
             raise CbgenError(f"cannot read input file '{self.name}': {e}") from None
 
     def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
         for n, line in self._lines():
             location = f"{self.name}:{n}"
-            try:
-                text = line.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield location, None, f"invalid UTF-8 at byte {e.start} of the line: {e.reason}"
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield location, None, f"invalid JSON: {e.msg} at column {e.colno}"
-                continue
-            if isinstance(row, dict):
-                yield location, row, None
-            else:
-                yield location, None, f"expected a JSON object per line, got {describe_type(row)}"
+            row, error = self._parse(n, line)
+            yield location, row, error
+
+    def _parse(self, n: int, line: bytes | TooLong) -> tuple[dict[str, Any] | None, str | None]:
+        """One line's object, or why it is not one."""
+        if isinstance(line, TooLong):
+            return None, (f"the line is {line.size:,} bytes long, more than --max-line-bytes "
+                          f"({self.max_line_bytes:,}); raise it if such rows are meant")
+        try:
+            row = _decode(line, first=n == 1)
+        except UnicodeDecodeError as e:
+            return None, f"invalid UTF-8 at byte {e.start} of the line: {e.reason}"
+        except json.JSONDecodeError as e:
+            return None, f"invalid JSON: {e.msg} at column {e.colno}"
+        except (ValueError, RecursionError) as e:
+            return None, f"unreadable JSON: {e}"  # nested deeper than Python parses, numbers too long, ...
+        if isinstance(row, dict):
+            return row, None
+        return None, f"expected a JSON object per line, got {describe_type(row)}"
 
     def _ids(self) -> Iterator[tuple[int, Any]]:
         for n, line in self._lines():
-            try:
-                row = json.loads(line)
-            except ValueError:  # also UnicodeDecodeError: such rows become error records later
-                continue
-            if isinstance(row, dict):
+            row, _ = self._parse(n, line)
+            if row is not None:  # unreadable rows become error records when the rows are read
                 yield n, row.get(self.id_column)
 
     def _where(self, position: int, first: int) -> tuple[str, str]:
@@ -135,7 +175,7 @@ class JsonlReader(Reader):
             lines, found = 0, set()
             for _, line in self._lines():
                 lines += 1
-                if len(found) < len(keys):
+                if len(found) < len(keys) and not isinstance(line, TooLong):
                     found.update(name for name, key in keys.items() if name not in found and key in line)
             self._scanned = (lines, found)
         return self._scanned

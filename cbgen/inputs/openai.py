@@ -8,14 +8,13 @@ fields cbgen cannot honour are reported once each (`notices`), never silently dr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cbgen.errors import RowError, describe_type
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
-from cbgen.inputs.jsonl import JsonlReader
+from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 from cbgen.inputs.settings import CHECKS, parse_settings
 from cbgen.openai_batch import COMPLETIONS, RequestLine
 from cbgen.records import PromptRecord
@@ -34,11 +33,10 @@ NOT_HONOURED = {
 
 def is_openai_batch_file(path: str | Path) -> bool:
     """Whether the first non-blank line of a JSONL file is an OpenAI batch request line."""
-    for _, line in JsonlReader(path, detect_id=False)._lines():
-        try:
-            return RequestLine.matches(json.loads(line))
-        except ValueError:
-            return False
+    reader = JsonlReader(path, detect_id=False)
+    for n, line in reader._lines():
+        row, _ = reader._parse(n, line)
+        return RequestLine.matches(row)
     return False
 
 
@@ -47,8 +45,9 @@ class OpenAIBatchReader(JsonlReader):
 
     settings_keys = ("temperature", "top_p", "logprobs", "n")  # body fields that shape the samplers or the count
 
-    def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (), **_: Any) -> None:
-        super().__init__(path, id_column="custom_id", keep_columns=keep_columns)
+    def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (),
+                 max_line_bytes: int = MAX_LINE_BYTES, **_: Any) -> None:
+        super().__init__(path, id_column="custom_id", keep_columns=keep_columns, max_line_bytes=max_line_bytes)
         self.id_choice = "OpenAI batch lines' custom_id"
 
     def to_record(self, row: dict[str, Any], index: int, location: str) -> PromptRecord:

@@ -14,6 +14,7 @@ from typing import Any
 from cbgen.errors import RowError, describe_type
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # each stop string is searched for in a window of recent text on every step
 MAX_N = 128
 
 
@@ -60,10 +61,11 @@ def _n(value: Any) -> int | str:
 
 def _stop(value: Any) -> tuple[str, ...] | str:
     items = [value] if isinstance(value, str) else value
-    want = f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"
+    want = (f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOP_STRINGS} "
+            "of them")
     if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
         return want
-    if not all(isinstance(s, str) and s for s in items):
+    if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items):
         return want
     return tuple(dict.fromkeys(items))
 

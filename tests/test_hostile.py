@@ -1,0 +1,120 @@
+"""Hostile input: no row can end the job or blow its memory (the cases found trying messy files by hand)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+from cbgen.cli import run_cli
+from cbgen.outputs import read_shards
+from tests.helpers import write_jsonl
+
+GOOD = [{"prompt": "What is the capital of France?"}, {"prompt": "Name a colour."}]
+
+
+def run(tiny_model_dir, path, out, *args) -> int:
+    return run_cli(["run", str(path), "-o", str(out), "--model", str(tiny_model_dir), "--max-new-tokens", "3", "-q",
+                    *map(str, args)])
+
+
+def rows_by_id(out) -> dict[str, dict]:
+    return {row["id"]: row for row in read_shards(out)}
+
+
+def test_a_row_nested_100000_deep_is_one_error_record(tiny_model_dir, tmp_path):
+    deep = '{"id": "deep", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], deep, GOOD[1]])
+    assert run(tiny_model_dir, path, tmp_path / "out") == 1
+    rows = rows_by_id(tmp_path / "out")
+    assert sorted(rows) == ["0", "1", "2"]
+    assert rows["0"]["error"] is None and rows["2"]["error"] is None
+    assert rows["1"]["finish_reason"] == "error" and rows["1"]["error"].startswith(f"{path}:2: unreadable JSON")
+
+
+def test_a_60_mb_line_is_refused_without_being_read_whole(tiny_model_dir, tmp_path):
+    huge = json.dumps({"prompt": "lorem ipsum " * 5_000_000})  # 60 MB
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], huge, GOOD[1]])
+    assert run(tiny_model_dir, path, tmp_path / "out") == 1
+    rows = rows_by_id(tmp_path / "out")
+    assert rows["0"]["error"] is None and rows["2"]["error"] is None
+    assert rows["1"]["error"] == (f"{path}:2: the line is {len(huge) + 1:,} bytes long, more than --max-line-bytes "
+                                  f"({32 << 20:,}); raise it if such rows are meant")
+    assert rows["1"]["num_prompt_tokens"] == 0
+
+
+def test_the_line_limit_is_a_setting(tiny_model_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], {"prompt": "x" * 3000}, GOOD[1]])
+    assert run(tiny_model_dir, path, tmp_path / "out", "--max-line-bytes", 2048) == 1
+    assert "more than --max-line-bytes (2,048)" in rows_by_id(tmp_path / "out")["1"]["error"]
+
+
+def test_a_prompt_longer_than_the_context_is_refused_untokenized_and_not_counted(tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
+    from transformers import PreTrainedTokenizerBase
+
+    tokenized = []
+    real_call = PreTrainedTokenizerBase.__call__
+
+    def spy(self, text, *args, **kwargs):
+        tokenized.append(len(text) if isinstance(text, str) else 0)
+        return real_call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", spy)
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], {"prompt": "word " * 200_000}, GOOD[1]])
+    assert run(tiny_model_dir, path, tmp_path / "out", "--raw-prompts") == 1
+    rows = rows_by_id(tmp_path / "out")
+    assert "prompt of 1,000,000 characters cannot fit the model's context of 256 tokens" in rows["1"]["error"]
+    assert max(tokenized) < 1000  # the million characters never reached the tokenizer
+    assert rows["1"]["num_prompt_tokens"] == 0
+    counts = json.loads((tmp_path / "out" / "run.json").read_text())["counts"]
+    assert counts["prompt_tokens"] == rows["0"]["num_prompt_tokens"] + rows["2"]["num_prompt_tokens"]
+
+
+def test_a_prompt_of_too_many_tokens_is_not_counted_as_processed(tiny_model_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], {"input_ids": [5] * 300}])
+    assert run(tiny_model_dir, path, tmp_path / "out") == 1
+    rows = rows_by_id(tmp_path / "out")
+    assert "prompt of 300 tokens does not fit the model's context of 256 tokens" in rows["1"]["error"]
+    counts = json.loads((tmp_path / "out" / "run.json").read_text())["counts"]
+    assert counts["prompt_tokens"] == rows["0"]["num_prompt_tokens"] > 0
+
+
+def test_binary_garbage_loads_no_model_and_reserves_no_cache(tiny_model_dir, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for an input where no row can run")
+
+    monkeypatch.setattr("cbgen.model.load.load_model", refuse)
+    rng = random.Random(0)
+    path = tmp_path / "garbage.jsonl"
+    path.write_bytes(bytes(rng.randrange(256) for _ in range(150_000)))
+    lines = sum(1 for line in path.read_bytes().split(b"\n") if line.strip())
+    assert run(tiny_model_dir, path, tmp_path / "out") == 1
+    rows = list(read_shards(tmp_path / "out"))
+    assert len(rows) == lines and all(r["finish_reason"] == "error" for r in rows)
+    assert all(r["error"].startswith(f"{path}:") for r in rows)
+    manifest = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert manifest["kv_cache"] == {} and manifest["attention"] is None and "device" not in manifest["model"]
+
+
+def test_rows_that_fail_only_when_rendered_never_start_an_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """Every row reads fine but none can run (ids outside the vocabulary): the model loads, no manager starts."""
+    import cbgen.engine.manager as manager
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a manager (and its KV cache) started although no request can run")
+
+    monkeypatch.setattr(manager, "start_manager", refuse)
+    monkeypatch.setattr("cbgen.engine.engine.start_manager", refuse)
+    path = write_jsonl(tmp_path / "p.jsonl", [{"input_ids": [10**9]}, {"input_ids": [10**9, 1]}])
+    assert run(tiny_model_dir, path, tmp_path / "out") == 1
+    assert all("outside the vocabulary" in r["error"] for r in read_shards(tmp_path / "out"))
+
+
+def test_a_truncated_gzip_file_is_a_file_error(tiny_model_dir, tmp_path, capsys):
+    data = gzip.compress(("\n".join(json.dumps(row) for row in GOOD * 500) + "\n").encode())
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    assert run(tiny_model_dir, path, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "Compressed file ended before the end-of-stream marker" in err and "Traceback" not in err
