@@ -173,11 +173,12 @@ class _Run:
         return self.summary
 
     def _load_model(self) -> LoadedModel:
+        tp = self.tp
+        # said before importing torch and transformers, which take seconds of their own
+        self.progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
         from cbgen.distributed import LOAD
         from cbgen.model.load import load_model
 
-        tp = self.tp
-        self.progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
         if tp is not None:
             tp.share(LOAD)
         loaded = load_model(self.job.model, tp)
