@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 
-from cbgen.bench import WORDS, bf16_matmul_flops, parameter_count
+from cbgen.bench import WORDS, matmul_flops, parameter_count
 from cbgen.config import ModelSection
 from cbgen.engine import Engine
 from cbgen.model import load_model
@@ -60,12 +60,13 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(ModelSection(dtype=args.dtype))
     inputs = prompts(loaded.tokenizer, args.sequences, args.prompt_tokens)
-    peak = bf16_matmul_flops()
+    peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
     measure(loaded, inputs[:2], 2, {}, args.attention)  # warm-up
     keys, values = zip(*[(k, [int(v) for v in vs.split(",")]) for k, vs in (g.split("=") for g in args.grid)])
     print(f"{args.sequences} x ({args.prompt_tokens} prompt + {args.new_tokens} new) tokens, {args.dtype}, "
-          f"attention {args.attention}, bf16 matmul {peak / 1e9:.0f} GFLOP/s, torch threads {torch.get_num_threads()}")
+          f"attention {args.attention}, {args.dtype} matmul {peak / 1e9:.0f} GFLOP/s, "
+          f"torch threads {torch.get_num_threads()}")
     print(" ".join(f"{k:>24}" for k in keys) + f" {'seconds':>8} {'tok/s':>8} {'MFU':>6}")
     for combo in itertools.product(*values):
         fields = dict(zip(keys, combo))

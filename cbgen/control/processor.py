@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
@@ -106,6 +107,7 @@ class StepControl:
         self._rows: list[_Sequence] = []  # this step's rows, in the order of the logits
         self._raw: torch.Tensor | None = None  # this step's log-softmax of the raw logits
         self._bitmask: torch.Tensor | None = None
+        self._fill = None
 
     def processors(self) -> tuple[Mask, Choose]:
         return Mask(self), Choose(self)
@@ -131,13 +133,11 @@ class StepControl:
         self._rows = [self._sequence(request.state) for request in requests_with_new_token]
         for request, sequence in zip(requests_with_new_token, self._rows):
             sequence.position = len(request.state.generated_tokens)
-        masked = [i for i, sequence in enumerate(self._rows) if sequence.matcher is not None]
+        masked = [(sequence.matcher, i) for i, sequence in enumerate(self._rows) if sequence.matcher is not None]
         if masked:
-            bitmask = self._bitmask_for(len(self._rows))
-            from llguidance.torch import fill_next_token_bitmask
+            from llguidance.torch import fill_next_token_bitmask_par
 
-            for i in masked:
-                fill_next_token_bitmask(self._rows[i].matcher, bitmask, i)
+            fill_next_token_bitmask_par(self._executor(), masked, self._bitmask_for(len(self._rows)))
         return torch.tensor([s.matcher is not None for s in self._rows], dtype=torch.int32)
 
     def _sequence(self, state) -> _Sequence:
@@ -152,6 +152,13 @@ class StepControl:
                 sequence.record.grammar = True
             self._sequences[state.request_id] = sequence
         return sequence
+
+    def _executor(self):
+        if self._fill is None:
+            from llguidance import LLExecutor
+
+            self._fill = LLExecutor()  # computes the masks of many matchers on a thread pool
+        return self._fill
 
     def _bitmask_for(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
@@ -172,10 +179,12 @@ class StepControl:
             self._raw = torch.log_softmax(scores[: len(rows)].float(), dim=-1)
         masked = [i for i, sequence in enumerate(rows) if sequence.matcher is not None]
         if masked:
-            bits = self._bitmask[: len(rows)]
-            allowed = _unpack(bits, scores.size(1))
-            index = torch.tensor(masked)
-            scores[index] = scores[index].masked_fill(~allowed[index], float("-inf"))
+            blocked = _blocked(self._bitmask[: len(rows)], scores.size(1)).to(scores.device, non_blocking=True)
+            if len(masked) == len(rows):
+                scores[: len(rows)].masked_fill_(blocked, float("-inf"))
+            else:
+                index = torch.tensor(masked, device=scores.device)
+                scores[index] = scores[index].masked_fill(blocked[index], float("-inf"))
         return scores
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
@@ -195,10 +204,12 @@ class StepControl:
             if sequence.matcher is not None:
                 sequence.matcher.consume_token(token)
                 sequence.record.accepted = sequence.matcher.is_accepting() or sequence.matcher.is_stopped()
+        self._raw = None
+        if not self.do_sample:  # transformers' argmax over these same scores picks the same tokens
+            return scores
         forced = scores.clone()
         forced[: len(rows)] = float("-inf")
         forced[: len(rows)].scatter_(1, chosen.unsqueeze(1), 0.0)
-        self._raw = None
         return forced
 
     def _draw(self, scores: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
@@ -211,11 +222,11 @@ class StepControl:
         return torch.tensor(chosen)
 
 
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask -> [rows, vocab] bool (bit j of word w allows token 32 * w + j)."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.size(0), -1)[:, :vocab].bool()
+def _blocked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit j of word w allows token 32 * w + j) -> [rows, vocab] bool, True where the
+    token is not allowed. numpy unpacks bits in one C loop, several times faster than torch's shifts on a CPU."""
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(allowed).view(torch.bool).logical_not_()
 
 
 class _Processor(ContinuousBatchingLogitsProcessor):

@@ -41,3 +41,14 @@ def test_sample_index_from_manager_ids():
     assert sample_index("r12") == 0
     assert sample_index("r12__child#0") == 1 and sample_index("r12__child#3") == 4  # transformers' children
     assert sample_index("r12~copy0") == 0 and sample_index("r12~copy5") == 5  # cbgen's copies
+
+
+def test_bitmask_unpacking_matches_the_bit_layout():
+    """Bit j of word w allows token 32 * w + j; a vocabulary that is not a multiple of 32 is cut at its size."""
+    from cbgen.control.processor import _blocked
+
+    bits = torch.tensor([[0b101, 0, -1], [-1, -2**31, 1]], dtype=torch.int32)  # 3 words: up to 96 tokens
+    blocked = _blocked(bits, 70)
+    assert blocked.shape == (2, 70)
+    assert blocked[0].logical_not().nonzero().flatten().tolist() == [0, 2, *range(64, 70)]
+    assert blocked[1].logical_not().nonzero().flatten().tolist() == [*range(32), 63, 64]

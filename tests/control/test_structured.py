@@ -84,7 +84,8 @@ def test_rows_carry_their_own_formats_and_bad_ones_are_error_records(tiny_model_
     data = [
         {"id": "a", "prompt": "one", "response_format": schema_a},
         {"id": "b", "prompt": "two", "response_format": {"type": "json_schema", "json_schema": {"schema": OTHER}}},
-        {"id": "c", "prompt": "three", "response_format": {"type": "choice", "choices": ["left", "right"]}},
+        {"id": "c", "prompt": "three", "response_format": {"type": "choice", "choices": ["left", "right"]},
+         "temperature": 1.5, "seed": 3},  # per-row sampling, under a format
         {"id": "d", "prompt": "four", "response_format": {"type": "text"}},
         {"id": "e", "prompt": "five"},
         {"id": "bad-schema", "prompt": "six", "response_format": {"type": "json_schema",
