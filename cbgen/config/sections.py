@@ -107,7 +107,9 @@ class GenerationSection:
         "and the model: the same in any batch, order, shard or resumed run. Rows may carry their own seed.")
     num_return_sequences: int = setting(
         1, "Sequences per prompt (needs sampling); each is an output row with its sample_index.")
-    logprobs: bool = setting(False, "Write the log-probability of every generated token.")
+    logprobs: bool = setting(
+        False, "Write the log-probability of every generated token: the model's own, before temperature, top-k, "
+        "top-p and any output format.")
     stop_token_ids: list[int] = setting(
         [], "Extra token ids that end a sequence, besides the model's end-of-sequence tokens.")
     stop: list[str] = setting(
