@@ -110,7 +110,8 @@ def schema_format(schema: Any, where: str, name: str | None = None) -> ResponseF
     if not isinstance(schema, dict):
         raise FormatError(f"{where!r} must be a JSON schema (an object), got {describe_type(schema)}")
     try:
-        spec = json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        # key order kept: properties are generated in the order the schema lists them, as OpenAI does
+        spec = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError, TypeError) as e:
         raise FormatError(f"{where!r} cannot be used as a schema: {e}") from None
     _bounded(spec, where)

@@ -44,6 +44,7 @@ def test_job_schema_outputs_parse_and_validate(tiny_model_dir, prompts, tmp_path
     for row in written.values():
         assert row["finish_reason"] == "stop", row
         jsonschema.validate(json.loads(row["text"]), RECORD)
+        assert list(json.loads(row["text"])) == ["age", "ok", "color"]  # in the schema's order, not sorted
     manifest = json.loads((tmp_path / "out" / "run.json").read_text())
     assert manifest["step_control"]["formats_compiled"] == 1
 
