@@ -21,10 +21,10 @@ from transformers.generation import ContinuousBatchingConfig
 
 from cbgen.bench import WORDS, matmul_flops, parameter_count
 from cbgen.config import ModelSection
-from cbgen.engine import Engine
-from cbgen.model import load_model
-from cbgen.prompts import Request
-from cbgen.records import PromptRecord
+from cbgen.engine.engine import Engine, EngineSettings
+from cbgen.engine.manager import ManagerSpec
+from cbgen.model.load import load_model
+from cbgen.records import PromptRecord, Request
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -39,9 +39,9 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 def measure(loaded, inputs, new_tokens, fields, attention) -> tuple[float, int]:
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=len(inputs) * 2 + 8, **fields)
-    engine = Engine(loaded.model, config, cb, max_in_flight=len(inputs), max_new_tokens=new_tokens,
-                    num_return_sequences=1, eos_token_ids=set(), max_positions=None,
-                    per_sequence_attention=attention, prefix_gating=False)
+    engine = Engine(loaded.model, EngineSettings(
+        spec=ManagerSpec(config, cb, attention=attention), max_in_flight=len(inputs), max_new_tokens=new_tokens,
+        num_return_sequences=1, eos_token_ids=set(), max_positions=None, prefix_gating=False))
     requests = [Request(PromptRecord(str(i), i, str(i)), input_ids=ids) for i, ids in enumerate(inputs)]
     start = time.perf_counter()
     generated = sum(len(c.token_ids) for group in engine.run(requests) for c in group)
