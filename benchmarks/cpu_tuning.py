@@ -19,12 +19,12 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 
-from cbgen.bench import WORDS, bf16_matmul_flops, parameter_count
+from cbgen.bench import WORDS, matmul_flops, parameter_count
 from cbgen.config import ModelSection
-from cbgen.engine import Engine
-from cbgen.model import load_model
-from cbgen.prompts import Request
-from cbgen.records import PromptRecord
+from cbgen.engine.engine import Engine, EngineSettings
+from cbgen.engine.manager import ManagerSpec
+from cbgen.model.load import load_model
+from cbgen.records import PromptRecord, Request
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -39,9 +39,9 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 def measure(loaded, inputs, new_tokens, fields, attention) -> tuple[float, int]:
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=len(inputs) * 2 + 8, **fields)
-    engine = Engine(loaded.model, config, cb, max_in_flight=len(inputs), max_new_tokens=new_tokens,
-                    num_return_sequences=1, eos_token_ids=set(), max_positions=None,
-                    per_sequence_attention=attention, prefix_gating=False)
+    engine = Engine(loaded.model, EngineSettings(
+        spec=ManagerSpec(config, cb, attention=attention), max_in_flight=len(inputs), max_new_tokens=new_tokens,
+        num_return_sequences=1, eos_token_ids=set(), max_positions=None, prefix_gating=False))
     requests = [Request(PromptRecord(str(i), i, str(i)), input_ids=ids) for i, ids in enumerate(inputs)]
     start = time.perf_counter()
     generated = sum(len(c.token_ids) for group in engine.run(requests) for c in group)
@@ -60,12 +60,13 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(ModelSection(dtype=args.dtype))
     inputs = prompts(loaded.tokenizer, args.sequences, args.prompt_tokens)
-    peak = bf16_matmul_flops()
+    peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
     measure(loaded, inputs[:2], 2, {}, args.attention)  # warm-up
     keys, values = zip(*[(k, [int(v) for v in vs.split(",")]) for k, vs in (g.split("=") for g in args.grid)])
     print(f"{args.sequences} x ({args.prompt_tokens} prompt + {args.new_tokens} new) tokens, {args.dtype}, "
-          f"attention {args.attention}, bf16 matmul {peak / 1e9:.0f} GFLOP/s, torch threads {torch.get_num_threads()}")
+          f"attention {args.attention}, {args.dtype} matmul {peak / 1e9:.0f} GFLOP/s, "
+          f"torch threads {torch.get_num_threads()}")
     print(" ".join(f"{k:>24}" for k in keys) + f" {'seconds':>8} {'tok/s':>8} {'MFU':>6}")
     for combo in itertools.product(*values):
         fields = dict(zip(keys, combo))

@@ -92,4 +92,4 @@ def follow(job: JobConfig, tp: TensorParallel) -> None:
     release_gc()
     spec = tp.share()  # rank 0's ManagerSpec, or None when it stopped before starting an engine
     if spec is not None:
-        serve(loaded.model, spec)
+        serve(loaded.model, loaded.tokenizer, spec)

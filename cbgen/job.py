@@ -111,6 +111,7 @@ class _Run:
     started: float
     tp: TensorParallel | None
     used: set[str] = field(default_factory=set)  # row settings the input uses
+    steps: object = None  # cbgen.control.plan.StepPlan when the step control runs
 
     def execute(self) -> RunSummary:
         from cbgen.outputs.rows import OutputRows
@@ -123,16 +124,18 @@ class _Run:
         head = list(itertools.islice(records, LOOKAHEAD))
         used = self.reader.settings_present()
         self.used = {name for r in head for name in r.settings} if used is None else used  # None: stdin
-        logprobs = self.job.generation.logprobs or "logprobs" in self.used
+        g = self.job.generation
+        top = bool(g.top_logprobs) or "top_logprobs" in self.used
+        logprobs = g.logprobs or top or "logprobs" in self.used
         if len(head) < LOOKAHEAD and all(record.error is not None for record in head):
             # no row can run: each becomes its error record, and no model is loaded
-            self._write(self._refused(head), OutputRows(self.job, None, self.source.name, logprobs), total)
+            self._write(self._refused(head), OutputRows(self.job, None, self.source.name, logprobs, top), total)
             self._finish(None, None)
             return self.summary
         loaded = self._load_model()
         engine, ordered = self._prepare(loaded, total, head, records)
-        self._write(engine.run(ordered, self.stop), OutputRows(self.job, loaded.tokenizer, self.source.name, logprobs),
-                    total)
+        rows = OutputRows(self.job, loaded.tokenizer, self.source.name, logprobs, top)
+        self._write(engine.run(ordered, self.stop), rows, total)
         self._finish(engine, loaded)
         return self.summary
 
@@ -189,6 +192,7 @@ class _Run:
     def _prepare(self, loaded: LoadedModel, total: int | None, head: list[PromptRecord],
                  rest: Iterator[PromptRecord]) -> tuple[Engine, Iterator[Request]]:
         """Renders the records read ahead, plans the engine from them, and lines up the rest behind them."""
+        from cbgen.control.plan import StepPlan
         from cbgen.engine.engine import Engine
         from cbgen.engine.plan import Workload, plan_engine
         from cbgen.prompts import Renderer, prefix_aware_order
@@ -201,10 +205,15 @@ class _Run:
                             max_positions=getattr(text_config, "max_position_embeddings", None))
         self.progress.stage("rendering prompts")
         sampling = SamplingPlan.build(job, self.used, text_config.vocab_size)
-        prepare = RequestSettings(job, sampling)
+        steps = StepPlan.build(job, self.used, loaded.tokenizer, text_config.vocab_size,
+                               sampling.generation_fields()["do_sample"])
+        steps = steps if steps.active else None
+        prepare = RequestSettings(job, sampling, steps)
         requests = [prepare(renderer.render(record)) for record in head]
         workload = Workload.of(job, requests, total, whole=len(head) < LOOKAHEAD)
-        plan = plan_engine(job, loaded, workload, sampling, job.generation.logprobs or "logprobs" in self.used)
+        wants_logprobs = job.generation.logprobs or bool({"logprobs", "top_logprobs"} & self.used)
+        plan = plan_engine(job, loaded, workload, sampling, wants_logprobs, steps)
+        self.steps = steps
         self.summary.kv_cache = plan.kv_cache
         self.summary.sampling = {"per_request": sampling.per_request, "stages": sorted(sampling.stages),
                                  "row_settings": sorted(self.used)}
@@ -217,17 +226,17 @@ class _Run:
                                      lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)
         return engine, ordered
 
-    def _open_writer(self, logprobs: bool) -> ShardWriter:
+    def _open_writer(self, logprobs: bool, top_logprobs: bool) -> ShardWriter:
         from cbgen.outputs.writers import open_writer
 
         output = self.job.output
         return open_writer(output.format, self.summary.output_dir, rows_per_shard=output.rows_per_shard,
-                           logprobs=logprobs, kept_names=self.job.input.keep_columns,
+                           logprobs=logprobs, top_logprobs=top_logprobs, kept_names=self.job.input.keep_columns,
                            kept_schema=self.reader.kept_schema, first_shard=self.done.next_shard)
 
     def _write(self, groups: Iterator[list[Completion]], rows: OutputRows, total: int | None) -> None:
         """Writes each request's rows as it finishes, commits on time, and stops on a signal or too many errors."""
-        with self._open_writer(rows.logprobs) as writer:
+        with self._open_writer(rows.logprobs, rows.top_logprobs) as writer:
             self._write_all(groups, writer, rows, total)
 
     def _write_all(self, groups: Iterator[list[Completion]], writer: ShardWriter, rows: OutputRows,
@@ -261,6 +270,16 @@ class _Run:
         summary.input_notices = dict(self.reader.notices)
         self.progress.finish()
         summary.shards = [p.name for _, p in shard_paths(summary.output_dir)]
+        if self.steps is not None:
+            grammars = self.steps.grammars
+            summary.step_control = {
+                "formats_compiled": grammars.compiled if grammars else 0,
+                "compile_s": round(grammars.compile_seconds, 3) if grammars else 0.0,
+                "logprobs": "the model's own (before sampling settings and formats)" if self.steps.capture else None,
+                "top_logprobs": self.steps.top_logprobs,
+                "draws": ("seeded per request" if self.steps.seeds else "per request") if self.steps.do_sample
+                else "greedy",
+            }
         if engine is not None:
             summary.engine_restarts = engine.stats.restarts
             summary.attention = engine.stats.attention if engine.stats.started else None

@@ -73,12 +73,16 @@ class Choice:
     finish_reason: str
     logprobs: list[float] | None = None  # when the request asked for them
     tokens: list[str] | None = None  # the text of each token, beside logprobs
+    top: list[list[tuple[str, float]]] | None = None  # per token, the most likely tokens (text, logprob)
 
     def chat(self, index: int) -> dict[str, Any]:
         logprobs = None
         if self.logprobs is not None:
+            tops = self.top or [[] for _ in self.logprobs]
             logprobs = {"content": [{"token": token, "logprob": value, "bytes": list(token.encode("utf-8")),
-                                     "top_logprobs": []} for token, value in zip(self.tokens or [], self.logprobs)],
+                                     "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                                      for t, v in top]}
+                                    for token, value, top in zip(self.tokens or [], self.logprobs, tops)],
                         "refusal": None}
         return {"index": index, "message": {"role": "assistant", "content": self.text, "refusal": None},
                 "logprobs": logprobs, "finish_reason": self.finish_reason}
@@ -88,7 +92,8 @@ class Choice:
         if self.logprobs is not None:
             tokens = list(self.tokens or [])
             offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
-            logprobs = {"tokens": tokens, "token_logprobs": list(self.logprobs), "top_logprobs": None,
+            top = [{t: v for t, v in position} for position in self.top] if self.top is not None else None
+            logprobs = {"tokens": tokens, "token_logprobs": list(self.logprobs), "top_logprobs": top,
                         "text_offset": offsets}
         return {"index": index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
 

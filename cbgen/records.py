@@ -42,6 +42,8 @@ class Request:
     sampling: dict = field(default_factory=dict)  # per-request sampler settings (add_request's processor kwargs)
     stop: tuple[str, ...] = ()  # strings that end its sequences
     n: int | None = None  # its own number of sequences; None: the job's
+    response_format: Any = None  # cbgen.control.formats.ResponseFormat its sequences follow, or None
+    top_logprobs: int = 0  # how many alternatives per token it wants (0: none)
 
 
 @dataclass(slots=True)
@@ -56,6 +58,8 @@ class Completion:
     error: str | None = None
     text: str | None = None  # set when a stop string cut the text; else the tokens decode to it
     rejected: bool = False  # failed before reaching the engine: the request itself is bad (or too long)
+    # per generated token, the most likely tokens of the model's own distribution: (token ids, logprobs)
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,4 +80,4 @@ BASE_FIELDS: tuple[str, ...] = (
     "error",  # None unless finish_reason is "error"
 )
 # Names the output rows use for their own fields: a kept input column may not take one of them.
-RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs"))
+RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs"))

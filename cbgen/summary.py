@@ -44,6 +44,7 @@ class RunSummary:
     attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
     ids: str | None = None  # where request ids come from: a field name, or None for the row number
     sampling: dict[str, Any] = field(default_factory=dict)  # per-request sampler stages, from the rows' settings
+    step_control: dict[str, Any] = field(default_factory=dict)  # formats compiled, logprobs recorded, seeded draws
     input_notices: dict[str, int] = field(default_factory=dict)  # input fields that could not apply, with counts
 
     def add_done(self, done: DoneIndex) -> None:

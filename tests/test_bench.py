@@ -73,6 +73,22 @@ def test_bench_runs_and_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
             assert (workload, path) in paths
     cbgen_rows = [r for r in data["rows"] if r["path"] == "cbgen"]
     assert all(r["time_vs_cbgen"] == 1.0 and r["generated_tokens"] > 0 for r in cbgen_rows)
-    assert data["meta"]["bf16_matmul_flops"] > 0 and data["meta"]["parameters"] > 0
+    assert data["meta"]["matmul_flops"] > 0 and data["meta"]["parameters"] > 0
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "time vs cbgen" in capsys.readouterr().out
+
+
+def test_structured_workload_runs_cbgen_with_and_without_its_schema(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "structured",
+                    "--paths", "cbgen,generate_batch", "-o", str(out)])
+    assert code == 0
+    rows = {r["path"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert set(rows) == {"cbgen", "cbgen-json-schema"}  # generate_batch cannot follow a schema: not run
+    constrained = rows["cbgen-json-schema"]
+    assert constrained["generated_tokens"] > 0 and constrained["grammar_compile_s"] > 0
+    assert constrained["time_vs_cbgen"] > 0 and constrained["token_time_vs_cbgen"] > 0
+    assert 0 <= constrained["stopped_json"] == constrained["stopped"] <= 4  # every answer that ended is JSON
+    assert "grammar_compile_s" not in rows["cbgen"]
+    # the free-text run is capped, request by request, at the constrained answers' lengths
+    assert 0 < rows["cbgen"]["generated_tokens"] <= constrained["generated_tokens"]

@@ -63,7 +63,7 @@ def test_batch_file_is_detected_and_read(tmp_path):
     assert chat.messages[1] == {"role": "user", "content": "Name a colour."} and chat.endpoint == CHAT
     assert chat.settings == {"temperature": 0.0, "max_new_tokens": 6, "logprobs": True}
     assert records["chat-parts"].messages == [{"role": "user", "content": "Hi there"}]
-    assert records["chat-parts"].settings == {"max_new_tokens": 5}  # max_completion_tokens
+    assert records["chat-parts"].settings == {"max_new_tokens": 5, "seed": 7}  # max_completion_tokens; its seed
     completion = records["cmpl-n2"]
     assert completion.prompt == "Once upon a time" and completion.raw is True
     assert completion.settings == {"temperature": 0.9, "max_new_tokens": 4, "n": 2}
@@ -74,8 +74,6 @@ def test_batch_file_is_detected_and_read(tmp_path):
     assert "non-text content parts" in records["image"].error
     assert reader.notices == {
         "body field 'model' does not apply: cbgen answers with its --model": 5,  # lines rejected earlier: not seen
-        "body field 'seed' does not apply: continuous batching has one random generator for all requests: the "
-        "job's --seed applies": 1,
         "body field 'frequency_penalty' is not supported by cbgen and was ignored": 1,
     }
 

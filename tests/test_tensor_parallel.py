@@ -65,3 +65,28 @@ def test_tp_without_torchrun_says_how_to_start_it(tiny_model_dir, prompts, tmp_p
     assert code == 2
     assert "--tp 2 needs 2 processes: start the job with `torchrun --nproc-per-node 2 -m cbgen run ... --tp 2`" in \
         capsys.readouterr().err
+
+
+def test_tp_with_step_control_matches_one_process(tiny_model_dir, tmp_path):
+    """Formats, seeded draws and top logprobs under TP: every rank masks and draws alike, so rank 0 writes what a
+    single process writes."""
+    rows = [{"id": f"q{i}", "prompt": f"Pick for {i}."} for i in range(4)]
+    rows.append({"id": "digits", "prompt": "Digits?", "response_format": {"type": "regex", "pattern": "[0-9]{4}"}})
+    rows.append({"id": "yn", "prompt": "Yes?", "response_format": {"type": "choice", "choices": ["yes", "no"]}})
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-new-tokens", "8", "-q", "--seed", "5",
+              "--temperature", "0.9", "--top-logprobs", "2"]
+    assert run_cli(["run", str(prompts), "-o", str(tmp_path / "one"), *common]) == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cbgen", "run",
+         str(prompts), "-o", str(tmp_path / "tp"), "--tp", "2", *common],
+        env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = {r["id"]: r for r in read_shards(tmp_path / "one")}
+    tp = {r["id"]: r for r in read_shards(tmp_path / "tp")}
+    assert {k: r["token_ids"] for k, r in tp.items()} == {k: r["token_ids"] for k, r in one.items()}
+    assert one["yn"]["text"] in ("yes", "no") and len(one["digits"]["text"]) == 4
+    for key in one:
+        assert [[e["token_id"] for e in p] for p in tp[key]["top_logprobs"]] == \
+            [[e["token_id"] for e in p] for p in one[key]["top_logprobs"]]

@@ -21,6 +21,7 @@ from cbgen.config.sections import default_of, help_of
 PANEL_MODEL = "Model"
 PANEL_INPUT = "Input"
 PANEL_GENERATION = "Generation"
+PANEL_STRUCTURED = "Structured outputs"
 PANEL_BATCHING = "Continuous batching (transformers' ContinuousBatchingConfig)"
 PANEL_OUTPUT = "Output"
 PANEL_RUN = "Run"
@@ -92,6 +93,12 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("generation", "logprobs", ("--logprobs/--no-logprobs",), bool, PANEL_GENERATION),
     JobOption("generation", "stop_token_ids", ("--stop-token-id",), list[int], PANEL_GENERATION, metavar="ID"),
     JobOption("generation", "stop", ("--stop",), list[str], PANEL_GENERATION, metavar="TEXT"),
+    JobOption("generation", "top_logprobs", ("--top-logprobs",), int, PANEL_GENERATION, metavar="K"),
+    JobOption("generation", "json_schema", ("--json-schema",), str, PANEL_STRUCTURED, metavar="FILE|JSON"),
+    JobOption("generation", "json_object", ("--json-object/--no-json-object",), bool, PANEL_STRUCTURED),
+    JobOption("generation", "regex", ("--regex",), str, PANEL_STRUCTURED, metavar="PATTERN"),
+    JobOption("generation", "choice", ("--choice",), list[str], PANEL_STRUCTURED, metavar="TEXT"),
+    JobOption("generation", "grammar", ("--grammar",), str, PANEL_STRUCTURED, metavar="FILE"),
     JobOption("batching", "page_size", ("--page-size",), int, PANEL_BATCHING),
     JobOption("batching", "max_batch_tokens", ("--max-batch-tokens",), int, PANEL_BATCHING),
     JobOption("batching", "max_requests_per_batch", ("--max-requests-per-batch",), int, PANEL_BATCHING),

@@ -25,7 +25,8 @@ def bench(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     attn_implementation: Annotated[Optional[str], typer.Option(metavar="NAME", help="As for cbgen run.")] = None,  # noqa: UP045
     size: Annotated[str, typer.Option(help="tiny | small | medium: requests per workload.")] = "small",
-    workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = (
+    workloads: Annotated[str, typer.Option(help="Comma-separated workloads, from: mixed, shared-prefix, long-prompt, "
+                                           "many-small, structured (cbgen with and without a JSON schema).")] = (
         "mixed,shared-prefix,long-prompt,many-small"
     ),
     paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}.")]
@@ -44,8 +45,8 @@ def bench(
     Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
     """
     from cbgen.bench import (
-        bf16_matmul_flops,
         build_workloads,
+        matmul_flops,
         meta_for,
         parameter_count,
         run_suite,
@@ -69,8 +70,8 @@ def bench(
         chosen = build_workloads(loaded.tokenizer, size, _split(workloads))
     except ValueError as e:
         raise CbgenError(f"--workloads: {e}") from None
-    console.log("measuring the machine's bf16 matmul rate")
-    peak = bf16_matmul_flops()
+    console.log(f"measuring the machine's {str(loaded.dtype).removeprefix('torch.')} matmul rate")
+    peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
 
     def show(m) -> None:
@@ -81,7 +82,8 @@ def bench(
     meta = meta_for(loaded, size, peak, batching)
     json_path, png_path = write_outputs(rows, meta, Path(output_dir))
     _print_table(rows, meta, size)
-    console.print(f"bf16 matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}", markup=False)
+    console.print(f"{meta['matmul_dtype']} matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}",
+                  markup=False)
 
 
 def _checked_paths(paths: str, size: str) -> list[str]:
@@ -98,7 +100,7 @@ def _print_table(rows: list[dict], meta: dict, size: str) -> None:
     table = Table(title=f"cbgen bench: {meta['model']}, {meta['dtype']}, {meta['device']}, size {size}",
                   title_justify="left")
     columns = ["workload", "path", "seconds", "prompt_tok_s", "generated_tok_s", "total_tok_s", "time_vs_cbgen",
-               "mfu"]
+               "token_time_vs_cbgen", "mfu"]
     for column in columns:
         table.add_column(column.replace("_", " "), justify="left" if column in ("workload", "path") else "right")
     for row in rows:

@@ -168,6 +168,10 @@ def summary_table(summary: RunSummary) -> Table:
                      f"({summary.kv_cache.get('chosen_by')})"),
         ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
     ]
+    formats = summary.step_control.get("formats_compiled")
+    if formats:
+        rows.insert(-2, ("output formats", f"{plural(formats, 'grammar')} compiled in "
+                                           f"{summary.step_control['compile_s']:.2f} s"))
     for name, value in rows:
         table.add_row(name, value)
     return table

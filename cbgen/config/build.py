@@ -83,8 +83,32 @@ def check_combinations(job: JobConfig) -> None:
         raise CbgenError("--num-shards and --shard-index go together: give both, or neither (Slurm arrays set them)")
     if r.num_shards is not None and r.shard_index >= r.num_shards:
         raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
+    _check_format(job)
     if g.num_return_sequences > 1 and not job.do_sample:
         raise CbgenError(
             f"--num-return-sequences {g.num_return_sequences} needs sampling (greedy would return the same text "
             f"{g.num_return_sequences} times): add --do-sample or --temperature, or use --num-return-sequences 1"
         )
+
+
+def _check_format(job: JobConfig) -> None:
+    """A job-level output format that cannot be used stops the job here, before any model loads."""
+    g = job.generation
+    if g.json_schema is None and not g.json_object and g.regex is None and not g.choice and g.grammar is None \
+            and g.response_format is None:
+        return
+    from cbgen.control.formats import FormatError, job_format
+    from cbgen.control.grammars import check_format
+
+    try:
+        fmt = job_format(g)
+    except FormatError as e:
+        raise CbgenError(str(e)) from None
+    if fmt is not None:
+        flag = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",
+                "choice": "--choice", "grammar": "--grammar"}[fmt.kind] if g.response_format is None \
+            else "generation.response_format"
+        try:
+            check_format(fmt)
+        except FormatError as e:
+            raise CbgenError(f"{flag}: {e}") from None

@@ -103,17 +103,33 @@ class GenerationSection:
         None, "Sample only from the smallest set of tokens whose probabilities add up to this (0-1].")
     top_k: int | None = setting(None, "Sample only from the k most likely tokens.")
     seed: int | None = setting(
-        None, "Seed for sampling, repeatable run to run. A request's samples still depend on which requests share "
-        "its batches.")
+        None, "Seed for sampling. A sequence's tokens then depend only on the seed, its input id, its sample index "
+        "and the model: the same in any batch, order, shard or resumed run. Rows may carry their own seed.")
     num_return_sequences: int = setting(
         1, "Sequences per prompt (needs sampling); each is an output row with its sample_index.")
-    logprobs: bool = setting(False, "Write the log-probability of every generated token.")
+    logprobs: bool = setting(
+        False, "Write the log-probability of every generated token: the model's own, before temperature, top-k, "
+        "top-p and any output format.")
     stop_token_ids: list[int] = setting(
         [], "Extra token ids that end a sequence, besides the model's end-of-sequence tokens.")
     stop: list[str] = setting(
         [], "Strings that end a sequence as soon as they appear (the request is cancelled then, not run to "
         "max_new_tokens); the text is cut before the string and finish_reason is 'stop'. Rows may add their own "
         "with a 'stop' field.")
+    top_logprobs: int | None = setting(
+        None, "Also write, for every generated token, this many (1-20) of the most likely tokens with their "
+        "logprobs, from the model's own distribution.")
+    json_schema: str | None = setting(
+        None, "Make every output a JSON value that validates against this JSON schema: a file, or the schema "
+        "inline. Rows may carry their own response_format.")
+    json_object: bool = setting(False, "Make every output a JSON object.")
+    regex: str | None = setting(None, "Make every output match this regular expression, whole.")
+    choice: list[str] = setting([], "Make every output exactly one of these strings.")
+    grammar: str | None = setting(
+        None, "Make every output follow this grammar: a file in Lark (llguidance's dialect) or GBNF.")
+    response_format: dict | None = setting(
+        None, "The same as the flags above, in OpenAI's shape: {type: json_schema, json_schema: {name, schema}}, "
+        "{type: json_object}, or cbgen's {type: regex, pattern}, {type: choice, choices}, {type: grammar, grammar}.")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
 from cbgen.engine.manager import (
@@ -52,6 +53,7 @@ class EngineSettings:
     request_timeout: float | None = None
     prefix_gating: bool = True
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for stop strings
+    control: Any = None  # cbgen.control.processor.StepControl: grammar masks, own logprobs, seeded draws
     # a fresh manager after a loop death; not under tensor parallelism, whose other ranks cannot follow suit
     restartable: bool = True
 
@@ -101,6 +103,7 @@ class Engine:
         self.settings = settings
         self.limits = Limits(settings.max_new_tokens, settings.max_positions)
         self.stats = EngineStats()
+        self.control = settings.control
         self._manager = None
         self._prefix_sharing = False
         self._counter = 0
@@ -194,7 +197,7 @@ class Engine:
     # the manager
 
     def _start(self) -> None:
-        self._manager, facts = start_manager(self.model, self.settings.spec)
+        self._manager, facts = start_manager(self.model, self.settings.spec, self.control)
         self.stats.started = True
         self._record(facts)
 
@@ -212,6 +215,8 @@ class Engine:
             if result.is_finished() and result.error is None and (group := self._complete(result, in_flight)):
                 yield group
         in_flight.clear()
+        if self.control is not None:
+            self.control.forget_all()
 
     def _recover(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """The manager's loop has died: take what it finished, fail the rest with its error, start a fresh one."""
@@ -225,6 +230,8 @@ class Engine:
         for key in list(in_flight):
             gate.prefix_computed(key)
             yield in_flight.pop(key).close_with_error(error)
+        if self.control is not None:
+            self.control.forget_all()
         manager, self._manager = self._manager, None
         for _ in stop_manager(manager):
             pass
@@ -291,29 +298,43 @@ class Engine:
         sample_index = entry.ids.get(result.request_id)
         if sample_index is None or sample_index in entry.done:
             return None  # a sequence already ended by a stop string: what it streamed after is not wanted
-        tokens = list(result.generated_tokens)
-        logprobs = [float(x) for x in result.logprobs] if result.logprobs else None
         stopped = None
+        tokens = list(result.generated_tokens)
         if entry.stop is not None and result.error is None:
             stopped = entry.stop.find(tokens, entry.checked.get(sample_index, 0))
             entry.checked[sample_index] = len(tokens)
-        if stopped is not None:
-            cut, text = stopped
-            if not result.is_finished():
-                self._manager.cancel_request(result.request_id)
-            completion = Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
-                                    "stop", None, text)
-        elif not result.is_finished():
+        if stopped is None and not result.is_finished():
             return None  # a streamed step
-        else:
-            reason = self._finish_reason(tokens, entry.max_new_tokens, result.error)
-            error = str(result.error) if result.error is not None else None
-            completion = Completion(entry.request, sample_index, tokens, logprobs, reason, error)
+        if stopped is not None and not result.is_finished():
+            self._manager.cancel_request(result.request_id)
+        completion = self._ended(entry, sample_index, result, tokens, stopped)
         entry.done[sample_index] = completion
         if len(entry.done) < entry.n:
             return None
         del in_flight[key]
         return [entry.done[i] for i in range(entry.n)]
+
+    def _ended(self, entry: _InFlight, sample_index: int, result, tokens: list[int],
+               stopped: tuple[int, str] | None) -> Completion:
+        """A sequence that has ended, with what the step control recorded of it (its own logprobs, top logprobs,
+        whether its format was complete)."""
+        record = self.control.take(result.request_id) if self.control is not None else None
+        logprobs = [float(x) for x in result.logprobs] if result.logprobs else None
+        top = None
+        if record is not None and self.control.capture:
+            logprobs, top = record.logprobs[: len(tokens)], record.top[: len(tokens)] or None
+        if stopped is not None:
+            cut, text = stopped
+            completion = Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
+                                    "stop", None, text, top_logprobs=top[:cut] if top else top)
+            if record is not None and record.grammar and not self.control.accepts(entry.request, text):
+                completion.finish_reason = "error"
+                completion.error = ("a stop string ended the sequence before its response_format was complete: "
+                                    f"{entry.request.stop!r}")
+            return completion
+        reason = self._finish_reason(tokens, entry.max_new_tokens, result.error)
+        error = str(result.error) if result.error is not None else None
+        return Completion(entry.request, sample_index, tokens, logprobs, reason, error, top_logprobs=top)
 
     def _finish_reason(self, tokens: list[int], max_new_tokens: int, error) -> str:
         if error is not None:
@@ -332,5 +353,7 @@ class Engine:
             for manager_id, sample in entry.ids.items():
                 if sample not in entry.done and manager_id not in entry.later:
                     self._manager.cancel_request(manager_id)
+                if self.control is not None:
+                    self.control.take(manager_id)
             gate.prefix_computed(key)  # or not: its followers go ahead and compute it themselves
             yield in_flight.pop(key).close_with_error(f"timed out after {timeout:g} s (--request-timeout)")

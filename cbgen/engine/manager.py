@@ -21,6 +21,7 @@ class ManagerSpec:
     cb_config: Any
     workload_hints: Any = None
     attention: str = "auto"  # cbgen's per-sequence attention: "auto" (where it applies), "required" or "off"
+    control: Any = None  # cbgen.control.processor.ControlSpec: grammar masks, own logprobs, seeded draws; or None
 
 
 @dataclass
@@ -45,11 +46,16 @@ def attention_scope(model, attention: str) -> Iterator[str]:
         yield "per-sequence" if per_sequence else "stock, soft-capped" if capped else "stock"
 
 
-def start_manager(model, spec: ManagerSpec) -> tuple[Any, CacheFacts]:
-    """A started manager, its cache built by a warm-up so that its real size is known before the first admission."""
+def start_manager(model, spec: ManagerSpec, control=None) -> tuple[Any, CacheFacts]:
+    """A started manager, its cache built by a warm-up so that its real size is known before the first admission.
+    `control` (cbgen.control.processor.StepControl) joins its logits processors first."""
     manager = model.init_continuous_batching(generation_config=spec.generation_config,
                                              continuous_batching_config=spec.cb_config,
                                              workload_hints=spec.workload_hints)
+    if control is not None:
+        from cbgen.control.processor import install
+
+        install(manager, control)
     manager.warmup()
     cache = getattr(manager.batch_processor, "cache", None)
     resolved = manager.continuous_batching_config
@@ -85,11 +91,12 @@ def loop_error(manager) -> str:
     return f"the generation loop stopped: {fatal}" if fatal else "the generation loop stopped unexpectedly"
 
 
-def serve(model, spec: ManagerSpec) -> None:
-    """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it. Every rank receives
-    every result; the follower drops them."""
+def serve(model, tokenizer, spec: ManagerSpec) -> None:
+    """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
+    control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
+    control = spec.control.build(tokenizer) if spec.control is not None else None
     with attention_scope(model, spec.attention):
-        manager, _ = start_manager(model, spec)
+        manager, _ = start_manager(model, spec, control)
         try:
             while manager.is_running():
                 manager.get_result(timeout=0.5)

@@ -54,6 +54,7 @@ class EnginePlan:
     kv_cache: dict[str, Any]  # how the KV cache was sized, for run.json
     spec: ManagerSpec
     max_positions: int | None
+    control: Any = None  # cbgen.control.processor.StepControl for this process's engine, or None
 
     def engine_settings(self, job: JobConfig, *, decode=None, restartable: bool = True) -> EngineSettings:
         return EngineSettings(
@@ -67,13 +68,15 @@ class EnginePlan:
             prefix_gating=job.run.prefix_gating,
             decode=decode,
             restartable=restartable,
+            control=self.control,
         )
 
 
 def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, sampling: SamplingPlan | None = None,
-                logprobs: bool | None = None) -> EnginePlan:
+                logprobs: bool | None = None, steps=None) -> EnginePlan:
     """The engine set-up for `job` on `loaded`. `sampling`: the per-request sampler plan (default: the job's own
-    sampling); `logprobs`: whether any request wants logprobs (default: the job's setting)."""
+    sampling); `logprobs`: whether any request wants logprobs (default: the job's setting); `steps`
+    (cbgen.control.plan.StepPlan): the step control, when the job needs one."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     text_config = loaded.model.config.get_text_config()
@@ -90,11 +93,20 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, samplin
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)
+    control = None
+    if steps is not None:
+        # the step control runs in Python between the forward pass and sampling: the synchronous loop it needs
+        batching.setdefault("use_cuda_graph", False)
+        batching.setdefault("use_async_batching", False)
+        if steps.capture:
+            logprobs = False  # it records the model's own; transformers' are those of the processed scores
+        control = steps.spec(text_config.vocab_size).build(loaded.tokenizer, steps.grammars)
     cb_config = make_cb_config(batching, job, logprobs=logprobs, per_request=sampling.per_request)
     hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
-    spec = ManagerSpec(generation_config, cb_config, hints, attention)
-    return EnginePlan(generation_config, eos, batching, window, kv_cache, spec, max_positions)
+    spec = ManagerSpec(generation_config, cb_config, hints, attention,
+                       steps.spec(text_config.vocab_size) if steps is not None else None)
+    return EnginePlan(generation_config, eos, batching, window, kv_cache, spec, max_positions, control)
 
 
 def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan):

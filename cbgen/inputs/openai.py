@@ -21,13 +21,11 @@ from cbgen.records import PromptRecord
 
 # Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).
 HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-            "logprobs"}
+            "logprobs", "top_logprobs", "seed", "response_format"}
 NO_EFFECT = {"stream": "streaming does not apply to a batch", "user": "kept by OpenAI for abuse monitoring only",
              "metadata": "not used", "store": "not used"}
 NOT_HONOURED = {
     "model": "cbgen answers with its --model",
-    "seed": "continuous batching has one random generator for all requests: the job's --seed applies",
-    "top_logprobs": "only the chosen token's logprob is available",
 }
 
 
@@ -43,7 +41,8 @@ def is_openai_batch_file(path: str | Path) -> bool:
 class OpenAIBatchReader(JsonlReader):
     """Reads an OpenAI batch input file; ids are the `custom_id`s (checked unique up front)."""
 
-    settings_keys = ("temperature", "top_p", "logprobs", "n")  # body fields that shape the samplers or the count
+    # body fields that shape the samplers, the count or the step control
+    settings_keys = ("temperature", "top_p", "logprobs", "n", "top_logprobs", "seed", "response_format")
 
     def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (),
                  max_line_bytes: int = MAX_LINE_BYTES, **_: Any) -> None:
@@ -106,22 +105,22 @@ class OpenAIBatchReader(JsonlReader):
             if key in NO_EFFECT:
                 continue
             if key in NOT_HONOURED:
-                if key != "top_logprobs" or body[key]:
-                    self._notice(f"body field {key!r} does not apply: {NOT_HONOURED[key]}")
+                self._notice(f"body field {key!r} does not apply: {NOT_HONOURED[key]}")
             else:
                 self._notice(f"body field {key!r} is not supported by cbgen and was ignored")
-        values: dict[str, Any] = {k: body.get(k) for k in ("temperature", "top_p", "n", "stop")}
-        names = {"temperature": "body.temperature", "top_p": "body.top_p", "n": "body.n", "stop": "body.stop"}
+        taken = ("temperature", "top_p", "n", "stop", "seed", "response_format")
+        values: dict[str, Any] = {k: body.get(k) for k in taken}
+        names = {k: f"body.{k}" for k in taken}
         cap_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         values["max_new_tokens"] = body.get(cap_key)
         names["max_new_tokens"] = f"body.{cap_key}"
-        logprobs = body.get("logprobs")
+        logprobs, top = body.get("logprobs"), body.get("top_logprobs")
         if url == COMPLETIONS and isinstance(logprobs, int) and not isinstance(logprobs, bool):
-            # the completions endpoint's logprobs is a count of alternatives; the chosen token's logprob is what exists
-            if logprobs > 0:
-                self._notice(f"body field 'logprobs' asks for {logprobs} alternatives per token; "
-                             "only the chosen token's logprob is available")
-            logprobs = logprobs >= 0
-        values["logprobs"] = logprobs
+            # the completions endpoint's logprobs is the number of alternatives per token (0: the chosen one only)
+            logprobs, top = logprobs >= 0, logprobs if logprobs > 0 else None
+            names["top_logprobs"] = "body.logprobs"
+        else:
+            names["top_logprobs"] = "body.top_logprobs"
+        values["logprobs"], values["top_logprobs"] = logprobs, top
         names["logprobs"] = "body.logprobs"
         return parse_settings(values, names, keys=tuple(CHECKS))

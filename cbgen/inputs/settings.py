@@ -1,8 +1,9 @@
 """A row's own generation settings: which ones rows may carry, and their checks.
 
-A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens` and `stop` (an OpenAI batch line's body also `n`
-and `logprobs`); each is checked here, before the engine sees it, so a bad value becomes that row's error record
-instead of a failure inside the generation loop (transformers checks only types, and raises or drops the rest).
+A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `seed`, `top_logprobs` and
+`response_format` (an OpenAI batch line's body also `n` and `logprobs`); each is checked here, before the engine
+sees it, so a bad value becomes that row's error record instead of a failure inside the generation loop
+(transformers checks only types, and raises or drops the rest).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from cbgen.errors import RowError, describe_type
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each stop string is searched for in a window of recent text on every step
 MAX_N = 128
+MAX_TOP_LOGPROBS = 20
 
 
 def _number(value: Any) -> float | None:
@@ -74,6 +76,26 @@ def _logprobs(value: Any) -> bool | str:
     return value if isinstance(value, bool) else "true or false"
 
 
+def _top_logprobs(value: Any) -> int | str:
+    v = _integer(value)
+    return v if v is not None and 0 <= v <= MAX_TOP_LOGPROBS else f"an integer from 0 to {MAX_TOP_LOGPROBS}"
+
+
+def _seed(value: Any) -> int | str:
+    v = _integer(value)
+    return v if v is not None else "an integer"
+
+
+def _response_format(value: Any, field: str = "response_format") -> Any:
+    """A ResponseFormat, or None for text; its own message names the part that is wrong."""
+    from cbgen.control.formats import FormatError, parse_response_format
+
+    try:
+        return parse_response_format(value, field)
+    except FormatError as e:
+        raise RowError(str(e)) from None
+
+
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "temperature": _temperature,
     "top_p": _top_p,
@@ -82,10 +104,13 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "stop": _stop,
     "n": _n,
     "logprobs": _logprobs,
+    "top_logprobs": _top_logprobs,
+    "seed": _seed,
+    "response_format": _response_format,
 }
 # What a row of a plain file may set, by these field names. `n` and `logprobs` come only from OpenAI batch bodies,
 # where their meaning is fixed: in a plain file they are too likely to be some other column of the user's.
-ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop")
+ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "top_logprobs", "response_format")
 SAMPLING_SETTINGS = ("temperature", "top_p", "top_k")  # these need the engine's samplers to exist up front
 
 
@@ -102,9 +127,11 @@ def parse_settings(values: Mapping[str, Any], names: Mapping[str, str] | None = 
         value = values.get(key)
         if value is None:
             continue
-        result = check(value)
+        field = (names or {}).get(key, key)
+        result = _response_format(value, field) if key == "response_format" else check(value)
+        if result is None:  # a setting that says "none" (a response_format of type text)
+            continue
         if isinstance(result, str):  # a check returns what the value must be when it is wrong
-            field = (names or {}).get(key, key)
             raise RowError(f"{field!r} must be {result}, got {_show(value)}")
         out[key] = result
     return out

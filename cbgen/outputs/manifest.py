@@ -104,6 +104,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "counts": summary.counts(),
         "engine_restarts": summary.engine_restarts,
         "sampling": summary.sampling,
+        "step_control": summary.step_control,
         "input_notices": summary.input_notices,
         "timings": summary.timings,
         "throughput": summary.throughput(),

@@ -10,14 +10,16 @@ from cbgen.records import Completion
 
 
 class OutputRows:
-    """Turns a finished request's sequences into what the writer stores. `logprobs` says whether rows carry a
-    logprobs field (the job or some row asked for them)."""
+    """Turns a finished request's sequences into what the writer stores. `logprobs` and `top_logprobs` say whether
+    rows carry those fields (the job or some row asked for them)."""
 
-    def __init__(self, job: JobConfig, tokenizer, model_name: str, logprobs: bool) -> None:
+    def __init__(self, job: JobConfig, tokenizer, model_name: str, logprobs: bool, top_logprobs: bool = False) -> None:
         self.job = job
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self._tokens: dict[int, str] = {}  # token id -> its text, for logprob listings
 
     def __call__(self, group: list[Completion]) -> list[dict[str, Any]]:
         if self.job.output.format == "openai":
@@ -32,7 +34,24 @@ class OutputRows:
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
     def wants_logprobs(self, completion: Completion) -> bool:
-        return self.job.generation.logprobs or bool(completion.request.record.settings.get("logprobs"))
+        settings = completion.request.record.settings
+        return self.job.generation.logprobs or bool(settings.get("logprobs")) or self.wanted_top(completion) > 0
+
+    def wanted_top(self, completion: Completion) -> int:
+        return completion.request.top_logprobs or 0
+
+    def top(self, completion: Completion) -> list[list[tuple[int, float]]] | None:
+        """The k most likely tokens at each position, as the request asked for k; None when it did not."""
+        k = self.wanted_top(completion)
+        if not k or completion.top_logprobs is None:
+            return None
+        return [list(zip(ids[:k], values[:k])) for ids, values in completion.top_logprobs]
+
+    def token(self, token_id: int) -> str:
+        text = self._tokens.get(token_id)
+        if text is None:
+            text = self._tokens[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def row(self, completion: Completion) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -47,6 +66,10 @@ class OutputRows:
         }
         if self.logprobs:
             row["logprobs"] = (completion.logprobs or []) if self.wants_logprobs(completion) else None
+        if self.top_logprobs:
+            top = self.top(completion)
+            row["top_logprobs"] = [[{"token_id": t, "token": self.token(t), "logprob": v} for t, v in position]
+                                   for position in top] if top is not None else None
         for name in self.job.input.keep_columns:
             row[name] = completion.request.record.kept.get(name)
         return row
@@ -62,7 +85,10 @@ class OutputRows:
             choice = Choice(self.text(completion), completion.token_ids, completion.finish_reason)
             if self.wants_logprobs(completion) and completion.logprobs is not None:
                 choice.logprobs = completion.logprobs
-                choice.tokens = [self.tokenizer.decode([t]) for t in completion.token_ids]
+                choice.tokens = [self.token(t) for t in completion.token_ids]
+                top = self.top(completion)
+                if top is not None:
+                    choice.top = [[(self.token(t), v) for t, v in position] for position in top]
             choices.append(choice)
         return OutputLine.success(record.id, record.endpoint, choices, model=self.model_name,
                                   prompt_tokens=first.num_prompt_tokens)

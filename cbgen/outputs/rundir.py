@@ -82,10 +82,11 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def compare_fingerprints(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The differences between two fingerprints, as 'key: old -> new' (empty when they match)."""
+    """The differences between two fingerprints, as 'key: old -> new' (empty when they match). A setting that the
+    stored fingerprint lacks (added to cbgen after that run) matches while it is off: None, False or empty."""
     old, new = _flatten(stored), _flatten(json.loads(json.dumps(current, default=str)))
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key)]
+            if old.get(key) != new.get(key) and not (key not in old and new.get(key) in (None, False, [], {}))]
 
 
 @dataclass

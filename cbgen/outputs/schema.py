@@ -21,7 +21,12 @@ _BASE_TYPES: dict[str, pa.DataType] = {
 }
 
 
-def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequence[str]) -> pa.Schema | None:
+TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()),
+                                                   ("logprob", pa.float32())])))
+
+
+def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequence[str],
+                 top_logprobs: bool = False) -> pa.Schema | None:
     """The Parquet schema of the output rows, or None while a kept column's type is still unknown.
 
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
@@ -30,6 +35,8 @@ def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequ
     fields = [pa.field(name, _BASE_TYPES[name]) for name in BASE_FIELDS]
     if logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    if top_logprobs:
+        fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
     for name in kept_names:
         if kept_schema is None or kept_schema.get_field_index(name) < 0:
             return None

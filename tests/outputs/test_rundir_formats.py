@@ -76,3 +76,15 @@ def test_new_directories_record_their_format_and_ids(tiny_model_dir, tmp_path):
     assert stored["format"] == FORMAT and stored["ids"] == {"column": "id", "chosen_by": "the rows' own id field"}
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["format"] == FORMAT and manifest["ids"] == stored["ids"]
+
+
+def test_settings_added_later_match_while_they_are_off():
+    from cbgen.outputs.rundir import compare_fingerprints
+
+    stored = {"generation": {"seed": 1}}  # written before json_object and top_logprobs existed
+    assert compare_fingerprints(stored, {"generation": {"seed": 1, "json_object": False, "top_logprobs": None}}) == []
+    assert compare_fingerprints(stored, {"generation": {"seed": 1, "json_object": True}}) == [
+        "generation.json_object: None -> True"]
+    assert compare_fingerprints({"generation": {"seed": 1, "top_logprobs": 5}},
+                                {"generation": {"seed": 1, "top_logprobs": None}}) == [
+        "generation.top_logprobs: 5 -> None"]

@@ -1,0 +1,235 @@
+"""`cbgen bench`'s paths: the same prompts through cbgen's engine path, plain `generate_batch` and static batching
+with `model.generate`, measured side by side in one process, model load excluded from all.
+
+Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
+(input order, no gate), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig) and `static-B`
+(`model.generate` on left-padded batches of B prompts, in input order).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cbgen.bench.workloads import Workload
+from cbgen.config import JobConfig, page_size
+from cbgen.engine.engine import Engine
+from cbgen.engine.plan import EnginePlan, plan_engine
+from cbgen.engine.plan import Workload as EngineWorkload
+from cbgen.model.load import LoadedModel
+from cbgen.prompts import LOOKAHEAD, prefix_aware_order
+from cbgen.records import PromptRecord, Request
+
+
+@dataclass
+class Measurement:
+    workload: str
+    path: str
+    seconds: float
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.generated_tokens) / self.seconds
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.seconds
+
+
+def _job(workload: Workload, batching: dict[str, Any], prefix_gating: bool = True) -> JobConfig:
+    job = JobConfig()
+    job.generation.max_new_tokens = workload.max_new_tokens
+    job.batching = dict(batching)
+    job.run.prefix_gating = prefix_gating
+    return job
+
+
+def _requests(workload: Workload) -> list[Request]:
+    return [Request(PromptRecord(id=str(i), index=i, location=f"{workload.name}#{i}"), input_ids=ids,
+                    max_new_tokens=workload.cap(i)) for i, ids in enumerate(workload.prompts)]
+
+
+def _is_json(text: str | None) -> bool:
+    try:
+        json.loads(text or "")
+    except ValueError:
+        return False
+    return True
+
+
+def _useful(tokens: list[int], eos: set[int], cap: int) -> int:
+    """Tokens a request really asked for: up to its end-of-sequence token, at most its cap."""
+    stop = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+    return min(stop, cap)
+
+
+class Bench:
+    """Runs workloads through the paths on one loaded model, with one ContinuousBatchingConfig for all CB paths."""
+
+    def __init__(self, loaded: LoadedModel, batching: dict[str, Any] | None = None) -> None:
+        self.loaded = loaded
+        self.batching = batching or {}
+
+    def _plan(self, workload: Workload, prefix_gating: bool = True, constrained: bool = False
+              ) -> tuple[JobConfig, EnginePlan, Any]:
+        """The engine set-up `cbgen run` would make for these prompts (cbgen.engine.plan), and its step control
+        (a cbgen.control.plan.StepPlan) when `constrained` puts the workload under its schema."""
+        job = _job(workload, self.batching, prefix_gating)
+        sized_for = EngineWorkload(longest_prompt=max(len(p) for p in workload.prompts),
+                                   max_new_tokens=max([workload.max_new_tokens, *(workload.caps or [])]),
+                                   num_return_sequences=1, requests=len(workload.prompts))
+        steps = None
+        if constrained:
+            from cbgen.control.plan import StepPlan
+
+            job.generation.json_schema = json.dumps(workload.schema)
+            vocab = self.loaded.model.config.get_text_config().vocab_size
+            steps = StepPlan.build(job, set(), self.loaded.tokenizer, vocab, job.do_sample)
+        return job, plan_engine(job, self.loaded, sized_for, steps=steps), steps
+
+    def cbgen(self, workload: Workload, order: str = "gated", constrained: bool = False) -> Measurement:
+        """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
+        `cbgen run` does it while reading)."""
+        job, plan, steps = self._plan(workload, prefix_gating=order == "gated", constrained=constrained)
+        engine = Engine(self.loaded.model, plan.engine_settings(job))
+        requests = _requests(workload)
+        if steps is not None:
+            for request in requests:
+                request.sampling, request.response_format, error = steps.request_kwargs(request.record.id, {}, None)
+                assert error is None, error
+        if order != "input":
+            requests = prefix_aware_order(requests, key_tokens=page_size(plan.batching), lookahead=LOOKAHEAD,
+                                          default_max_new_tokens=workload.max_new_tokens)
+        start = time.perf_counter()
+        generated = 0
+        lengths = [0] * len(workload.prompts)
+        stopped: list[list[int]] = []
+        for group in engine.run(requests):
+            assert group[0].finish_reason != "error", group[0].error
+            generated += sum(len(c.token_ids) for c in group)
+            lengths[group[0].request.record.index] = len(group[0].token_ids)
+            stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
+        seconds = time.perf_counter() - start
+        path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
+        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "lengths": lengths}
+        if steps is not None:
+            path += "-json-schema"
+            extra["grammar_compile_s"] = round(steps.grammars.compile_seconds, 4)
+            decode = self.loaded.tokenizer.decode
+            extra["stopped_json"] = sum(_is_json(decode(t, skip_special_tokens=True)) for t in stopped)
+            extra["stopped"] = len(stopped)
+        return Measurement(workload.name, path, seconds, len(workload.prompts),
+                           sum(map(len, workload.prompts)), generated, extra)
+
+    def structured(self, workload: Workload, order: str = "gated") -> list[Measurement]:
+        """The workload under its schema, then as free text capped request by request at the constrained answer's
+        length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks."""
+        constrained = self.cbgen(workload, order, constrained=True)
+        free = Workload(workload.name, workload.prompts, workload.max_new_tokens, caps=constrained.extra["lengths"])
+        return [self.cbgen(free, order), constrained]
+
+    def generate_batch(self, workload: Workload) -> Measurement:
+        """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
+        _, plan, _ = self._plan(workload)
+        eos = plan.eos_token_ids
+        start = time.perf_counter()
+        outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=plan.generation_config,
+                                                   continuous_batching_config=plan.spec.cb_config)
+        seconds = time.perf_counter() - start
+        assert len(outputs) == len(workload.prompts) and not any(o.error for o in outputs.values())
+        # generate_batch returns results in input order (request ids req_0, req_1, ...)
+        generated = sum(_useful(o.generated_tokens, eos, workload.cap(i)) for i, o in enumerate(outputs.values()))
+        return Measurement(workload.name, "generate_batch", seconds, len(workload.prompts),
+                           sum(map(len, workload.prompts)), generated)
+
+    def static(self, workload: Workload, batch_size: int) -> Measurement:
+        """`model.generate` on left-padded batches, in input order, each run to its largest cap; tokens after a
+        sequence's EOS or cap are not counted."""
+        _, plan, _ = self._plan(workload)
+        generation_config, eos = plan.generation_config, plan.eos_token_ids
+        pad = generation_config.pad_token_id
+        model = self.loaded.model
+        generated = 0
+        start = time.perf_counter()
+        for i in range(0, len(workload.prompts), batch_size):
+            batch = workload.prompts[i : i + batch_size]
+            caps = [workload.cap(k) for k in range(i, i + len(batch))]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                                     max_new_tokens=max(caps))
+            generated += sum(_useful(row, eos, cap) for row, cap in zip(out[:, width:].tolist(), caps))
+        seconds = time.perf_counter() - start
+        return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
+                           sum(map(len, workload.prompts)), generated)
+
+
+def matmul_flops(dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0, largest: int = 2048) -> float:
+    """The machine's measured dense matmul rate (FLOP/s) in `dtype`, the denominator of model FLOP utilisation.
+    Square sizes grow from 256 while one product takes under 0.1 s, so a dtype the CPU has no units for (bf16 on
+    AVX2: about 1 GFLOP/s) is measured in seconds, not minutes."""
+    n, rate = 256, 0.0
+    while True:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        a @ b
+        count, start = 0, time.perf_counter()
+        while count < 2 or time.perf_counter() - start < seconds / 4:
+            a @ b
+            count += 1
+        elapsed = time.perf_counter() - start
+        rate = max(rate, 2 * n**3 * count / elapsed)
+        if n >= largest or elapsed / count > 0.1:
+            return rate
+        n *= 2
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_suite(
+    loaded: LoadedModel,
+    workloads: list[Workload],
+    paths: Sequence[str],
+    static_batch_sizes: Sequence[int] = (8, 16, 32),
+    batching: dict[str, Any] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
+) -> list[Measurement]:
+    bench = Bench(loaded, batching)
+    results = []
+    for workload in workloads:
+        # first-call costs (kernel selection for this workload's shapes, allocator growth) are paid before measuring,
+        # so that no path pays them for the others
+        bench.cbgen(Workload("warm-up", workload.prompts[:8], 4), "input")
+        for path in paths:
+            if workload.schema is not None and not path.startswith("cbgen"):
+                continue  # only cbgen can follow a schema; the structured workload compares cbgen with itself
+            if path == "static":
+                measured = [bench.static(workload, b) for b in static_batch_sizes]
+            elif path == "generate_batch":
+                measured = [bench.generate_batch(workload)]
+            else:
+                order = {"cbgen": "gated", "cbgen-ordered": "ordered", "cbgen-input-order": "input"}[path]
+                measured = ([bench.cbgen(workload, order)] if workload.schema is None
+                            else bench.structured(workload, order))
+            for m in measured:
+                results.append(m)
+                if on_result:
+                    on_result(m)
+    return results

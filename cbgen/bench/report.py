@@ -1,0 +1,76 @@
+"""What `cbgen bench` reports: one row per measurement (ratios to cbgen, MFU), bench.json and bench.png."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbgen.bench.paths import Measurement, parameter_count
+from cbgen.errors import CbgenError
+from cbgen.model.load import LoadedModel
+
+
+def summarise(results: list[Measurement], flops_per_token: float, peak_flops: float) -> list[dict[str, Any]]:
+    """One row per measurement, with its wall-time ratio to cbgen on the same workload and its MFU."""
+    cbgen_time = {m.workload: m.seconds for m in results if m.path == "cbgen"}
+    cbgen_tokens = {m.workload: max(m.generated_tokens, 1) for m in results if m.path == "cbgen"}
+    rows = []
+    for m in results:
+        rows.append({
+            "workload": m.workload, "path": m.path, "seconds": round(m.seconds, 2), "requests": m.requests,
+            "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
+            "prompt_tok_s": round(m.prompt_tokens_per_s, 1), "generated_tok_s": round(m.generated_tokens_per_s, 1),
+            "total_tok_s": round(m.total_tokens_per_s, 1),
+            "time_vs_cbgen": round(m.seconds / cbgen_time[m.workload], 2) if m.workload in cbgen_time else None,
+            # time per generated token, against cbgen's: for paths whose outputs differ in length (a schema)
+            "token_time_vs_cbgen": (round(m.seconds / m.generated_tokens / (cbgen_time[m.workload] / cbgen_tokens[
+                m.workload]), 2) if m.workload in cbgen_time and m.generated_tokens else None),
+            **{k: v for k, v in m.extra.items() if k not in ("cb", "lengths")},
+            "mfu": round(m.total_tokens_per_s * flops_per_token / peak_flops, 4),
+        })
+    return rows
+
+
+def write_outputs(rows: list[dict[str, Any]], meta: dict[str, Any], directory: Path) -> tuple[Path, Path]:
+    """bench.json (rows + how they were measured) and bench.png (total tokens/s per workload and path)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CbgenError("cbgen bench draws its chart with matplotlib: pip install 'cbgen[bench]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "bench.json"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(workloads)), 4))
+    width = 0.8 / len(paths)
+    for j, path in enumerate(paths):
+        values = [next((r["total_tok_s"] for r in rows if r["workload"] == w and r["path"] == path), 0)
+                  for w in workloads]
+        ax.bar([i + j * width for i in range(len(workloads))], values, width, label=path)
+    ax.set_xticks([i + width * (len(paths) - 1) / 2 for i in range(len(workloads))], workloads)
+    ax.set_ylabel("prompt + generated tokens / s")
+    ax.set_title(f"cbgen bench: {meta.get('model')} ({meta.get('dtype')}, {meta.get('device')})")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    png_path = directory / "bench.png"
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[str, Any]) -> dict[str, Any]:
+    return {"model": loaded.source.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": loaded.device,
+            "attn_implementation": loaded.attn_implementation, "size": size,
+            "parameters": parameter_count(loaded.model), "matmul_flops": round(peak_flops),
+            "matmul_dtype": str(loaded.dtype).removeprefix("torch."),
+            "batching_overrides": batching, "torch_threads": torch.get_num_threads(),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -1,0 +1,108 @@
+"""The workloads of `cbgen bench`, built from the model's own tokenizer and chat template, deterministically (a
+seed per workload):
+
+  mixed          chat questions of varied length, each with its own max_new_tokens drawn from 16..256
+  shared-prefix  a few long system prompts, each shared by many short questions; short answers
+  long-prompt    long documents to summarise in a few tokens (prefill-heavy)
+  many-small     many short questions, short answers
+  structured     requests for JSON records (a person with name, age, status, tags, address), run by cbgen twice:
+                 under the records' JSON schema (`cbgen-json-schema`), then as free text (`cbgen`) with each request
+                 capped at the length of its constrained answer, so that both do the same work; only cbgen paths run
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+WORDS = (
+    "river mountain engine harvest lantern market window silver garden theory signal orbit canvas thunder "
+    "pattern bridge ocean library winter compass factory meadow crystal voyage rhythm castle planet forest "
+    "machine ember quiet swift bright ancient hidden gentle distant golden frozen curious steady hollow "
+    "measure explain compare describe imagine consider follow gather notice travel wonder balance"
+).split()
+
+
+@dataclass
+class Workload:
+    """Prompts and their caps. With per-request caps (`caps`), paths that cannot stop a request at its own cap
+    (`generate_batch`, static batches) run to the largest cap and only tokens up to each request's cap count."""
+
+    name: str
+    prompts: list[list[int]]
+    max_new_tokens: int
+    caps: list[int] | None = None
+    schema: dict[str, Any] | None = None  # the structured workload's: the cbgen path also runs under it
+
+    def cap(self, i: int) -> int:
+        return self.caps[i] if self.caps else self.max_new_tokens
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def _chat(tokenizer, user: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+SIZES = {  # requests per workload; "small" fits a 2-core CPU in a few minutes per path
+    "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8, "structured": 4},
+    "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128, "structured": 64},
+    "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512, "structured": 256},
+}
+ROLES = "nurse pilot chef teacher farmer engineer painter librarian".split()
+CITIES = "Paris Lagos Osaka Lima Oslo Denver Cairo Perth".split()
+RECORD_SCHEMA = {  # the structured workload's: bounded, so that a small greedy model cannot loop inside a string
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "status", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None = None) -> list[Workload]:
+    counts = SIZES[size]
+    scale = {"tiny": 0.1, "small": 1.0, "medium": 1.0}[size]
+    out = []
+    for name in names or counts:
+        rng = random.Random(name)
+        n = counts[name]
+        if name == "mixed":
+            prompts = [_chat(tokenizer, " ".join(_sentence(rng, rng.randint(5, 20)) for _ in range(rng.randint(1, 6)))
+                             + " Explain.") for _ in range(n)]
+            top = 256 if size != "tiny" else 16
+            out.append(Workload(name, prompts, top, [rng.randint(min(16, top), top) for _ in range(n)]))
+        elif name == "shared-prefix":
+            systems = [" ".join(_sentence(rng, 12) for _ in range(max(1, int(40 * scale)))) for _ in range(4)]
+            prompts = [_chat(tokenizer, f"Question {i}: {_sentence(rng, 8)}", rng.choice(systems)) for i in range(n)]
+            out.append(Workload(name, prompts, 8))
+        elif name == "long-prompt":
+            prompts = [_chat(tokenizer, " ".join(_sentence(rng, 14) for _ in range(max(1, int(70 * scale))))
+                             + " Summarise in one sentence.") for _ in range(n)]
+            out.append(Workload(name, prompts, 16))
+        elif name == "many-small":
+            prompts = [_chat(tokenizer, _sentence(rng, rng.randint(3, 10))) for _ in range(n)]
+            out.append(Workload(name, prompts, 16))
+        elif name == "structured":
+            prompts = [_chat(tokenizer, f"Create a JSON record for a fictional {ROLES[i % 8]} who lives in "
+                             f"{CITIES[i // 8 % 8]}, with name, age, status (active, inactive or pending), a few tags "
+                             "and address (city and 5-digit zip).", "You output only JSON.") for i in range(n)]
+            out.append(Workload(name, prompts, 160 if size != "tiny" else 24, schema=RECORD_SCHEMA))
+        else:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(counts)}")
+    return out
+
+

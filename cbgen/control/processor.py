@@ -1,0 +1,270 @@
+"""Control inside each decoding step: grammar masks, the model's own logprobs, and seeded sampling that does not
+depend on batch-mates. Plugged into transformers' continuous batching as two of its per-request logits processors.
+
+Each step, for the requests that get a new token:
+
+1. `Mask` (first in the processor list) keeps the log-softmax of the raw logits (for logprobs and top logprobs:
+   the model's own distribution, before temperature, top-k, top-p and any grammar) and masks, for each sequence
+   that follows a format, the tokens its grammar does not allow next. End-of-sequence is allowed only where the
+   grammar accepts, and a grammar that has ended allows nothing else.
+2. transformers' own temperature, top-k and top-p stages run in between.
+3. `Choose` (last) picks the token itself: the most likely one when the job is greedy, else the Gumbel-max draw
+   argmax(scores + g) with g ~ Gumbel(0, 1), which draws exactly from softmax(scores). The noise comes from a
+   generator seeded by (the request's seed, its sample index, the token's position) alone, so a seeded sequence
+   is the same whatever shares its batch, in any order, after a resume, on any shard or rank. It leaves only the
+   chosen token possible, so transformers' own sampling takes it, and it advances the sequence's grammar.
+
+The processors run in Python between the forward pass and sampling, so they need the engine's synchronous loop:
+cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has neither).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+from cbgen.control.formats import ResponseFormat
+from cbgen.control.grammars import Grammars
+
+GRAMMAR_KWARG = "response_format"  # the format's key (ResponseFormat.key), as a request's processor kwarg
+SEED_KWARG = "sample_seed"  # the request's seed (cbgen derives it from the job's or row's seed and the input id)
+_SAMPLE_INDEX = re.compile(r"(?:__child#(\d+)|~copy(\d+))$")  # transformers' child ids, cbgen's copies
+
+
+@dataclass
+class SequenceRecord:
+    """What the steps recorded of one sequence, handed to the engine when it ends."""
+
+    logprobs: list[float] = field(default_factory=list)  # the model's own, of each chosen token
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token: the k most likely
+    grammar: bool = False  # it followed a format
+    accepted: bool = False  # its format was complete when it ended (or could end there)
+
+
+@dataclass
+class _Sequence:
+    record: SequenceRecord
+    matcher: Any = None
+    seed: int | None = None
+    sample_index: int = 0
+    position: int = 0  # of the token this step draws: how many the sequence has generated before it
+
+
+def sample_index(manager_id: str) -> int:
+    """A sequence's index among its request's sequences, from the id the manager knows it by."""
+    match = _SAMPLE_INDEX.search(manager_id)
+    if match is None:
+        return 0
+    return int(match.group(1)) + 1 if match.group(1) is not None else int(match.group(2))
+
+
+def _noise_seed(seed: int, index: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{index}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # torch seeds are signed 64-bit
+
+
+def gumbel_noise(seed: int, index: int, position: int, size: int) -> torch.Tensor:
+    """The Gumbel(0, 1) noise of one token draw: a function of (seed, sample index, position) alone."""
+    generator = torch.Generator().manual_seed(_noise_seed(seed, index, position))
+    uniform = torch.rand(size, generator=generator, dtype=torch.float64).clamp_(1e-300, 1 - 1e-16)
+    return (-torch.log(-torch.log(uniform))).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class ControlSpec:
+    """What builds a StepControl; plain data, so tensor-parallel followers build the same one as rank 0."""
+
+    vocab_size: int
+    do_sample: bool
+    capture: bool  # keep the model's own logprob of each chosen token
+    top_logprobs: int  # and this many of the most likely tokens (0: none)
+    grammars: bool  # some request follows a format
+
+    def build(self, tokenizer, grammars: Grammars | None = None) -> StepControl:
+        if self.grammars and grammars is None:
+            grammars = Grammars(tokenizer, self.vocab_size)
+        return StepControl(vocab_size=self.vocab_size, grammars=grammars, do_sample=self.do_sample,
+                           capture=self.capture, top_logprobs=self.top_logprobs)
+
+
+class StepControl:
+    """The state the two processors share: one entry per sequence in the engine, keyed by its manager id."""
+
+    def __init__(self, *, vocab_size: int, grammars: Grammars | None, do_sample: bool, capture: bool,
+                 top_logprobs: int) -> None:
+        self.vocab_words = (vocab_size + 31) // 32
+        self.grammars = grammars
+        self.do_sample = do_sample
+        self.capture = capture or top_logprobs > 0
+        self.top_logprobs = top_logprobs
+        self._sequences: dict[str, _Sequence] = {}
+        self._rows: list[_Sequence] = []  # this step's rows, in the order of the logits
+        self._raw: torch.Tensor | None = None  # this step's log-softmax of the raw logits
+        self._bitmask: torch.Tensor | None = None
+        self._fill = None
+
+    def processors(self) -> tuple[Mask, Choose]:
+        return Mask(self), Choose(self)
+
+    def take(self, manager_id: str) -> SequenceRecord | None:
+        """The record of a sequence that has ended (or was cancelled), forgetting it."""
+        sequence = self._sequences.pop(manager_id, None)
+        return sequence.record if sequence is not None else None
+
+    def accepts(self, request, text: str) -> bool:
+        """Whether `text` is a complete output of the request's format (for sequences a stop string cut)."""
+        fmt = getattr(request, "response_format", None)
+        return fmt is None or (self.grammars is not None and self.grammars.accepts(fmt, text))
+
+    def forget_all(self) -> None:
+        self._sequences.clear()
+        self._rows = []
+
+    # ---------------------------------------------------------------------------------------------------------- #
+
+    def prepare(self, requests_with_new_token: list) -> torch.Tensor:
+        """Before the forward pass: which sequence each logits row is, and their grammars' masks."""
+        self._rows = [self._sequence(request.state) for request in requests_with_new_token]
+        for request, sequence in zip(requests_with_new_token, self._rows):
+            sequence.position = len(request.state.generated_tokens)
+        masked = [(sequence.matcher, i) for i, sequence in enumerate(self._rows) if sequence.matcher is not None]
+        if masked:
+            from llguidance.torch import fill_next_token_bitmask_par
+
+            fill_next_token_bitmask_par(self._executor(), masked, self._bitmask_for(len(self._rows)))
+        return torch.tensor([s.matcher is not None for s in self._rows], dtype=torch.int32)
+
+    def _sequence(self, state) -> _Sequence:
+        sequence = self._sequences.get(state.request_id)
+        if sequence is None:
+            kwargs = state.logit_processor_kwargs
+            sequence = _Sequence(SequenceRecord(), seed=kwargs.get(SEED_KWARG),
+                                 sample_index=sample_index(state.request_id))
+            key = kwargs.get(GRAMMAR_KWARG)
+            if key and self.grammars is not None:
+                sequence.matcher = self.grammars.matcher(ResponseFormat.from_key(key))
+                sequence.record.grammar = True
+            self._sequences[state.request_id] = sequence
+        return sequence
+
+    def _executor(self):
+        if self._fill is None:
+            from llguidance import LLExecutor
+
+            self._fill = LLExecutor()  # computes the masks of many matchers on a thread pool
+        return self._fill
+
+    def _bitmask_for(self, rows: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = torch.full((max(rows, 64), self.vocab_words), -1, dtype=torch.int32)
+        return self._bitmask
+
+    # ---------------------------------------------------------------------------------------------------------- #
+
+    # The logits hold a row per request in the batch, those with a new token first and in the order `prepare` saw
+    # them; rows after those belong to requests still prefilling, and are never sampled from.
+
+    def first(self, scores: torch.Tensor) -> torch.Tensor:
+        rows = self._rows
+        if scores.size(0) < len(rows):  # not a step this control prepared (a warm-up pass)
+            self._raw = None
+            return scores
+        if self.capture:
+            self._raw = torch.log_softmax(scores[: len(rows)].float(), dim=-1)
+        masked = [i for i, sequence in enumerate(rows) if sequence.matcher is not None]
+        if masked:
+            blocked = _blocked(self._bitmask[: len(rows)], scores.size(1)).to(scores.device, non_blocking=True)
+            if len(masked) == len(rows):
+                scores[: len(rows)].masked_fill_(blocked, float("-inf"))
+            else:
+                index = torch.tensor(masked, device=scores.device)
+                scores[index] = scores[index].masked_fill(blocked[index], float("-inf"))
+        return scores
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        rows = self._rows
+        if scores.size(0) < len(rows) or not rows:
+            return scores
+        live = scores[: len(rows)]
+        chosen = torch.argmax(live, dim=-1) if not self.do_sample else self._draw(live, rows)
+        for i, sequence in enumerate(rows):
+            token = int(chosen[i])
+            if self._raw is not None:
+                raw = self._raw[i]
+                sequence.record.logprobs.append(float(raw[token]))
+                if self.top_logprobs:
+                    values, ids = torch.topk(raw, self.top_logprobs)
+                    sequence.record.top.append((ids.tolist(), values.tolist()))
+            if sequence.matcher is not None:
+                sequence.matcher.consume_token(token)
+                sequence.record.accepted = sequence.matcher.is_accepting() or sequence.matcher.is_stopped()
+        self._raw = None
+        if not self.do_sample:  # transformers' argmax over these same scores picks the same tokens
+            return scores
+        forced = scores.clone()
+        forced[: len(rows)] = float("-inf")
+        forced[: len(rows)].scatter_(1, chosen.unsqueeze(1), 0.0)
+        return forced
+
+    def _draw(self, scores: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
+        chosen = []
+        for i, sequence in enumerate(rows):
+            if sequence.seed is None:  # unseeded: one random seed per sequence, drawn from torch's generator
+                sequence.seed = int(torch.randint(0, 2**62, ()).item())
+            noise = gumbel_noise(sequence.seed, sequence.sample_index, sequence.position, scores.size(1))
+            chosen.append(int(torch.argmax(scores[i].float() + noise)))
+        return torch.tensor(chosen)
+
+
+def _blocked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit j of word w allows token 32 * w + j) -> [rows, vocab] bool, True where the
+    token is not allowed. numpy unpacks bits in one C loop, several times faster than torch's shifts on a CPU."""
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(allowed).view(torch.bool).logical_not_()
+
+
+class _Processor(ContinuousBatchingLogitsProcessor):
+    supported_kwargs: dict[str, type] = {GRAMMAR_KWARG: str, SEED_KWARG: int}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, control: StepControl) -> None:
+        self.control = control
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)
+
+
+class Mask(_Processor):
+    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
+        return self.control.prepare(requests_with_new_token)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        return self.control.first(scores)
+
+
+class Choose(_Processor):
+    supported_kwargs: dict[str, type] = {}
+
+    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
+        return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        return self.control.choose(scores)
+
+
+def install(manager, control: StepControl) -> None:
+    """Puts the control's processors first and last in a manager's processor list, before its batch processor (and
+    the processors' argument storage) is built, that is before `warmup()` or `start()`."""
+    mask, choose = control.processors()
+    processors = manager.logit_processor
+    processors.logits_processor.insert(0, mask)
+    processors.logits_processor.append(choose)
+    processors.tensors_required += 2
+    processors.supported_keys.update(mask.supported_kwargs)
+    processors.do_processing = True
