@@ -92,8 +92,13 @@ def check_combinations(job: JobConfig) -> None:
 
 
 def _check_format(job: JobConfig) -> None:
-    """A job-level output format that cannot be used stops the job here, before any model loads."""
+    """A job-level output format (or response template) that cannot be used stops the job here, before any model
+    loads."""
     g = job.generation
+    if g.response_template is not None:
+        from cbgen.chat.responses import load_template
+
+        load_template(g.response_template)
     if g.json_schema is None and not g.json_object and g.regex is None and not g.choice and g.grammar is None \
             and g.response_format is None:
         return

@@ -16,9 +16,9 @@ from cbgen.config.batching import BATCHING_FIELDS
 
 
 def setting(default: Any, help: str) -> Any:
-    """A dataclass field with its help text; a list default gets a fresh list per instance."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
+    """A dataclass field with its help text; a list or dict default gets a fresh one per instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -127,6 +127,12 @@ class GenerationSection:
     choice: list[str] = setting([], "Make every output exactly one of these strings.")
     grammar: str | None = setting(
         None, "Make every output follow this grammar: a file in Lark (llguidance's dialect) or GBNF.")
+    chat_template_kwargs: dict = setting(
+        {}, "Variables for the chat template, as a JSON object: a reasoning model's switches such as "
+        "{\"enable_thinking\": false}. OpenAI lines may add their own (body.chat_template_kwargs, reasoning_effort).")
+    response_template: str | None = setting(
+        None, "How to split a chat reply into reasoning, tool calls and content when the tokenizer carries no response "
+        "template of its own (transformers' format, a JSON file), or 'think' for <think>...</think> reasoning.")
     response_format: dict | None = setting(
         None, "The same as the flags above, in OpenAI's shape: {type: json_schema, json_schema: {name, schema}}, "
         "{type: json_object}, or cbgen's {type: regex, pattern}, {type: choice, choices}, {type: grammar, grammar}.")

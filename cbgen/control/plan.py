@@ -24,11 +24,15 @@ class StepPlan:
     seeds: bool  # the job or some row gives a seed
 
     @classmethod
-    def build(cls, job: JobConfig, used: set[str], tokenizer: Any, vocab_size: int, do_sample: bool) -> StepPlan:
-        """`used`: the row settings the input carries (Reader.settings_present)."""
+    def build(cls, job: JobConfig, used: set[str], tokenizer: Any, vocab_size: int, do_sample: bool,
+              response_template: dict | None = None) -> StepPlan:
+        """`used`: the row settings the input carries (Reader.settings_present); `response_template`: the model's,
+        which says how it writes tool calls (for required ones)."""
         g = job.generation
         fmt = job_format(g)
         grammars = Grammars(tokenizer, vocab_size) if fmt is not None or "response_format" in used else None
+        if grammars is not None:
+            grammars.response_template = response_template
         top = g.top_logprobs or (MAX_TOP_LOGPROBS if "top_logprobs" in used else 0)
         capture = g.logprobs or top > 0 or bool({"logprobs", "top_logprobs"} & used)
         return cls(fmt, grammars, do_sample, capture, top, g.seed is not None or "seed" in used)
