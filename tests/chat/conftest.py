@@ -10,6 +10,9 @@ import shutil
 import pytest
 
 CHAT_TEMPLATE = """
+{%- if reasoning_effort %}<|im_start|>system
+Reasoning effort: {{ reasoning_effort }}<|im_end|>
+{% endif %}
 {%- if tools %}<|im_start|>system
 You may call these functions:
 {%- for tool in tools %}

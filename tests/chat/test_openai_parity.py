@@ -163,3 +163,15 @@ def test_a_think_response_template_for_models_without_one(tiny_model_dir, tmp_pa
                     "--max-new-tokens", 30]) == 0
     (row,) = read_shards(tmp_path / "out")
     assert (row["reasoning"], row["text"], row["tool_calls"]) == ("Let me see.", "Yes.", None)
+
+
+def test_reasoning_effort_and_template_kwargs_reach_the_template(tool_model_dir, tmp_path):
+    path = write_jsonl(tmp_path / "b.jsonl", [
+        line("plain", {"messages": ASK, "max_tokens": 2}),
+        line("effort", {"messages": ASK, "max_tokens": 2, "reasoning_effort": "high"})])
+    assert run(tool_model_dir, path, tmp_path / "a") == 0
+    first = {k: v["response"]["body"]["usage"]["prompt_tokens"] for k, v in answers(tmp_path / "a").items()}
+    assert first["plain"] < first["effort"]
+    assert run(tool_model_dir, path, tmp_path / "b", "--chat-template-kwargs", '{"reasoning_effort": "high"}') == 0
+    second = {k: v["response"]["body"]["usage"]["prompt_tokens"] for k, v in answers(tmp_path / "b").items()}
+    assert second["plain"] == second["effort"] == first["effort"]  # the job's variables, and the line's over them
