@@ -46,7 +46,8 @@ class StepPlan:
         from cbgen.control.processor import ControlSpec
 
         return ControlSpec(vocab_size=vocab_size, do_sample=self.do_sample, capture=self.capture,
-                           top_logprobs=self.top_logprobs, grammars=self.grammars is not None)
+                           top_logprobs=self.top_logprobs, grammars=self.grammars is not None,
+                           response_template=self.grammars.response_template if self.grammars else None)
 
     def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None
                        ) -> tuple[dict[str, Any], ResponseFormat | None, str | None]:
