@@ -162,12 +162,17 @@ class RunSection:
         None, "Stop the job (resumable) once more than this many requests have failed. Default: never.")
     commit_interval: float = setting(
         60.0, "Commit the open shard at least every this many seconds, so a killed job loses little work.")
+    executor: Literal["local", "ray"] = setting(
+        "local", "Where the shards run: here (local), or each as a task on a Ray cluster (ray: needs --num-shards; "
+        "RAY_ADDRESS names the cluster, else a local one starts; pip install 'cbgen[ray]').")
+    ray_num_cpus: float | None = setting(None, "CPUs each Ray task asks for. Default: 1.")
+    ray_num_gpus: float | None = setting(None, "GPUs each Ray task asks for. Default: 0.")
     num_shards: int | None = setting(
         None, "Split the input into this many parts by a stable hash of the id, one per job; each writes to "
-        "DIR/shard-IIIII-of-NNNNN. Default: the Slurm array size (SLURM_ARRAY_TASK_COUNT).")
+        "DIR/shard-IIIII-of-NNNNN. Default: CBGEN_NUM_SHARDS, else the Slurm array size (SLURM_ARRAY_TASK_COUNT).")
     shard_index: int | None = setting(
-        None, "Which part this job runs, from 0. Default: the Slurm array task (SLURM_ARRAY_TASK_ID minus "
-        "SLURM_ARRAY_TASK_MIN).")
+        None, "Which part this job runs, from 0. Default: JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
+        "Slurm array task (SLURM_ARRAY_TASK_ID minus SLURM_ARRAY_TASK_MIN).")
     prefix_gating: bool = setting(
         True, "Admit the first request of each shared prompt prefix, and the others once it has computed the "
         "prefix, so they reuse its KV cache instead of all computing it at once.")
