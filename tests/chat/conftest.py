@@ -22,7 +22,9 @@ Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
 {% endif %}
 {%- for message in messages %}
 {%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{% for call in message.tool_calls %}<tool_call>{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>
+{% for call in message.tool_calls %}<tool_call>{{ {"name": call.function.name,
+                                                    "arguments": call.function.arguments} | tojson }}</tool_call>
+{%- endfor %}<|im_end|>
 {% elif message.role == "tool" %}<|im_start|>tool
 {{ message.content }}<|im_end|>
 {% else %}<|im_start|>{{ message.role }}
