@@ -4,13 +4,10 @@ template, so the ranks mask alike and rank 0 writes what one process writes."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from cbgen.cli import run_cli
 from tests.chat.test_openai_parity import ASK, WEATHER, line
-from tests.helpers import write_jsonl
+from tests.helpers import torchrun_cbgen, write_jsonl
 
 
 def test_required_call_under_tp_matches_one_process(tool_model_dir, tmp_path):
@@ -18,11 +15,7 @@ def test_required_call_under_tp_matches_one_process(tool_model_dir, tmp_path):
         line("call", {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 120})])
     common = ["--model", str(tool_model_dir), "--dtype", "float32", "-q", "--output-format", "openai"]
     assert run_cli(["run", str(path), "-o", str(tmp_path / "one"), *common]) == 0
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cbgen", "run",
-         str(path), "-o", str(tmp_path / "tp"), "--tp", "2", *common],
-        env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
+    done = torchrun_cbgen(path, "-o", tmp_path / "tp", *common)
     assert done.returncode == 0, done.stderr[-3000:]
 
     def body(out):
