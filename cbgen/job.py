@@ -112,6 +112,7 @@ class _Run:
     tp: TensorParallel | None
     used: set[str] = field(default_factory=set)  # row settings the input uses
     steps: object = None  # cbgen.control.plan.StepPlan when the step control runs
+    replies: object = None  # cbgen.chat.responses.ReplyParser when the model has a response template
 
     def execute(self) -> RunSummary:
         from cbgen.outputs.rows import OutputRows
@@ -120,6 +121,8 @@ class _Run:
         if total == 0:
             return self._nothing_left()
         self.reader.on_notice = lambda message: self.progress.stage(f"note: {message}")  # said once each
+        if self.reader.detected:
+            self.progress.stage(f"input: {self.reader.detected}")
         records = (record for record in self.reader if self.wanted(record))
         head = list(itertools.islice(records, LOOKAHEAD))
         used = self.reader.settings_present()
@@ -134,7 +137,7 @@ class _Run:
             return self.summary
         loaded = self._load_model()
         engine, ordered = self._prepare(loaded, total, head, records)
-        rows = OutputRows(self.job, loaded.tokenizer, self.source.name, logprobs, top)
+        rows = OutputRows(self.job, loaded.tokenizer, self.source.name, logprobs, top, self.replies)
         self._write(engine.run(ordered, self.stop), rows, total)
         self._finish(engine, loaded)
         return self.summary
@@ -192,6 +195,7 @@ class _Run:
     def _prepare(self, loaded: LoadedModel, total: int | None, head: list[PromptRecord],
                  rest: Iterator[PromptRecord]) -> tuple[Engine, Iterator[Request]]:
         """Renders the records read ahead, plans the engine from them, and lines up the rest behind them."""
+        from cbgen.chat.responses import ReplyParser, load_template, model_template
         from cbgen.control.plan import StepPlan
         from cbgen.engine.engine import Engine
         from cbgen.engine.plan import Workload, plan_engine
@@ -201,12 +205,17 @@ class _Run:
 
         job = self.job
         text_config = loaded.model.config.get_text_config()
+        template = model_template(loaded.tokenizer, getattr(loaded.model.config, "model_type", None),
+                                  load_template(job.generation.response_template))
+        self.replies = ReplyParser(loaded.tokenizer, template) if template is not None else None
         renderer = Renderer(loaded.tokenizer, vocab_size=text_config.vocab_size, raw_prompts=job.input.raw_prompts,
-                            max_positions=getattr(text_config, "max_position_embeddings", None))
+                            max_positions=getattr(text_config, "max_position_embeddings", None),
+                            template_kwargs=job.generation.chat_template_kwargs,
+                            finds_calls=self.replies is not None and self.replies.calls)
         self.progress.stage("rendering prompts")
         sampling = SamplingPlan.build(job, self.used, text_config.vocab_size)
         steps = StepPlan.build(job, self.used, loaded.tokenizer, text_config.vocab_size,
-                               sampling.generation_fields()["do_sample"])
+                               sampling.generation_fields()["do_sample"], template)
         steps = steps if steps.active else None
         prepare = RequestSettings(job, sampling, steps)
         requests = [prepare(renderer.render(record)) for record in head]
@@ -226,17 +235,18 @@ class _Run:
                                      lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)
         return engine, ordered
 
-    def _open_writer(self, logprobs: bool, top_logprobs: bool) -> ShardWriter:
+    def _open_writer(self, logprobs: bool, top_logprobs: bool, replies: bool = False) -> ShardWriter:
         from cbgen.outputs.writers import open_writer
 
         output = self.job.output
         return open_writer(output.format, self.summary.output_dir, rows_per_shard=output.rows_per_shard,
-                           logprobs=logprobs, top_logprobs=top_logprobs, kept_names=self.job.input.keep_columns,
-                           kept_schema=self.reader.kept_schema, first_shard=self.done.next_shard)
+                           logprobs=logprobs, top_logprobs=top_logprobs, replies=replies,
+                           kept_names=self.job.input.keep_columns, kept_schema=self.reader.kept_schema,
+                           first_shard=self.done.next_shard)
 
     def _write(self, groups: Iterator[list[Completion]], rows: OutputRows, total: int | None) -> None:
         """Writes each request's rows as it finishes, commits on time, and stops on a signal or too many errors."""
-        with self._open_writer(rows.logprobs, rows.top_logprobs) as writer:
+        with self._open_writer(rows.logprobs, rows.top_logprobs, rows.replies is not None) as writer:
             self._write_all(groups, writer, rows, total)
 
     def _write_all(self, groups: Iterator[list[Completion]], writer: ShardWriter, rows: OutputRows,

@@ -46,8 +46,12 @@ class RequestLine:
 
     @classmethod
     def parse(cls, row: dict[str, Any]) -> RequestLine:
-        """The line, checked; RowError names the first key that is wrong."""
-        method = row.get("method", "POST")
+        """The line, checked; RowError names the first key that is missing or wrong."""
+        missing = [key for key in cls.KEYS if key not in row]
+        if missing:
+            raise RowError(f"the line has no {missing[0]!r}: an OpenAI batch request line needs "
+                           f"{', '.join(cls.KEYS)}")
+        method = row.get("method")
         if method != "POST":
             raise RowError(f"'method' must be POST, got {method!r}")
         url = row.get("url")
@@ -74,6 +78,8 @@ class Choice:
     logprobs: list[float] | None = None  # when the request asked for them
     tokens: list[str] | None = None  # the text of each token, beside logprobs
     top: list[list[tuple[str, float]]] | None = None  # per token, the most likely tokens (text, logprob)
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's {"id", "type": "function", "function"}, when parsed
+    reasoning: str | None = None  # a reasoning model's thinking, apart from the content
 
     def chat(self, index: int) -> dict[str, Any]:
         logprobs = None
@@ -84,8 +90,14 @@ class Choice:
                                                       for t, v in top]}
                                     for token, value, top in zip(self.tokens or [], self.logprobs, tops)],
                         "refusal": None}
-        return {"index": index, "message": {"role": "assistant", "content": self.text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": self.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
+        finish_reason = self.finish_reason
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def completion(self, index: int) -> dict[str, Any]:
         logprobs = None

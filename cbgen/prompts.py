@@ -35,8 +35,11 @@ class Renderer:
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, raw_prompts: bool = False,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, template_kwargs: dict | None = None,
+                 finds_calls: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs or {}  # the job's chat-template variables; a row's own go over them
+        self.finds_calls = finds_calls  # the model's response template can find tool calls in its replies
         self.vocab_size = vocab_size
         self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
         self.raw_prompts = raw_prompts or not self.has_chat_template
@@ -76,7 +79,11 @@ class Renderer:
         elif record.messages is not None:
             if not self.has_chat_template:
                 return Request(record, error="the tokenizer has no chat template: give 'prompt' text or 'input_ids'")
-            ids = self._chat(record.messages)
+            if record.tools and not self.finds_calls:
+                return Request(record, error="the request offers tools, but the model has no response template to "
+                                             "find tool calls in its reply; pass --response-template FILE "
+                                             "(transformers' format) or leave the tools out")
+            ids = self._chat(record.messages, record)
         else:
             ids = self._text(record.prompt or "", record.raw)
         if not ids:
@@ -98,9 +105,18 @@ class Renderer:
         return (f"prompt of {length:,} characters cannot fit the model's context of {self.max_positions:,} tokens "
                 f"(no token covers more than {limit // self.max_positions} characters); shorten the prompt")
 
-    def _chat(self, messages: list[dict]) -> list[int]:
+    def _chat(self, messages: list[dict], record: PromptRecord | None = None) -> list[int]:
+        kwargs = self.template_kwargs
+        tools = None
+        if record is not None:
+            kwargs = {**kwargs, **record.template_kwargs}
+            tools = record.tools
+            if tools or any("tool_calls" in m for m in messages):
+                from cbgen.chat.tools import for_template
+
+                messages = for_template(messages)
         encoded = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
         )
         return list(encoded["input_ids"])
 

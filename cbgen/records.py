@@ -29,6 +29,9 @@ class PromptRecord:
     settings: dict[str, Any] = field(default_factory=dict)
     raw: bool | None = None  # the row says how to tokenize its text (OpenAI completions: raw); None: the job decides
     endpoint: str | None = None  # OpenAI batch lines: "/v1/chat/completions" or "/v1/completions"
+    tools: list[dict[str, Any]] | None = None  # functions offered to the model (OpenAI's `tools`), checked
+    tool_choice: str = "none"  # "none" (tools not shown), "auto", "required", or the name of a forced function
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own chat-template variables
 
 
 @dataclass(slots=True)
@@ -80,4 +83,4 @@ BASE_FIELDS: tuple[str, ...] = (
     "error",  # None unless finish_reason is "error"
 )
 # Names the output rows use for their own fields: a kept input column may not take one of them.
-RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs"))
+RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls"))

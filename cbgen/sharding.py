@@ -1,4 +1,5 @@
-"""Splitting one job's input across several jobs (Slurm array tasks, or --num-shards/--shard-index by hand).
+"""Splitting one job's input across several jobs (Slurm array tasks, Kubernetes Indexed Jobs, or
+--num-shards/--shard-index by hand).
 
 A request belongs to shard `hash(id) % N`, a stable hash that is the same on every machine and Python run, and shard
 I of N writes to `DIR/shard-0000I-of-0000N/`. `cbgen merge` puts the shards back together.
@@ -20,14 +21,47 @@ Sharding = tuple[int, int]  # (this shard's index, number of shards)
 _SHARD_DIRECTORY = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 
 
+COUNT_VARIABLE = "CBGEN_NUM_SHARDS"  # the number of shards, for schedulers that give only the index
+K8S_INDEX = "JOB_COMPLETION_INDEX"  # set in each pod of a Kubernetes Indexed Job: 0 .. completions-1
+
+
 def resolve_sharding(job: JobConfig, env: Mapping[str, str] = os.environ) -> Sharding | None:
-    """(shard index, number of shards) from the flags, else from a Slurm array's variables, else None.
+    """(shard index, number of shards), or None for an unsplit job. Each comes from its flag, else its variable:
+    the count from --num-shards or CBGEN_NUM_SHARDS, the index from --shard-index or JOB_COMPLETION_INDEX (a
+    Kubernetes Indexed Job); with neither flag nor variable, both come from a Slurm array.
 
     Slurm numbers array tasks from SLURM_ARRAY_TASK_MIN in steps of SLURM_ARRAY_TASK_STEP (`--array=1-8` or
     `--array=0-14:2`), so the index is (TASK_ID - TASK_MIN) / TASK_STEP.
     """
-    if job.run.num_shards is not None:
-        return (job.run.shard_index, job.run.num_shards) if job.run.num_shards > 1 else None
+    count = job.run.num_shards if job.run.num_shards is not None else _integer(env, COUNT_VARIABLE)
+    index = job.run.shard_index if job.run.shard_index is not None else _integer(env, K8S_INDEX)
+    if count is None and index is None:
+        return _slurm(env)
+    if count is None:
+        source = "--shard-index" if job.run.shard_index is not None else f"{K8S_INDEX} (a Kubernetes Indexed Job)"
+        raise CbgenError(f"{source} gives this job's shard but not how many there are: pass --num-shards N or set "
+                         f"{COUNT_VARIABLE}=N (the Indexed Job's completions)")
+    if index is None:
+        raise CbgenError(f"--num-shards {count} needs this job's shard: pass --shard-index I (from 0), or run it as a "
+                         f"Kubernetes Indexed Job ({K8S_INDEX}) or a Slurm array")
+    if count < 1:
+        raise CbgenError(f"the number of shards must be at least 1, got {count}")
+    if not 0 <= index < count:
+        raise CbgenError(f"shard index {index} must be below the number of shards {count} (counted from 0)")
+    return (index, count) if count > 1 else None
+
+
+def _integer(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise CbgenError(f"the variable {name} must be an integer, got {value!r}") from None
+
+
+def _slurm(env: Mapping[str, str]) -> Sharding | None:
     if "SLURM_ARRAY_TASK_COUNT" not in env or "SLURM_ARRAY_TASK_ID" not in env:
         return None
     try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -16,3 +19,12 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def torchrun_cbgen(*args, processes: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m cbgen run ARGS --tp N`, one thread per process (gloo on CPU)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "-m",
+         "cbgen", "run", *map(str, args), "--tp", str(processes)],
+        env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )

@@ -254,6 +254,6 @@ def test_slurm_array_sharding_and_merge(tiny_model_dir, prompts, tmp_path, monke
 
 def test_explicit_sharding_flags_are_validated(tiny_model_dir, prompts, tmp_path, capsys):
     assert cbgen(*job_args(tiny_model_dir, prompts, tmp_path / "o"), "--num-shards", 2) == 2
-    assert "--num-shards and --shard-index go together" in capsys.readouterr().err
+    assert "--num-shards 2 needs this job's shard: pass --shard-index" in capsys.readouterr().err
     assert cbgen(*job_args(tiny_model_dir, prompts, tmp_path / "o"), "--num-shards", 2, "--shard-index", 2) == 2
     assert "must be below --num-shards 2" in capsys.readouterr().err

@@ -3,15 +3,11 @@ as a single process, for a model whose heads split two ways and for one whose he
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
-from tests.helpers import write_jsonl
+from tests.helpers import torchrun_cbgen, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +45,7 @@ def test_two_process_tp_matches_one_process(model, tiny_model_dir, odd_heads_mod
     folder = tiny_model_dir if model == "tiny" else odd_heads_model
     common = ["--model", str(folder), "--dtype", "float32", "--id-column", "id", "--max-new-tokens", "10", "-q"]
     assert run_cli(["run", str(prompts), "-o", str(tmp_path / "one"), *common]) == 1  # the bad row
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cbgen", "run",
-         str(prompts), "-o", str(tmp_path / "tp"), "--tp", "2", *common],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    done = torchrun_cbgen(prompts, "-o", tmp_path / "tp", *common)
     assert done.returncode == 1, done.stderr[-3000:]  # rank 0's exit code: one request failed
     assert tokens(tmp_path / "tp") == tokens(tmp_path / "one")
     assert not list((tmp_path / "tp").glob("shard-*"))  # one writer: rank 0
@@ -77,11 +68,7 @@ def test_tp_with_step_control_matches_one_process(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-new-tokens", "8", "-q", "--seed", "5",
               "--temperature", "0.9", "--top-logprobs", "2"]
     assert run_cli(["run", str(prompts), "-o", str(tmp_path / "one"), *common]) == 0
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cbgen", "run",
-         str(prompts), "-o", str(tmp_path / "tp"), "--tp", "2", *common],
-        env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
+    done = torchrun_cbgen(prompts, "-o", tmp_path / "tp", *common)
     assert done.returncode == 0, done.stderr[-3000:]
     one = {r["id"]: r for r in read_shards(tmp_path / "one")}
     tp = {r["id"]: r for r in read_shards(tmp_path / "tp")}

@@ -58,6 +58,11 @@ def run(
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
     job = build_config(config, overrides)
+    if job.run.executor == "ray":
+        from cbgen.executors.ray import run_on_ray
+
+        console = Console(stderr=True, log_path=False)
+        raise typer.Exit(run_on_ray(job, lambda line: console.log(line, markup=False, highlight=False)))
     from cbgen.distributed import follow, setup
 
     tp = setup(job)  # None unless started by torchrun with --tp

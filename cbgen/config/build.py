@@ -79,9 +79,8 @@ def check_combinations(job: JobConfig) -> None:
         flags = ", ".join(f"--{s.replace('_', '-')}" for s in sampling)
         raise CbgenError(f"greedy decoding ignores {flags}: drop --greedy (do_sample: false) or drop {flags}")
     r = job.run
-    if (r.shard_index is None) != (r.num_shards is None):
-        raise CbgenError("--num-shards and --shard-index go together: give both, or neither (Slurm arrays set them)")
-    if r.num_shards is not None and r.shard_index >= r.num_shards:
+    # a flag alone may be completed from the environment (cbgen.sharding.resolve_sharding); both must agree
+    if r.num_shards is not None and r.shard_index is not None and r.shard_index >= r.num_shards:
         raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
     _check_format(job)
     if g.num_return_sequences > 1 and not job.do_sample:
@@ -92,8 +91,13 @@ def check_combinations(job: JobConfig) -> None:
 
 
 def _check_format(job: JobConfig) -> None:
-    """A job-level output format that cannot be used stops the job here, before any model loads."""
+    """A job-level output format (or response template) that cannot be used stops the job here, before any model
+    loads."""
     g = job.generation
+    if g.response_template is not None:
+        from cbgen.chat.responses import load_template
+
+        load_template(g.response_template)
     if g.json_schema is None and not g.json_object and g.regex is None and not g.choice and g.grammar is None \
             and g.response_format is None:
         return

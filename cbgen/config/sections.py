@@ -16,9 +16,9 @@ from cbgen.config.batching import BATCHING_FIELDS
 
 
 def setting(default: Any, help: str) -> Any:
-    """A dataclass field with its help text; a list default gets a fresh list per instance."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
+    """A dataclass field with its help text; a list or dict default gets a fresh one per instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -127,6 +127,12 @@ class GenerationSection:
     choice: list[str] = setting([], "Make every output exactly one of these strings.")
     grammar: str | None = setting(
         None, "Make every output follow this grammar: a file in Lark (llguidance's dialect) or GBNF.")
+    chat_template_kwargs: dict = setting(
+        {}, "Variables for the chat template, as a JSON object: a reasoning model's switches such as "
+        "{\"enable_thinking\": false}. OpenAI lines may add their own (body.chat_template_kwargs, reasoning_effort).")
+    response_template: str | None = setting(
+        None, "How to split a chat reply into reasoning, tool calls and content when the tokenizer carries no response "
+        "template of its own (transformers' format, a JSON file), or 'think' for <think>...</think> reasoning.")
     response_format: dict | None = setting(
         None, "The same as the flags above, in OpenAI's shape: {type: json_schema, json_schema: {name, schema}}, "
         "{type: json_object}, or cbgen's {type: regex, pattern}, {type: choice, choices}, {type: grammar, grammar}.")
@@ -156,12 +162,17 @@ class RunSection:
         None, "Stop the job (resumable) once more than this many requests have failed. Default: never.")
     commit_interval: float = setting(
         60.0, "Commit the open shard at least every this many seconds, so a killed job loses little work.")
+    executor: Literal["local", "ray"] = setting(
+        "local", "Where the shards run: here (local), or each as a task on a Ray cluster (ray: needs --num-shards; "
+        "RAY_ADDRESS names the cluster, else a local one starts; pip install 'cbgen[ray]').")
+    ray_num_cpus: float | None = setting(None, "CPUs each Ray task asks for. Default: 1.")
+    ray_num_gpus: float | None = setting(None, "GPUs each Ray task asks for. Default: 0.")
     num_shards: int | None = setting(
         None, "Split the input into this many parts by a stable hash of the id, one per job; each writes to "
-        "DIR/shard-IIIII-of-NNNNN. Default: the Slurm array size (SLURM_ARRAY_TASK_COUNT).")
+        "DIR/shard-IIIII-of-NNNNN. Default: CBGEN_NUM_SHARDS, else the Slurm array size (SLURM_ARRAY_TASK_COUNT).")
     shard_index: int | None = setting(
-        None, "Which part this job runs, from 0. Default: the Slurm array task (SLURM_ARRAY_TASK_ID minus "
-        "SLURM_ARRAY_TASK_MIN).")
+        None, "Which part this job runs, from 0. Default: JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
+        "Slurm array task (SLURM_ARRAY_TASK_ID minus SLURM_ARRAY_TASK_MIN).")
     prefix_gating: bool = setting(
         True, "Admit the first request of each shared prompt prefix, and the others once it has computed the "
         "prefix, so they reuse its KV cache instead of all computing it at once.")

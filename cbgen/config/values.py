@@ -43,6 +43,9 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "generation.json_schema": (lambda v: v.strip() != "", "a JSON schema file or inline JSON"),
     "generation.grammar": (lambda v: v.strip() != "", "a grammar file"),
     "generation.choice": (lambda v: all(s != "" for s in v), "a list of non-empty strings"),
+    "generation.chat_template_kwargs": (lambda v: all(isinstance(k, str) for k in v),
+                                        'a JSON object of chat template variables, such as {"enable_thinking": false}'),
+    "generation.response_template": (lambda v: v.strip() != "", "a response template file (JSON), or think"),
     "input.split": (lambda v: v.strip() != "", "a split name such as train"),
     "input.subset": (lambda v: v.strip() != "", "a configuration name"),
     "input.max_line_bytes": (lambda v: v >= 1024, "a number of bytes, at least 1024"),
@@ -114,6 +117,10 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value
         raise ValueError
     if tp is dict:
+        if isinstance(value, str):  # from a flag: a JSON object
+            import json
+
+            value = json.loads(value)  # a ValueError when it is not JSON
         if isinstance(value, dict):
             return value
         raise ValueError

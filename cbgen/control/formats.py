@@ -21,7 +21,7 @@ from typing import Any
 
 from cbgen.errors import describe_type
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # and "tool_call", set by tool_choice
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar larger than this is a mistake, not a format
 
 
@@ -56,7 +56,7 @@ class ResponseFormat:
         if self.kind == "json_schema":
             return f"JSON schema {self.name!r}" if self.name else "a JSON schema"
         return {"json_object": "a JSON object", "regex": "a regular expression", "choice": "one of the choices",
-                "grammar": "a grammar"}[self.kind]
+                "grammar": "a grammar", "tool_call": "a required tool call"}[self.kind]
 
 
 def parse_response_format(value: Any, where: str = "response_format") -> ResponseFormat | None:
@@ -188,3 +188,9 @@ def _read(path, flag: str) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"{flag}: cannot read '{path}': {e}") from None
+
+
+def tool_call_format(tools: list[dict[str, Any]], name: str | None) -> ResponseFormat:
+    """A required call of one of `tools` (or of the one named): compiled from the model's tool-call markup
+    (cbgen.chat.tools.tool_call_grammar) once the model is known."""
+    return ResponseFormat("tool_call", json.dumps({"tools": tools, "name": name}, ensure_ascii=False))

@@ -32,6 +32,7 @@ class Grammars:
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # total, for run.json
         self.compiled = 0
+        self.response_template: dict | None = None  # the model's, for required tool calls (cbgen.chat.responses)
 
     def check(self, fmt: ResponseFormat) -> str | None:
         """Why `fmt` cannot be used, or None."""
@@ -52,7 +53,7 @@ class Grammars:
         from llguidance import LLMatcher
 
         started = time.perf_counter()
-        grammar = _to_grammar(fmt)
+        grammar = _to_grammar(fmt, self.response_template)
         error = LLMatcher.validate_grammar(grammar, self.tokenizer_info)
         if error:
             first = error.strip().splitlines()[0] if error.strip() else "invalid"
@@ -86,10 +87,17 @@ def check_format(fmt: ResponseFormat) -> None:
         raise FormatError(f"{fmt.describe()} cannot be compiled: {first}")
 
 
-def _to_grammar(fmt: ResponseFormat) -> str:
+def _to_grammar(fmt: ResponseFormat, response_template: dict | None = None) -> str:
     from llguidance import LLMatcher, gbnf_to_lark
 
     try:
+        if fmt.kind == "tool_call":
+            from cbgen.chat.tools import tool_call_grammar
+
+            if response_template is None:
+                raise ValueError("the model has no response template to say how it writes tool calls")
+            spec = json.loads(fmt.spec)
+            return LLMatcher.grammar_from_lark(tool_call_grammar(response_template, spec["tools"], spec["name"]))
         if fmt.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if fmt.kind == "json_schema":

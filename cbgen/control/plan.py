@@ -24,11 +24,15 @@ class StepPlan:
     seeds: bool  # the job or some row gives a seed
 
     @classmethod
-    def build(cls, job: JobConfig, used: set[str], tokenizer: Any, vocab_size: int, do_sample: bool) -> StepPlan:
-        """`used`: the row settings the input carries (Reader.settings_present)."""
+    def build(cls, job: JobConfig, used: set[str], tokenizer: Any, vocab_size: int, do_sample: bool,
+              response_template: dict | None = None) -> StepPlan:
+        """`used`: the row settings the input carries (Reader.settings_present); `response_template`: the model's,
+        which says how it writes tool calls (for required ones)."""
         g = job.generation
         fmt = job_format(g)
         grammars = Grammars(tokenizer, vocab_size) if fmt is not None or "response_format" in used else None
+        if grammars is not None:
+            grammars.response_template = response_template
         top = g.top_logprobs or (MAX_TOP_LOGPROBS if "top_logprobs" in used else 0)
         capture = g.logprobs or top > 0 or bool({"logprobs", "top_logprobs"} & used)
         return cls(fmt, grammars, do_sample, capture, top, g.seed is not None or "seed" in used)
@@ -42,7 +46,8 @@ class StepPlan:
         from cbgen.control.processor import ControlSpec
 
         return ControlSpec(vocab_size=vocab_size, do_sample=self.do_sample, capture=self.capture,
-                           top_logprobs=self.top_logprobs, grammars=self.grammars is not None)
+                           top_logprobs=self.top_logprobs, grammars=self.grammars is not None,
+                           response_template=self.grammars.response_template if self.grammars else None)
 
     def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None
                        ) -> tuple[dict[str, Any], ResponseFormat | None, str | None]:

@@ -85,10 +85,12 @@ class ControlSpec:
     capture: bool  # keep the model's own logprob of each chosen token
     top_logprobs: int  # and this many of the most likely tokens (0: none)
     grammars: bool  # some request follows a format
+    response_template: dict | None = None  # the model's, for required tool calls (followers compile them too)
 
     def build(self, tokenizer, grammars: Grammars | None = None) -> StepControl:
         if self.grammars and grammars is None:
             grammars = Grammars(tokenizer, self.vocab_size)
+            grammars.response_template = self.response_template
         return StepControl(vocab_size=self.vocab_size, grammars=grammars, do_sample=self.do_sample,
                            capture=self.capture, top_logprobs=self.top_logprobs)
 

@@ -31,9 +31,17 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
     options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns),
                "detect_id": detect_id}
     local = Path(path)
-    fmt = input_format
+    fmt, why = input_format, f"--input-format {input_format}"
     if fmt == "auto":
-        fmt = _detect(str(path), local)
+        fmt, why = _detect(str(path), local)
+    reader = _open(path, fmt, options, split, subset, max_line_bytes)
+    reader.detected = why
+    return reader
+
+
+def _open(path: str | Path, fmt: str, options: dict, split: str | None, subset: str | None,
+          max_line_bytes: int) -> Reader:
+    prompt_column, id_column, keep_columns = options["prompt_column"], options["id_column"], options["keep_columns"]
     if fmt == "openai":
         from cbgen.inputs.openai import OpenAIBatchReader
 
@@ -56,14 +64,20 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
     return ParquetReader(path, **options)
 
 
-def _detect(path: str, local: Path) -> str:
+def _detect(path: str, local: Path) -> tuple[str, str]:
+    """The input's format, and why it was chosen (said in the log)."""
     if path == "-":
-        return "jsonl"
+        return "jsonl", "standard input is read as JSONL prompt rows"
     name = local.name.lower()
     if local.is_file() and name.removesuffix(".gz").endswith(JSONL_SUFFIXES):
-        from cbgen.inputs.openai import is_openai_batch_file
+        from cbgen.inputs.openai import detect_openai_batch
 
-        return "openai" if is_openai_batch_file(local) else "jsonl"
+        openai, why = detect_openai_batch(local)
+        return ("openai" if openai else "jsonl"), why
+    return _detect_other(path, local, name), "recognised from the path"
+
+
+def _detect_other(path: str, local: Path, name: str) -> str:
     if local.is_file() and name.endswith(".parquet"):
         return "parquet"
     if local.is_dir():

@@ -43,6 +43,7 @@ class Reader(ABC):
         # input fields that cannot apply, counted; `on_notice` is told each one the first time it appears
         self.notices: Counter[str] = Counter()
         self.on_notice: Callable[[str], None] | None = None
+        self.detected = ""  # which format the input was read as, and why (open_reader)
         self.prompt_column = prompt_column
         self.detect_id = detect_id and id_column is None
         self.id_column = None if id_column == ROW_NUMBER else id_column

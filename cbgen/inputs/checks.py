@@ -30,6 +30,8 @@ def check_messages(field: str, messages: list[Any]) -> list[dict[str, Any]]:
         if role not in ROLES:
             got = "no role" if role is None else f"role {role!r}"
             raise RowError(f"{field!r} message {i} has {got}; expected one of {', '.join(ROLES)}")
+        if role == "assistant" and isinstance(message.get("tool_calls"), list) and "content" not in message:
+            message["content"] = ""  # a turn that only called tools
         if not isinstance(message.get("content"), (str, list)):
             got = "no content" if "content" not in message else f"content that is {describe_type(message['content'])}"
             raise RowError(f"{field!r} message {i} has {got}; expected a string (or a list of parts)")

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cbgen.chat.tools import check_tool_choice, check_tools
+from cbgen.control.formats import tool_call_format
 from cbgen.errors import RowError, describe_type
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
@@ -21,28 +23,54 @@ from cbgen.records import PromptRecord
 
 # Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).
 HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-            "logprobs", "top_logprobs", "seed", "response_format"}
+            "logprobs", "top_logprobs", "seed", "response_format", "tools", "tool_choice", "reasoning_effort",
+            "chat_template_kwargs"}
 NO_EFFECT = {"stream": "streaming does not apply to a batch", "user": "kept by OpenAI for abuse monitoring only",
-             "metadata": "not used", "store": "not used"}
+             "metadata": "not used", "store": "not used", "parallel_tool_calls": "not used"}
 NOT_HONOURED = {
     "model": "cbgen answers with its --model",
 }
 
 
-def is_openai_batch_file(path: str | Path) -> bool:
-    """Whether the first non-blank line of a JSONL file is an OpenAI batch request line."""
+DETECTION_LINES = 64  # lines that parse, read to tell an OpenAI batch file from plain rows
+PROMPT_KEYS = ("prompt", "messages", "input_ids")
+
+
+def detect_openai_batch(path: str | Path) -> tuple[bool, str]:
+    """Whether a JSONL file holds OpenAI batch request lines, and why: decided from the first lines that parse
+    (not from line 1 alone, which may be the one bad line). It does when more of them carry a request line's keys
+    (custom_id, method, url, body) than a plain row's prompt field, and at least one is a whole request line."""
     reader = JsonlReader(path, detect_id=False)
+    parsed = request_like = whole = plain = 0
     for n, line in reader._lines():
-        row, _ = reader._parse(n, line)
-        return RequestLine.matches(row)
-    return False
+        row, error = reader._parse(n, line)
+        if error is not None or not isinstance(row, dict):
+            continue
+        parsed += 1
+        request_like += any(key in row for key in RequestLine.KEYS)
+        whole += RequestLine.matches(row)
+        plain += any(key in row for key in PROMPT_KEYS)
+        if parsed == DETECTION_LINES:
+            break
+    counts = (f"{request_like} of the first {parsed} lines that parse carry OpenAI request-line keys "
+              f"(custom_id, method, url, body), {plain} a prompt, messages or input_ids field")
+    if whole and request_like > plain:
+        return True, f"read as OpenAI batch lines: {counts}"
+    return False, f"read as prompt rows: {counts}"
 
 
 class OpenAIBatchReader(JsonlReader):
     """Reads an OpenAI batch input file; ids are the `custom_id`s (checked unique up front)."""
 
     # body fields that shape the samplers, the count or the step control
-    settings_keys = ("temperature", "top_p", "logprobs", "n", "top_logprobs", "seed", "response_format")
+    settings_keys = ("temperature", "top_p", "logprobs", "n", "top_logprobs", "seed", "response_format",
+                     "tool_choice")
+
+    def settings_present(self) -> set[str] | None:
+        found = super().settings_present()
+        if found is not None and "tool_choice" in found:  # a required call is a format
+            found = (found - {"tool_choice"}) | {"response_format"}
+        return found
 
     def __init__(self, path: str | Path | None, *, keep_columns: Sequence[str] = (),
                  max_line_bytes: int = MAX_LINE_BYTES, **_: Any) -> None:
@@ -53,7 +81,8 @@ class OpenAIBatchReader(JsonlReader):
         record = PromptRecord(id=str(index), index=index, location=location,
                               kept={c: row.get(c) for c in self.keep_columns})
         try:
-            record.id = check_id(row.get("custom_id"), "custom_id")
+            if "custom_id" in row:  # first, so that an error about the rest of the line carries it
+                record.id = check_id(row["custom_id"], "custom_id")
             line = RequestLine.parse(row)
             for key in line.extra:
                 if key not in self.keep_columns:
@@ -61,9 +90,16 @@ class OpenAIBatchReader(JsonlReader):
             record.endpoint = line.url
             if line.chat:
                 self._chat_prompt(record, line.body)
+                self._chat_extras(record, line.body)
             else:
                 self._completion_prompt(record, line.body)
             record.settings = self._body_settings(line.body, line.url)
+            if record.tool_choice not in ("none", "auto"):  # a required call: generation follows its grammar
+                if "response_format" in record.settings:
+                    raise RowError("'body.response_format' and a required tool call ('body.tool_choice') each set "
+                                   "the reply's format: give one")
+                name = None if record.tool_choice == "required" else record.tool_choice
+                record.settings["response_format"] = tool_call_format(record.tools or [], name)
         except RowError as e:
             record.error = str(e)
         return record
@@ -83,6 +119,21 @@ class OpenAIBatchReader(JsonlReader):
                 checked[i] = message | {"content": "".join(p["text"] for p in parts)}
         record.messages = checked
         record.raw = False
+
+    def _chat_extras(self, record: PromptRecord, body: dict[str, Any]) -> None:
+        """Tools and chat-template variables (a reasoning model's switches, `reasoning_effort`)."""
+        tools = check_tools(body["tools"]) if body.get("tools") is not None else None
+        record.tool_choice = check_tool_choice(body.get("tool_choice"), tools)
+        record.tools = tools if record.tool_choice != "none" else None
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise RowError(f"'body.chat_template_kwargs' must be an object, got {describe_type(kwargs)}")
+        if body.get("reasoning_effort") is not None:
+            effort = body["reasoning_effort"]
+            if effort not in ("minimal", "low", "medium", "high"):
+                raise RowError(f"'body.reasoning_effort' must be minimal, low, medium or high, got {effort!r}")
+            kwargs = {"reasoning_effort": effort, **kwargs}
+        record.template_kwargs = kwargs
 
     def _completion_prompt(self, record: PromptRecord, body: dict[str, Any]) -> None:
         prompt = body.get("prompt")

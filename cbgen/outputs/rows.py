@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cbgen.config import JobConfig
-from cbgen.openai_batch import Choice, OutputLine
+from cbgen.openai_batch import COMPLETIONS, Choice, OutputLine, _hex
 from cbgen.records import Completion
 
 
@@ -13,8 +13,10 @@ class OutputRows:
     """Turns a finished request's sequences into what the writer stores. `logprobs` and `top_logprobs` say whether
     rows carry those fields (the job or some row asked for them)."""
 
-    def __init__(self, job: JobConfig, tokenizer, model_name: str, logprobs: bool, top_logprobs: bool = False) -> None:
+    def __init__(self, job: JobConfig, tokenizer, model_name: str, logprobs: bool, top_logprobs: bool = False,
+                 replies=None) -> None:
         self.job = job
+        self.replies = replies  # cbgen.chat.responses.ReplyParser: chat replies split into reasoning, calls, content
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.logprobs = logprobs
@@ -47,6 +49,18 @@ class OutputRows:
             return None
         return [list(zip(ids[:k], values[:k])) for ids, values in completion.top_logprobs]
 
+    def reply(self, completion: Completion):
+        """The completion's reply split by the response template, when it applies (a chat request that offered
+        tools, or any chat reply of a model that reasons); else None."""
+        request = completion.request
+        record = request.record
+        plain_text = record.raw or (record.messages is None and self.job.input.raw_prompts)
+        if completion.finish_reason == "error" or record.endpoint == COMPLETIONS or plain_text \
+                or not self.replies.applies(record.tools):
+            return None
+        call_id = _hex(record.id, str(completion.sample_index))
+        return self.replies.parse(request.input_ids or [], completion.token_ids, record.tools, call_id)
+
     def token(self, token_id: int) -> str:
         text = self._tokens.get(token_id)
         if text is None:
@@ -70,6 +84,13 @@ class OutputRows:
             top = self.top(completion)
             row["top_logprobs"] = [[{"token_id": t, "token": self.token(t), "logprob": v} for t, v in position]
                                    for position in top] if top is not None else None
+        if self.replies is not None:
+            reply = self.reply(completion)
+            if reply is not None:
+                row["text"] = reply.content
+            row["reasoning"] = reply.reasoning if reply else None
+            row["tool_calls"] = ([{"id": c["id"], **c["function"]} for c in reply.tool_calls]
+                                 if reply and reply.tool_calls else None)
         for name in self.job.input.keep_columns:
             row[name] = completion.request.record.kept.get(name)
         return row
@@ -83,6 +104,9 @@ class OutputRows:
         choices = []
         for completion in group:
             choice = Choice(self.text(completion), completion.token_ids, completion.finish_reason)
+            reply = self.reply(completion) if self.replies is not None else None
+            if reply is not None:
+                choice.text, choice.reasoning, choice.tool_calls = reply.content, reply.reasoning, reply.tool_calls
             if self.wants_logprobs(completion) and completion.logprobs is not None:
                 choice.logprobs = completion.logprobs
                 choice.tokens = [self.token(t) for t in completion.token_ids]

@@ -25,8 +25,11 @@ TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("tok
                                                    ("logprob", pa.float32())])))
 
 
+TOOL_CALLS_TYPE = pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))
+
+
 def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequence[str],
-                 top_logprobs: bool = False) -> pa.Schema | None:
+                 top_logprobs: bool = False, replies: bool = False) -> pa.Schema | None:
     """The Parquet schema of the output rows, or None while a kept column's type is still unknown.
 
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
@@ -37,6 +40,9 @@ def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequ
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
     if top_logprobs:
         fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
+    if replies:
+        fields.append(pa.field("reasoning", pa.string()))
+        fields.append(pa.field("tool_calls", TOOL_CALLS_TYPE))
     for name in kept_names:
         if kept_schema is None or kept_schema.get_field_index(name) < 0:
             return None

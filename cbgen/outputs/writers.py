@@ -45,6 +45,7 @@ class ShardWriter(ABC):
         rows_per_shard: int = 10_000,
         logprobs: bool = False,
         top_logprobs: bool = False,
+        replies: bool = False,
         kept_names: Sequence[str] = (),
         kept_schema: pa.Schema | None = None,
         first_shard: int = 0,
@@ -69,6 +70,7 @@ class ShardWriter(ABC):
         self.rows_per_shard = rows_per_shard
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
+        self.replies = replies  # rows carry `reasoning` and `tool_calls` (cbgen.chat.responses)
         self.kept_names = tuple(kept_names)
         self.kept_schema = kept_schema
         self.rows_written = 0
@@ -222,7 +224,7 @@ class ParquetShardWriter(ShardWriter):
 
         super().__init__(directory, **kwargs)
         self.schema: pa.Schema | None = arrow_schema(self.logprobs, self.kept_schema, self.kept_names,
-                                                     self.top_logprobs)
+                                                     self.top_logprobs, self.replies)
         self._buffer: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = None
 
@@ -256,7 +258,7 @@ class ParquetShardWriter(ShardWriter):
             unknown = [n for n in self.kept_names if not any(f.name == n for f in known)]
             inferred = infer_kept_schema(self._buffer, unknown)
             self.schema = arrow_schema(self.logprobs, pa.schema([*known, *inferred]), self.kept_names,
-                                       self.top_logprobs)
+                                       self.top_logprobs, self.replies)
             assert self.schema is not None
         if self._writer is None:
             self._writer = pq.ParquetWriter(self._file, self.schema)
@@ -293,7 +295,7 @@ def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
         if kwargs.get("kept_names"):
             raise CbgenError("--keep-columns does not apply to --output-format openai: its lines have OpenAI's "
                              "fixed shape, and their custom_id links each one to its input line")
-        kwargs = kwargs | {"logprobs": False, "top_logprobs": False}
+        kwargs = kwargs | {"logprobs": False, "top_logprobs": False, "replies": False}
     if fmt not in writers:
         raise CbgenError(f"unknown output format '{fmt}'; use one of: {', '.join(writers)}")
     return writers[fmt](directory, **kwargs)

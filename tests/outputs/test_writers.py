@@ -113,7 +113,7 @@ def test_arrow_schema() -> None:
     assert arrow_schema(True, None, ["x"]) is None  # kept column of unknown type: the writer infers it
     schema = arrow_schema(False, pa.schema([("x", pa.float64())]), ["x"])
     assert schema.names == [*BASE_FIELDS, "x"] and schema.field("x").type == pa.float64()
-    assert RESERVED_NAMES == {*BASE_FIELDS, "logprobs", "top_logprobs"}
+    assert RESERVED_NAMES == {*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls"}
 
 
 def test_parquet_row_groups_are_bounded(tmp_path: Path) -> None:
