@@ -221,15 +221,21 @@ class _Run:
         requests = [prepare(renderer.render(record)) for record in head]
         workload = Workload.of(job, requests, total, whole=len(head) < LOOKAHEAD)
         wants_logprobs = job.generation.logprobs or bool({"logprobs", "top_logprobs"} & self.used)
-        plan = plan_engine(job, loaded, workload, sampling, wants_logprobs, steps)
+        plan = plan_engine(job, loaded, workload, sampling, wants_logprobs, steps, job.run.data_parallel)
         self.steps = steps
         self.summary.kv_cache = plan.kv_cache
         self.summary.sampling = {"per_request": sampling.per_request, "stages": sorted(sampling.stages),
                                  "row_settings": sorted(self.used)}
         if self.tp is not None:  # the followers build the very same manager
             self.tp.share(copy.deepcopy(plan.spec))
-        decode = lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        engine = Engine(loaded.model, plan.engine_settings(job, decode=decode, restartable=self.tp is None))
+        if job.run.data_parallel > 1:
+            from cbgen.engine.replicas import pool_for
+
+            engine = pool_for(job, loaded, plan)
+            self.summary.replicas = {"count": job.run.data_parallel, "lost": engine.lost}
+        else:
+            decode = lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            engine = Engine(loaded.model, plan.engine_settings(job, decode=decode, restartable=self.tp is None))
         following = map(prepare, renderer.render_all(rest))
         ordered = prefix_aware_order(itertools.chain(requests, following), key_tokens=page_size(plan.batching),
                                      lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)

@@ -46,6 +46,7 @@ class RunSummary:
     sampling: dict[str, Any] = field(default_factory=dict)  # per-request sampler stages, from the rows' settings
     step_control: dict[str, Any] = field(default_factory=dict)  # formats compiled, logprobs recorded, seeded draws
     input_notices: dict[str, int] = field(default_factory=dict)  # input fields that could not apply, with counts
+    replicas: dict[str, Any] = field(default_factory=dict)  # --data-parallel: how many, and those lost (why)
 
     def add_done(self, done: DoneIndex) -> None:
         """Counts what earlier runs already wrote."""

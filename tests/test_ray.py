@@ -53,11 +53,16 @@ def merged_ids(out: Path) -> list[str]:
     return sorted(r["id"] for r in read_shards(out / "merged"))
 
 
-def test_a_two_shard_job_completes_and_merges(cluster, tiny_model_dir, tmp_path):
+def test_the_example_runs_a_two_shard_job_that_merges(cluster, tiny_model_dir, tmp_path):
+    """examples/ray.sh as the README shows it, on the tiny model."""
     ids = [f"q{i}" for i in range(12)]
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": f"Say {i}."} for i in ids])
-    job = cbgen_ray(cluster, path, "-o", tmp_path / "out", "--model", tiny_model_dir, "--num-shards", 2,
-                    "--max-new-tokens", 4)
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {"RAY_ADDRESS": cluster, "RAY_USAGE_STATS_ENABLED": "0", "INPUT": str(path),
+                        "OUT": str(tmp_path / "out"), "MODEL": str(tiny_model_dir)}
+    env["CBGEN"] = str(Path(sys.executable).parent / "cbgen")
+    job = subprocess.Popen(["bash", str(root / "examples" / "ray.sh"), "--max-new-tokens", "4"], env=env, cwd=root,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
     assert merged_ids(tmp_path / "out") == sorted(ids)

@@ -124,6 +124,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("run", "commit_interval", ("--commit-interval",), float, PANEL_RUN, metavar="SECONDS"),
     JobOption("run", "num_shards", ("--num-shards",), int, PANEL_RUN),
     JobOption("run", "executor", ("--executor",), str, PANEL_RUN),
+    JobOption("run", "data_parallel", ("--data-parallel",), int, PANEL_RUN, metavar="N"),
     JobOption("run", "ray_num_cpus", ("--ray-num-cpus",), float, PANEL_RUN, metavar="N"),
     JobOption("run", "ray_num_gpus", ("--ray-num-gpus",), float, PANEL_RUN, metavar="N"),
     JobOption("run", "prefix_gating", ("--prefix-gating/--no-prefix-gating",), bool, PANEL_RUN),

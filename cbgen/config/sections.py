@@ -162,6 +162,10 @@ class RunSection:
         None, "Stop the job (resumable) once more than this many requests have failed. Default: never.")
     commit_interval: float = setting(
         60.0, "Commit the open shard at least every this many seconds, so a killed job loses little work.")
+    data_parallel: int = setting(
+        1, "Engine processes on this node, each with its own copy of the model: on CPU each gets its share of the "
+        "cores (threads split and pinned), on GPUs its own device. One process reads and writes; work goes to "
+        "whichever replica has room.")
     executor: Literal["local", "ray"] = setting(
         "local", "Where the shards run: here (local), or each as a task on a Ray cluster (ray: needs --num-shards; "
         "RAY_ADDRESS names the cluster, else a local one starts; pip install 'cbgen[ray]').")

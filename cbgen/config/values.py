@@ -55,6 +55,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.max_errors": (lambda v: v >= 0, "an integer of at least 0"),
     "run.commit_interval": (lambda v: v > 0, "a positive number of seconds"),
     "run.num_shards": (lambda v: v >= 1, "a positive integer"),
+    "run.data_parallel": (lambda v: v >= 1, "a positive integer (engine processes)"),
     "run.shard_index": (lambda v: v >= 0, "an integer of at least 0"),
 }
 

@@ -73,7 +73,7 @@ class EnginePlan:
 
 
 def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, sampling: SamplingPlan | None = None,
-                logprobs: bool | None = None, steps=None) -> EnginePlan:
+                logprobs: bool | None = None, steps=None, replicas: int = 1) -> EnginePlan:
     """The engine set-up for `job` on `loaded`. `sampling`: the per-request sampler plan (default: the job's own
     sampling); `logprobs`: whether any request wants logprobs (default: the job's setting); `steps`
     (cbgen.control.plan.StepPlan): the step control, when the job needs one."""
@@ -92,6 +92,7 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, samplin
         for key, value in CPU_BATCHING_DEFAULTS["per-sequence" if per_sequence else "stock"].items():
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
+    window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
     kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)
     control = None
     if steps is not None:

@@ -105,6 +105,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "engine_restarts": summary.engine_restarts,
         "sampling": summary.sampling,
         "step_control": summary.step_control,
+        "replicas": summary.replicas,
         "input_notices": summary.input_notices,
         "timings": summary.timings,
         "throughput": summary.throughput(),
