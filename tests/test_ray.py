@@ -76,15 +76,20 @@ def test_a_killed_worker_is_retried_and_every_id_is_written_once(cluster, tiny_m
     out = tmp_path / "out"
     job = cbgen_ray(cluster, path, "-o", out, "--model", tiny_model_dir, "--num-shards", 2, "--max-new-tokens", 48,
                     "--rows-per-shard", 2, "--commit-interval", 0.5, "--max-requests-per-batch", 2)
-    victim = None
+    def mid_run() -> bool:
+        """A shard has committed rows and is still running (run.json is written when a run ends)."""
+        return any(list(d.glob("part-*.jsonl")) and not (d / "run.json").exists() for d in out.glob("shard-*"))
+
+    victims: list[int] = []
     deadline = time.time() + 240
-    while victim is None and time.time() < deadline and job.poll() is None:
-        if list(out.glob("shard-*/part-*.jsonl")):  # a task is mid-run: it has committed something
+    while not victims and time.time() < deadline and job.poll() is None:
+        if mid_run():  # kill every running task's worker: the one with committed rows must resume from them
             found = subprocess.run(["pgrep", "-f", "ray::run_shard"], capture_output=True, text=True).stdout.split()
-            victim = int(found[0]) if found else None
+            victims = [int(pid) for pid in found]
         time.sleep(0.2)
-    assert victim is not None, "no task was seen running"
-    os.kill(victim, signal.SIGKILL)
+    assert victims, "no task was seen running"
+    for victim in victims:
+        os.kill(victim, signal.SIGKILL)
     _, err = job.communicate(timeout=400)
     assert job.returncode == 0, err[-3000:]
     assert merged_ids(out) == sorted(ids)  # each exactly once: merge refuses repeats
