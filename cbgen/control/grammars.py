@@ -23,7 +23,7 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 class Grammars:
     """The grammars of one job's formats for one tokenizer: each compiled (and checked) once."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, response_template: dict | None = None) -> None:
         import llguidance.hf
 
         self.tokenizer_info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)  # about 1 s, once
@@ -32,7 +32,7 @@ class Grammars:
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # total, for run.json
         self.compiled = 0
-        self.response_template: dict | None = None  # the model's, for required tool calls (cbgen.chat.responses)
+        self.response_template = response_template  # the model's, for required tool calls (cbgen.chat.responses)
 
     def check(self, fmt: ResponseFormat) -> str | None:
         """Why `fmt` cannot be used, or None."""

@@ -30,9 +30,8 @@ class StepPlan:
         which says how it writes tool calls (for required ones)."""
         g = job.generation
         fmt = job_format(g)
-        grammars = Grammars(tokenizer, vocab_size) if fmt is not None or "response_format" in used else None
-        if grammars is not None:
-            grammars.response_template = response_template
+        grammars = (Grammars(tokenizer, vocab_size, response_template)
+                    if fmt is not None or "response_format" in used else None)
         top = g.top_logprobs or (MAX_TOP_LOGPROBS if "top_logprobs" in used else 0)
         capture = g.logprobs or top > 0 or bool({"logprobs", "top_logprobs"} & used)
         return cls(fmt, grammars, do_sample, capture, top, g.seed is not None or "seed" in used)

@@ -89,8 +89,7 @@ class ControlSpec:
 
     def build(self, tokenizer, grammars: Grammars | None = None) -> StepControl:
         if self.grammars and grammars is None:
-            grammars = Grammars(tokenizer, self.vocab_size)
-            grammars.response_template = self.response_template
+            grammars = Grammars(tokenizer, self.vocab_size, self.response_template)
         return StepControl(vocab_size=self.vocab_size, grammars=grammars, do_sample=self.do_sample,
                            capture=self.capture, top_logprobs=self.top_logprobs)
 
