@@ -61,8 +61,8 @@ def prompts(*lengths: int) -> list[list[int]]:
 
 def generate(model, inputs: list[list[int]], **batching) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs for each prompt, in prompt order."""
-    config = ContinuousBatchingConfig(auto_switch_to_flash=False, page_size=16, num_blocks=256, return_logprobs=True,
-                                      **batching)
+    config = ContinuousBatchingConfig(**{"auto_switch_to_flash": False, "page_size": 16, "num_blocks": 256,
+                                         "return_logprobs": True, **batching})
     outputs = model.generate_batch(inputs, GREEDY, config)
     by_prompt = {tuple(out.prompt_ids): (out.generated_tokens, out.logprobs) for out in outputs.values()}
     return [by_prompt[tuple(prompt)] for prompt in inputs]
@@ -82,6 +82,22 @@ def batches(monkeypatch) -> list[attention._Batch]:
 
     monkeypatch.setattr(attention, "_plan", recording)
     return seen
+
+
+@pytest.fixture
+def page_reads(monkeypatch) -> list[bool]:
+    """Whether each decode call was served from the cache pages (cbgen.attention.paged_decode) or by the stock
+    update."""
+    served: list[bool] = []
+    read = attention.decode_kv
+
+    def recording(*args, **kwargs):
+        padded = read(*args, **kwargs)
+        served.append(padded is not None)
+        return padded
+
+    monkeypatch.setattr(attention, "decode_kv", recording)
+    return served
 
 
 def assert_same_as_stock(model, inputs: list[list[int]], **batching) -> None:
@@ -130,6 +146,19 @@ def test_chunked_prefill_and_mixed_batches_match_stock(llama, batches):
     assert any(is_chunk_after_prefix(b) for b in batches)
     assert any(is_mixed(b) for b in batches)
     assert any(is_padded_decode(b) for b in batches)
+
+
+def test_decode_read_from_pages_matches_stock(llama, batches, page_reads):
+    # pages of 64 tokens hold every request whole (prompt + 16 new): each decode step reads the requests' own pages,
+    # padded to the longest, and the rows past a shorter request's end are masked
+    assert_same_as_stock(llama, prompts(7, 19, 33, 40), page_size=64)
+    assert any(is_padded_decode(b) for b in batches)
+    assert page_reads and all(page_reads)
+
+
+def test_requests_longer_than_a_page_take_the_stock_update(llama, page_reads):
+    assert_same_as_stock(llama, prompts(7, 19, 70), page_size=64)  # the third spans two pages
+    assert page_reads and not any(page_reads)
 
 
 def test_sliding_window_model_matches_stock(mistral, batches):
