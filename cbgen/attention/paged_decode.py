@@ -7,10 +7,12 @@ the write is the same, and the read is one gather of whole runs: request i's row
 values attended are the same tensors as before, so the output is bitwise the same; profiled on a 2-core AVX2 CPU
 (benchmarks/profile_step.py) the gathers were a fifth of a decode step at 64 sequences.
 
-It applies when, in a full-attention layer, every request's keys lie in one page from the page's first slot (a
-request no longer than a page: 256 tokens by default), and returns None otherwise, for the caller to take the stock
-update. It reads private attributes of transformers' paged cache, which is why cbgen's attention installs only with
-the transformers versions it was checked against (support.VALIDATED_TRANSFORMERS).
+When, in a full-attention layer, every request's keys lie in one page from the page's first slot (a request no
+longer than a page: 256 tokens by default), the read is one gather of whole pages' rows; otherwise (a request spans
+pages) it is one gather of token rows, already padded, through the stock read index: still one gather, not two.
+Anything unexpected returns None, for the caller to take the stock update. It reads private attributes of
+transformers' paged cache, which is why cbgen's attention installs only with the transformers versions it was
+checked against (support.VALIDATED_TRANSFORMERS).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _allocator(cache: Any, layer_idx: int) -> Any:
 def _pages(read_index: torch.Tensor, k_starts: list[int], k_lengths: list[int], page: int) -> torch.Tensor | None:
     """The page (in the layer's page view) holding each request's keys, or None when a request's keys do not fill
     one page from its first slot in order."""
-    if max(k_lengths) > page or read_index.dim() != 1:
+    if max(k_lengths) > page:
         return None
     starts = torch.tensor(k_starts)
     lengths = torch.tensor(k_lengths)
@@ -62,14 +64,24 @@ def decode_kv(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor
         write_index = kwargs["write_index"][allocator.index]
     except (KeyError, IndexError, TypeError):
         return None
+    if not isinstance(read_index, torch.Tensor) or read_index.dim() != 1:
+        return None
+    if read_index.numel() < k_starts[-1] + k_lengths[-1] or write_index.numel() != len(k_starts):
+        return None
     page = allocator.tokens_per_page
     pages = _pages(read_index, k_starts, k_lengths, page)
-    if pages is None:
-        return None
     k_cache, v_cache = allocator._kv_token_views[layer_idx]
     k_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
     v_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
     longest = max(k_lengths)
+    if pages is None:  # a request spans pages: its token rows, padded with its last one
+        offsets = torch.arange(longest)[None, :]
+        last = torch.tensor(k_lengths)[:, None] - 1
+        rows = read_index[(torch.tensor(k_starts)[:, None] + torch.minimum(offsets, last)).flatten()
+                          .to(read_index.device)]
+        n = len(k_starts)
+        return tuple(cached.index_select(0, rows).view(n, longest, *cached.shape[1:]).transpose(1, 2)
+                     for cached in (k_cache, v_cache))
     whole = k_cache.shape[0] // page * page
     padded = []
     for cached in (k_cache, v_cache):

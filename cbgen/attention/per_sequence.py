@@ -221,24 +221,9 @@ def _attend_decode(
     k_starts = [batch.k_starts[i] for i in requests]
     k_lengths = [batch.k_lengths[i] for i in requests]
     longest = max(k_lengths)
-    keys_by_token, values_by_token = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, dim]
-
-    contiguous_rows = q_rows == list(range(q_rows[0], q_rows[0] + n))
     equal = all(length == longest for length in k_lengths)
-    adjacent = all(start == k_starts[0] + j * longest for j, start in enumerate(k_starts))
-    if padded is not None:
-        k, v = padded
-    elif equal and adjacent:
-        span = slice(k_starts[0], k_starts[0] + n * longest)
-        k = keys_by_token[span].view(n, longest, num_kv_heads, head_dim).transpose(1, 2)
-        v = values_by_token[span].view(n, longest, num_kv_heads, -1).transpose(1, 2)
-    else:
-        offsets = torch.arange(longest)
-        lengths = torch.tensor(k_lengths)
-        index = torch.tensor(k_starts)[:, None] + torch.minimum(offsets[None, :], (lengths - 1)[:, None])
-        index = index.flatten().to(key.device)
-        k = keys_by_token.index_select(0, index).view(n, longest, num_kv_heads, head_dim).transpose(1, 2)
-        v = values_by_token.index_select(0, index).view(n, longest, num_kv_heads, -1).transpose(1, 2)
+    contiguous_rows = q_rows == list(range(q_rows[0], q_rows[0] + n))
+    k, v = padded if padded is not None else _gather_padded(key, value, k_starts, k_lengths, longest)
 
     mask = None
     window_binds = batch.window is not None and longest > batch.window
@@ -261,6 +246,26 @@ def _attend_decode(
         out[q_rows[0] : q_rows[0] + n] = attended
     else:
         out.index_copy_(0, torch.tensor(q_rows, device=out.device), attended)
+
+
+def _gather_padded(key: torch.Tensor, value: torch.Tensor, k_starts: list[int], k_lengths: list[int],
+                   longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys and values from the packed read-back, padded to the longest with its last row
+    ([B, kv_heads, longest, dim]); a view when the requests are equally long and adjacent."""
+    n, num_kv_heads, head_dim = len(k_starts), key.shape[1], key.shape[-1]
+    keys_by_token, values_by_token = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, dim]
+    equal = all(length == longest for length in k_lengths)
+    adjacent = all(start == k_starts[0] + j * longest for j, start in enumerate(k_starts))
+    if equal and adjacent:
+        span = slice(k_starts[0], k_starts[0] + n * longest)
+        return (keys_by_token[span].view(n, longest, num_kv_heads, head_dim).transpose(1, 2),
+                values_by_token[span].view(n, longest, num_kv_heads, -1).transpose(1, 2))
+    offsets = torch.arange(longest)
+    lengths = torch.tensor(k_lengths)
+    index = torch.tensor(k_starts)[:, None] + torch.minimum(offsets[None, :], (lengths - 1)[:, None])
+    index = index.flatten().to(key.device)
+    return (keys_by_token.index_select(0, index).view(n, longest, num_kv_heads, head_dim).transpose(1, 2),
+            values_by_token.index_select(0, index).view(n, longest, num_kv_heads, -1).transpose(1, 2))
 
 
 def _attend_chunk(

@@ -22,6 +22,7 @@ from transformers import (
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import cbgen.attention.paged_decode as paged_decode
 import cbgen.attention.per_sequence as attention
 import cbgen.attention.support as support
 from cbgen.attention import cpu_attention_available, per_sequence_attention, per_sequence_sdpa_forward
@@ -85,19 +86,26 @@ def batches(monkeypatch) -> list[attention._Batch]:
 
 
 @pytest.fixture
-def page_reads(monkeypatch) -> list[bool]:
-    """Whether each decode call was served from the cache pages (cbgen.attention.paged_decode) or by the stock
-    update."""
-    served: list[bool] = []
-    read = attention.decode_kv
+def page_reads(monkeypatch) -> list[str]:
+    """How each decode call read its keys: "pages" (whole rows of each request's page), "rows" (token rows of
+    requests that span pages) or "stock" (the stock update; cbgen.attention.paged_decode returned None)."""
+    seen: list[str] = []
+    read, pages = attention.decode_kv, paged_decode._pages
+
+    def recording_pages(*args, **kwargs):
+        found = pages(*args, **kwargs)
+        seen.append("pages" if found is not None else "rows")
+        return found
 
     def recording(*args, **kwargs):
         padded = read(*args, **kwargs)
-        served.append(padded is not None)
+        if padded is None:
+            seen.append("stock")
         return padded
 
+    monkeypatch.setattr(paged_decode, "_pages", recording_pages)
     monkeypatch.setattr(attention, "decode_kv", recording)
-    return served
+    return seen
 
 
 def assert_same_as_stock(model, inputs: list[list[int]], **batching) -> None:
@@ -153,12 +161,13 @@ def test_decode_read_from_pages_matches_stock(llama, batches, page_reads):
     # padded to the longest, and the rows past a shorter request's end are masked
     assert_same_as_stock(llama, prompts(7, 19, 33, 40), page_size=64)
     assert any(is_padded_decode(b) for b in batches)
-    assert page_reads and all(page_reads)
+    assert page_reads and set(page_reads) == {"pages"}
 
 
-def test_requests_longer_than_a_page_take_the_stock_update(llama, page_reads):
+def test_requests_longer_than_a_page_are_read_by_token_rows(llama, batches, page_reads):
     assert_same_as_stock(llama, prompts(7, 19, 70), page_size=64)  # the third spans two pages
-    assert page_reads and not any(page_reads)
+    assert page_reads and set(page_reads) == {"rows"}
+    assert any(is_padded_decode(b) for b in batches)
 
 
 def test_sliding_window_model_matches_stock(mistral, batches):
