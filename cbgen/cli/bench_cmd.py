@@ -36,6 +36,8 @@ def bench(
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
     max_requests_per_batch: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
     page_size: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
+    onednn_linear: Annotated[bool, typer.Option(help="As for cbgen run: float32 linear layers through oneDNN.")]
+    = False,
     llamacpp_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="GGUF", help="The GGUF file the llamacpp path runs. Default, for the embedded model: its f32 (or bf16, "
         "as --dtype) conversion made by benchmarks/build_llamacpp.sh.")] = None,
@@ -73,7 +75,7 @@ def bench(
     console = Console(stderr=True, log_path=False)
     settings = ModelSection(model=model, dtype=check_value("model", "dtype", dtype, "--dtype"),
                             device=check_value("model", "device", device, "--device"),
-                            attn_implementation=attn_implementation)
+                            attn_implementation=attn_implementation, onednn_linear=onednn_linear)
     console.log("loading the model")
     loaded = load_model(settings)
     try:
