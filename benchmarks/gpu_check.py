@@ -85,6 +85,7 @@ def smoke(work: Path, device: str, graphs: list[bool], quick: bool) -> list[dict
             # an end-of-sequence token stops cbgen's request early; the reference runs on: compare what both have
             same = sum(bool(got.get(i)) and got[i] == ref[:len(got[i])] for i, ref in enumerate(references[dtype]))
             kv = json.loads((out / "run.json").read_text()).get("kv_cache") if (out / "run.json").exists() else None
+            kv = {key: kv.get(key) for key in ("chosen_by", "num_blocks", "page_size", "bytes")} if kv else None
             rows.append({"check": f"smoke {attention}, {dtype}, cuda graphs {'on' if graph else 'off'}",
                          "result": "ok" if code == 0 and len(got) == len(prompts) else f"exit {code}",
                          "detail": f"{same}/{len(prompts)} greedy = model.generate; {seconds:.1f} s; KV {kv}"})

@@ -103,11 +103,12 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-requests-per-batch", type=int, default=None)
     parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
+    parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
     parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
                         "sequences (the full batch of 64, and the tail as requests finish).")
     args = parser.parse_args()
     _instrument(args.min_decode)
-    loaded = load_model(ModelSection(dtype=args.dtype))
+    loaded = load_model(ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     bench = Bench(loaded, batching)
@@ -118,7 +119,7 @@ def main() -> None:
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
-          f"batching {batching or 'defaults'}")
+          f"batching {batching or 'defaults'}, onednn linear {args.onednn_linear}")
     measured = bench.cbgen(fixed, "gated")
     print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")
     show("prefill steps (prompt chunks, with any decode tokens)", _profiles["prefill"], args.top)
