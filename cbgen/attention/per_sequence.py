@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cbgen.attention import support
+from cbgen.attention.paged_decode import decode_kv
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
 
 # Keyword arguments the engine or the supported models pass that do not change what attention computes. Any other
@@ -166,6 +167,16 @@ def per_sequence_sdpa_forward(
         return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, position_bias=position_bias, cache=cache, **kwargs)
 
+    num_tokens = query.shape[2]
+    padded = None
+    if all(length == 1 for length in batch.q_lengths) and len(batch.q_lengths) == num_tokens:
+        # a decode step: the new KV written as the stock update does, each request's KV read from its own page
+        padded = decode_kv(cache, module.layer_idx, key, value, batch.k_starts, batch.k_lengths, kwargs)
+    if padded is not None:
+        out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
+        _attend_decode(query, key, value, batch, list(range(num_tokens)), scaling, out, padded)
+        return out.unsqueeze(0), None
+
     # Same cache update as the stock function: writes the new KV and returns each request's past + new KV, packed
     key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
     if batch.k_starts[-1] + batch.k_lengths[-1] > key.shape[2]:
@@ -174,7 +185,6 @@ def per_sequence_sdpa_forward(
             f"end at {batch.k_starts[-1] + batch.k_lengths[-1]}; run without cbgen's per-sequence attention"
         )
 
-    num_tokens = query.shape[2]
     out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
     if sum(batch.q_lengths) < num_tokens:
         out.zero_()  # padding tokens: never read, but keep them finite
@@ -195,8 +205,11 @@ def _attend_decode(
     requests: list[int],
     scaling: float | None,
     out: torch.Tensor,
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """All single-token queries at once: batch = requests, each over its own keys (padded to the longest, masked).
+    `padded`: the requests' keys and values already padded ([B, kv_heads, longest, dim], cbgen.attention.paged_decode);
+    else they are gathered here from the packed `key` and `value`.
 
     The query heads that share a KV head become that head's query rows ([B, kv_heads, group, dim]), so GQA needs no
     copy of the keys and SDPA keeps its fast path (measured faster on CPU than `enable_gqa=True` for one token).
@@ -208,22 +221,9 @@ def _attend_decode(
     k_starts = [batch.k_starts[i] for i in requests]
     k_lengths = [batch.k_lengths[i] for i in requests]
     longest = max(k_lengths)
-    keys_by_token, values_by_token = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, dim]
-
-    contiguous_rows = q_rows == list(range(q_rows[0], q_rows[0] + n))
     equal = all(length == longest for length in k_lengths)
-    adjacent = all(start == k_starts[0] + j * longest for j, start in enumerate(k_starts))
-    if equal and adjacent:
-        span = slice(k_starts[0], k_starts[0] + n * longest)
-        k = keys_by_token[span].view(n, longest, num_kv_heads, head_dim).transpose(1, 2)
-        v = values_by_token[span].view(n, longest, num_kv_heads, -1).transpose(1, 2)
-    else:
-        offsets = torch.arange(longest)
-        lengths = torch.tensor(k_lengths)
-        index = torch.tensor(k_starts)[:, None] + torch.minimum(offsets[None, :], (lengths - 1)[:, None])
-        index = index.flatten().to(key.device)
-        k = keys_by_token.index_select(0, index).view(n, longest, num_kv_heads, head_dim).transpose(1, 2)
-        v = values_by_token.index_select(0, index).view(n, longest, num_kv_heads, -1).transpose(1, 2)
+    contiguous_rows = q_rows == list(range(q_rows[0], q_rows[0] + n))
+    k, v = padded if padded is not None else _gather_padded(key, value, k_starts, k_lengths, longest)
 
     mask = None
     window_binds = batch.window is not None and longest > batch.window
@@ -246,6 +246,26 @@ def _attend_decode(
         out[q_rows[0] : q_rows[0] + n] = attended
     else:
         out.index_copy_(0, torch.tensor(q_rows, device=out.device), attended)
+
+
+def _gather_padded(key: torch.Tensor, value: torch.Tensor, k_starts: list[int], k_lengths: list[int],
+                   longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys and values from the packed read-back, padded to the longest with its last row
+    ([B, kv_heads, longest, dim]); a view when the requests are equally long and adjacent."""
+    n, num_kv_heads, head_dim = len(k_starts), key.shape[1], key.shape[-1]
+    keys_by_token, values_by_token = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, dim]
+    equal = all(length == longest for length in k_lengths)
+    adjacent = all(start == k_starts[0] + j * longest for j, start in enumerate(k_starts))
+    if equal and adjacent:
+        span = slice(k_starts[0], k_starts[0] + n * longest)
+        return (keys_by_token[span].view(n, longest, num_kv_heads, head_dim).transpose(1, 2),
+                values_by_token[span].view(n, longest, num_kv_heads, -1).transpose(1, 2))
+    offsets = torch.arange(longest)
+    lengths = torch.tensor(k_lengths)
+    index = torch.tensor(k_starts)[:, None] + torch.minimum(offsets[None, :], (lengths - 1)[:, None])
+    index = index.flatten().to(key.device)
+    return (keys_by_token.index_select(0, index).view(n, longest, num_kv_heads, head_dim).transpose(1, 2),
+            values_by_token.index_select(0, index).view(n, longest, num_kv_heads, -1).transpose(1, 2))
 
 
 def _attend_chunk(

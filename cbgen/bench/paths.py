@@ -2,8 +2,9 @@
 with `model.generate`, measured side by side in one process, model load excluded from all.
 
 Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
-(input order, no gate), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig) and `static-B`
-(`model.generate` on left-padded batches of B prompts, in input order).
+(input order, no gate), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig), `static-B`
+(`model.generate` on left-padded batches of B prompts, in input order) and `llamacpp` (the same token ids through
+llama.cpp: cbgen.bench.llamacpp).
 """
 
 from __future__ import annotations
@@ -116,15 +117,17 @@ class Bench:
         start = time.perf_counter()
         generated = 0
         lengths = [0] * len(workload.prompts)
+        tokens: list[list[int]] = [[] for _ in workload.prompts]
         stopped: list[list[int]] = []
         for group in engine.run(requests):
             assert group[0].finish_reason != "error", group[0].error
             generated += sum(len(c.token_ids) for c in group)
             lengths[group[0].request.record.index] = len(group[0].token_ids)
+            tokens[group[0].request.record.index] = list(group[0].token_ids)
             stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
-        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "lengths": lengths}
+        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "lengths": lengths, "tokens": tokens}
         if steps is not None:
             path += "-json-schema"
             extra["grammar_compile_s"] = round(steps.grammars.compile_seconds, 4)
@@ -179,6 +182,33 @@ class Bench:
                            sum(map(len, workload.prompts)), generated)
 
 
+    def llamacpp(self, workload: Workload, gguf, parallel: int, reference: Measurement | None = None) -> Measurement:
+        """The workload's token ids through llama.cpp (`gguf`), at most `parallel` sequences at a time, each stopping
+        at its cap or end of sequence; `reference` (cbgen's measurement of the same workload) adds the share of
+        requests whose greedy tokens are the same in both."""
+        from cbgen.bench.llamacpp import LlamaCpp, bindings
+
+        lib, reason = bindings()
+        if lib is None:
+            raise RuntimeError(reason)
+        n = len(workload.prompts)
+        caps = [workload.cap(i) for i in range(n)]
+        eos = self._plan(workload)[1].eos_token_ids
+        longest = max(len(p) + c for p, c in zip(workload.prompts, caps))
+        engine = LlamaCpp(lib, gguf, torch.get_num_threads(), min(parallel, n), -(-longest // 256) * 256)
+        try:
+            engine.run(workload.prompts[:2], [2] * min(2, n), eos)  # first-call costs, off the clock
+            run = engine.run(workload.prompts, caps, eos)
+        finally:
+            engine.close()
+        extra: dict[str, Any] = {"gguf": gguf.name, "llamacpp_parallel": min(parallel, n)}
+        if reference is not None and "tokens" in reference.extra:
+            same = sum(a == b for a, b in zip(run.tokens, reference.extra["tokens"]))
+            extra["same_tokens_as_cbgen"] = round(same / n, 3)
+        return Measurement(workload.name, "llamacpp", run.seconds, n, sum(map(len, workload.prompts)),
+                           sum(map(len, run.tokens)), extra)
+
+
 def matmul_flops(dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0, largest: int = 2048) -> float:
     """The machine's measured dense matmul rate (FLOP/s) in `dtype`, the denominator of model FLOP utilisation.
     Square sizes grow from 256 while one product takes under 0.1 s, so a dtype the CPU has no units for (bf16 on
@@ -210,7 +240,10 @@ def run_suite(
     static_batch_sizes: Sequence[int] = (8, 16, 32),
     batching: dict[str, Any] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
+    llamacpp_model=None,
+    llamacpp_parallel: int = 64,
 ) -> list[Measurement]:
+    """`llamacpp_model`: the GGUF file the `llamacpp` path runs (cbgen.bench.llamacpp.find_gguf)."""
     bench = Bench(loaded, batching)
     results = []
     for workload in workloads:
@@ -224,6 +257,9 @@ def run_suite(
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
             elif path == "generate_batch":
                 measured = [bench.generate_batch(workload)]
+            elif path == "llamacpp":
+                reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
+                measured = [bench.llamacpp(workload, llamacpp_model, llamacpp_parallel, reference)]
             else:
                 order = {"cbgen": "gated", "cbgen-ordered": "ordered", "cbgen-input-order": "input"}[path]
                 measured = ([bench.cbgen(workload, order)] if workload.schema is None

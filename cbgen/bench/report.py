@@ -11,6 +11,7 @@ import torch
 
 from cbgen.bench.paths import Measurement, parameter_count
 from cbgen.errors import CbgenError
+from cbgen.model.linear import uses_onednn_linear
 from cbgen.model.load import LoadedModel
 
 
@@ -29,7 +30,7 @@ def summarise(results: list[Measurement], flops_per_token: float, peak_flops: fl
             # time per generated token, against cbgen's: for paths whose outputs differ in length (a schema)
             "token_time_vs_cbgen": (round(m.seconds / m.generated_tokens / (cbgen_time[m.workload] / cbgen_tokens[
                 m.workload]), 2) if m.workload in cbgen_time and m.generated_tokens else None),
-            **{k: v for k, v in m.extra.items() if k not in ("cb", "lengths")},
+            **{k: v for k, v in m.extra.items() if k not in ("cb", "lengths", "tokens")},
             "mfu": round(m.total_tokens_per_s * flops_per_token / peak_flops, 4),
         })
     return rows
@@ -70,6 +71,7 @@ def write_outputs(rows: list[dict[str, Any]], meta: dict[str, Any], directory: P
 def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[str, Any]) -> dict[str, Any]:
     return {"model": loaded.source.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": loaded.device,
             "attn_implementation": loaded.attn_implementation, "size": size,
+            "onednn_linear": uses_onednn_linear(loaded.model),
             "parameters": parameter_count(loaded.model), "matmul_flops": round(peak_flops),
             "matmul_dtype": str(loaded.dtype).removeprefix("torch."),
             "batching_overrides": batching, "torch_threads": torch.get_num_threads(),

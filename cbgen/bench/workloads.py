@@ -8,6 +8,8 @@ seed per workload):
   structured     requests for JSON records (a person with name, age, status, tags, address), run by cbgen twice:
                  under the records' JSON schema (`cbgen-json-schema`), then as free text (`cbgen`) with each request
                  capped at the length of its constrained answer, so that both do the same work; only cbgen paths run
+  fixed          plain-text prompts of exactly 128 tokens, 64 new tokens each (end-of-sequence still stops a request):
+                 the shape of llama.cpp's `llama-batched-bench -npp 128 -ntg 64 -npl 64`, for the llamacpp path
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ def _chat(tokenizer, user: str, system: str | None = None) -> list[int]:
 
 
 SIZES = {  # requests per workload; "small" fits a 2-core CPU in a few minutes per path
-    "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8, "structured": 4},
-    "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128, "structured": 64},
-    "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512, "structured": 256},
+    "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8, "structured": 4, "fixed": 4},
+    "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128, "structured": 64, "fixed": 64},
+    "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512, "structured": 256,
+               "fixed": 256},
 }
 ROLES = "nurse pilot chef teacher farmer engineer painter librarian".split()
 CITIES = "Paris Lagos Osaka Lima Oslo Denver Cairo Perth".split()
@@ -71,6 +74,15 @@ RECORD_SCHEMA = {  # the structured workload's: bounded, so that a small greedy 
     "required": ["name", "age", "status", "tags", "address"],
     "additionalProperties": False,
 }
+
+
+def _plain(tokenizer, rng: random.Random, length: int) -> list[int]:
+    """`length` tokens of plain text (no chat template), as llama-batched-bench's prompts are."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids = list(tokenizer(" ".join(rng.choice(WORDS) for _ in range(2 * length))
+                             .capitalize(), add_special_tokens=False)["input_ids"])
+    return ids[:length]
 
 
 def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None = None) -> list[Workload]:
@@ -101,6 +113,9 @@ def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None 
                              f"{CITIES[i // 8 % 8]}, with name, age, status (active, inactive or pending), a few tags "
                              "and address (city and 5-digit zip).", "You output only JSON.") for i in range(n)]
             out.append(Workload(name, prompts, 160 if size != "tiny" else 24, schema=RECORD_SCHEMA))
+        elif name == "fixed":
+            length, new = (128, 64) if size != "tiny" else (32, 8)
+            out.append(Workload(name, [_plain(tokenizer, rng, length) for _ in range(n)], new))
         else:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(counts)}")
     return out

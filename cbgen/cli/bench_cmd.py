@@ -1,4 +1,4 @@
-"""`cbgen bench`: cbgen's engine path against `generate_batch` and static batching, side by side."""
+"""`cbgen bench`: cbgen's engine path against `generate_batch`, static batching and llama.cpp, side by side."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cbgen.errors import CbgenError
 
-PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "generate_batch", "static")
+PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "generate_batch", "static", "llamacpp")
 
 
 def _split(value: str) -> list[str]:
@@ -26,7 +26,8 @@ def bench(
     attn_implementation: Annotated[Optional[str], typer.Option(metavar="NAME", help="As for cbgen run.")] = None,  # noqa: UP045
     size: Annotated[str, typer.Option(help="tiny | small | medium: requests per workload.")] = "small",
     workloads: Annotated[str, typer.Option(help="Comma-separated workloads, from: mixed, shared-prefix, long-prompt, "
-                                           "many-small, structured (cbgen with and without a JSON schema).")] = (
+                                           "many-small, structured (cbgen with and without a JSON schema), fixed "
+                                           "(128-token prompts, 64 new tokens: llama-batched-bench's shape).")] = (
         "mixed,shared-prefix,long-prompt,many-small"
     ),
     paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}.")]
@@ -35,6 +36,12 @@ def bench(
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
     max_requests_per_batch: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
     page_size: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
+    onednn_linear: Annotated[bool, typer.Option(help="As for cbgen run: float32 linear layers through oneDNN.")]
+    = False,
+    llamacpp_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        metavar="GGUF", help="The GGUF file the llamacpp path runs. Default, for the embedded model: its f32 (or bf16, "
+        "as --dtype) conversion made by benchmarks/build_llamacpp.sh.")] = None,
+    llamacpp_parallel: Annotated[int, typer.Option(min=1, max=256, help="Sequences llama.cpp keeps in flight.")] = 64,
     output_dir: Annotated[str, typer.Option("--output-dir", "-o", metavar="DIR",
                                             help="Where bench.json and bench.png go.")] = "cbgen-bench",
 ):
@@ -42,7 +49,12 @@ def bench(
     workloads, in one process with the same model and ContinuousBatchingConfig; print a table and write
     DIR/bench.json and DIR/bench.png.
 
+    The llamacpp path runs the same token ids through llama.cpp (built by benchmarks/build_llamacpp.sh); it is
+    skipped, with the reason, when llama.cpp or the GGUF file is missing.
+
     Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
+
+    Example: cbgen bench --workloads fixed --paths cbgen,llamacpp
     """
     from cbgen.bench import (
         build_workloads,
@@ -63,13 +75,21 @@ def bench(
     console = Console(stderr=True, log_path=False)
     settings = ModelSection(model=model, dtype=check_value("model", "dtype", dtype, "--dtype"),
                             device=check_value("model", "device", device, "--device"),
-                            attn_implementation=attn_implementation)
+                            attn_implementation=attn_implementation, onednn_linear=onednn_linear)
     console.log("loading the model")
     loaded = load_model(settings)
     try:
         chosen = build_workloads(loaded.tokenizer, size, _split(workloads))
     except ValueError as e:
         raise CbgenError(f"--workloads: {e}") from None
+    skipped: dict[str, str] = {}
+    gguf = None
+    if "llamacpp" in chosen_paths:
+        gguf, reason = _llamacpp_ready(llamacpp_model, loaded)
+        if reason:
+            skipped["llamacpp"] = reason
+            chosen_paths.remove("llamacpp")
+            console.print(f"llamacpp path skipped: {reason}", markup=False)
     console.log(f"measuring the machine's {str(loaded.dtype).removeprefix('torch.')} matmul rate")
     peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
@@ -77,13 +97,31 @@ def bench(
     def show(m) -> None:
         console.log(f"{m.workload:<14} {m.path:<18} {m.seconds:7.2f} s  {m.total_tokens_per_s:8.1f} tok/s")
 
-    results = run_suite(loaded, chosen, chosen_paths, [int(b) for b in _split(static_batch_sizes)], batching, show)
+    results = run_suite(loaded, chosen, chosen_paths, [int(b) for b in _split(static_batch_sizes)], batching, show,
+                        llamacpp_model=gguf, llamacpp_parallel=llamacpp_parallel)
     rows = summarise(results, flops_per_token, peak)
-    meta = meta_for(loaded, size, peak, batching)
+    meta = meta_for(loaded, size, peak, batching) | ({"skipped": skipped} if skipped else {})
+    if gguf is not None:
+        meta["llamacpp_model"] = str(gguf)
     json_path, png_path = write_outputs(rows, meta, Path(output_dir))
     _print_table(rows, meta, size)
     console.print(f"{meta['matmul_dtype']} matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}",
                   markup=False)
+
+
+def _llamacpp_ready(explicit: str | None, loaded):
+    """(the GGUF file for the llamacpp path, None) or (None, why the path is skipped)."""
+    from cbgen.bench.llamacpp import bindings, find_gguf
+    from cbgen.model.source import EMBEDDED_NAME
+
+    gguf, reason = find_gguf(explicit, loaded.source.name == EMBEDDED_NAME,
+                             str(loaded.dtype).removeprefix("torch."))
+    if gguf is None:
+        return None, reason
+    if loaded.device != "cpu":
+        return None, "cbgen's llama.cpp build is for the CPU; run it with --device cpu"
+    _, reason = bindings()
+    return (None, reason) if reason else (gguf, None)
 
 
 def _checked_paths(paths: str, size: str) -> list[str]:

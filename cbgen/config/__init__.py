@@ -5,7 +5,7 @@ other sections are cbgen's own. Every value is checked where it enters, and the 
 Nothing here imports torch or transformers, so commands that load no model answer at once.
 """
 
-from cbgen.config.batching import BATCHING_FIELDS, BATCHING_REDIRECTS, CPU_BATCHING_DEFAULTS, page_size
+from cbgen.config.batching import BATCHING_FIELDS, BATCHING_REDIRECTS, page_size
 from cbgen.config.build import build_config, check_combinations, read_yaml
 from cbgen.config.sections import (
     SECTIONS,
@@ -22,7 +22,6 @@ from cbgen.config.values import check_value
 __all__ = [
     "BATCHING_FIELDS",
     "BATCHING_REDIRECTS",
-    "CPU_BATCHING_DEFAULTS",
     "SECTIONS",
     "GenerationSection",
     "InputSection",

@@ -18,16 +18,6 @@ class BatchingField:
     help: str
 
 
-# cbgen's CPU defaults, measured on a 2-core AVX-512/AMX machine with SmolLM2-135M in bf16, 64 x (128 + 64) tokens
-# (benchmarks/cpu_tuning.py, README "Performance"). With cbgen's per-sequence attention larger decode batches win
-# (540 tok/s at 64 requests per batch against 356 at 16); transformers' stock paged|sdpa attention scores every request
-# against every other request's keys, so there a smaller batch is faster (341 against 195 tok/s at 16 and 64).
-CPU_BATCHING_DEFAULTS: dict[str, dict[str, int]] = {
-    "per-sequence": {"max_requests_per_batch": 64, "max_batch_tokens": 1024},
-    "stock": {"max_requests_per_batch": 16, "max_batch_tokens": 1024},
-}
-
-_CPU = CPU_BATCHING_DEFAULTS
 
 BATCHING_FIELDS: dict[str, BatchingField] = {
     "page_size": BatchingField(
@@ -37,15 +27,14 @@ BATCHING_FIELDS: dict[str, BatchingField] = {
         int | None, None, "KV-cache size in blocks of page_size tokens. Default: on CPU, sized by cbgen for the "
         "requests it keeps in flight; on GPU, from free memory."),
     "max_batch_tokens": BatchingField(
-        int | None, None, "Token budget of one forward pass; longer prompts are prefilled in chunks. Default: "
-        f"{_CPU['per-sequence']['max_batch_tokens']} on CPU, from free memory on GPU."),
+        int | None, None, "Token budget of one forward pass; longer prompts are prefilled in chunks. Default: on CPU, "
+        "from the CPU-kind table (README, 'Defaults by CPU'); on GPU, from free memory."),
     "max_memory_percent": BatchingField(
         float | None, None, "Size the KV cache as this share (0-1] of free device memory instead (on CPU: of system "
         "RAM, which is rarely what you want)."),
     "max_requests_per_batch": BatchingField(
-        int | None, None, "Most requests in one forward pass. Default on CPU: "
-        f"{_CPU['per-sequence']['max_requests_per_batch']} with the per-sequence attention, "
-        f"{_CPU['stock']['max_requests_per_batch']} with the stock one; on GPU, from the workload."),
+        int | None, None, "Most requests in one forward pass. Default: on CPU, from the CPU-kind table (README, "
+        "'Defaults by CPU'; smaller with the stock attention); on GPU, from the workload."),
     "max_blocks_per_request": BatchingField(
         int | None, None, "Width of the block table of the flash decode fast path (GPU); 0 turns that path off. "
         "Default: inferred."),

@@ -12,7 +12,8 @@ from math import ceil
 from pathlib import Path
 from typing import Any
 
-from cbgen.config import CPU_BATCHING_DEFAULTS, JobConfig, page_size
+from cbgen.config import JobConfig, page_size
+from cbgen.config.cpu import cpu_row
 from cbgen.engine.engine import EngineSettings
 from cbgen.engine.manager import ManagerSpec
 from cbgen.errors import CbgenError
@@ -89,7 +90,7 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, samplin
         from cbgen.attention import cpu_attention_available
 
         per_sequence = attention != "off" and cpu_attention_available(loaded.model)
-        for key, value in CPU_BATCHING_DEFAULTS["per-sequence" if per_sequence else "stock"].items():
+        for key, value in cpu_row().batching(per_sequence).items():
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)

@@ -19,13 +19,11 @@ from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_pat
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-def cpu_has_bf16_units() -> bool:
-    """True on CPUs with bf16 matrix instructions (AVX-512 BF16 or AMX), where bf16 matmuls beat fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def cpu_dtype() -> str:
+    """What --dtype auto picks on this CPU: its row of the CPU-kind table (cbgen.config.cpu)."""
+    from cbgen.config.cpu import cpu_row
+
+    return cpu_row().dtype
 
 
 def resolve_device(device: str) -> str:
@@ -39,9 +37,9 @@ def resolve_device(device: str) -> str:
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[dtype]
-    if device == "cuda" or cpu_has_bf16_units():
+    if device == "cuda":
         return torch.bfloat16
-    return torch.float32
+    return _DTYPES[cpu_dtype()]
 
 
 PER_SEQUENCE = "per-sequence"  # cbgen's CPU attention for continuous batching (cbgen.attention), on top of sdpa
@@ -120,6 +118,17 @@ def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtyp
     return model, tokenizer, status
 
 
+def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
+    from cbgen.model.linear import onednn_available, use_onednn_linear
+
+    if device != "cpu" or dtype != torch.float32 or tp is not None:
+        raise CbgenError("--onednn-linear applies to float32 on CPU in one process: add --device cpu --dtype float32, "
+                         "without --tp")
+    if not onednn_available():
+        raise CbgenError("--onednn-linear: this torch build has no oneDNN (mkldnn) linear; drop the flag")
+    use_onednn_linear(model)
+
+
 def load_model(settings: ModelSection, tp=None) -> LoadedModel:
     """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given.
     Raises CbgenError for anything the user can fix."""
@@ -166,5 +175,7 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
         first_line = str(e).strip().splitlines()[0]
         raise CbgenError(f"--model {source.name}: {first_line}") from None
     model.eval()
+    if settings.onednn_linear:
+        _use_onednn(model, device, dtype, tp)
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)

@@ -55,6 +55,7 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
     return {
         "model": source.identity(),
         "dtype": job.model.dtype,
+        "onednn_linear": job.model.onednn_linear,
         "input": input_identity(i.path),
         "prompt_column": i.prompt_column,
         "id_column": i.id_column,
@@ -80,6 +81,15 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def _cpu_defaults(loaded: LoadedModel | None) -> dict[str, Any] | None:
+    """The CPU-kind row whose dtype and batching defaults a CPU run started from (flags and YAML override them)."""
+    if loaded is None or loaded.device != "cpu":
+        return None
+    from cbgen.config.cpu import cpu_row
+
+    return cpu_row().describe()
+
+
 def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | None, batching: dict) -> Path:
     """Writes run.json beside the shards."""
     model = {"name": summary.model}
@@ -99,6 +109,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "attention": summary.attention,
         "config": job.to_dict(),
         "continuous_batching": batching,
+        "cpu_defaults": _cpu_defaults(loaded),
         "kv_cache": summary.kv_cache,
         "versions": package_versions(),
         "counts": summary.counts(),

@@ -22,6 +22,7 @@ from transformers import (
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import cbgen.attention.paged_decode as paged_decode
 import cbgen.attention.per_sequence as attention
 import cbgen.attention.support as support
 from cbgen.attention import cpu_attention_available, per_sequence_attention, per_sequence_sdpa_forward
@@ -61,8 +62,8 @@ def prompts(*lengths: int) -> list[list[int]]:
 
 def generate(model, inputs: list[list[int]], **batching) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs for each prompt, in prompt order."""
-    config = ContinuousBatchingConfig(auto_switch_to_flash=False, page_size=16, num_blocks=256, return_logprobs=True,
-                                      **batching)
+    config = ContinuousBatchingConfig(**{"auto_switch_to_flash": False, "page_size": 16, "num_blocks": 256,
+                                         "return_logprobs": True, **batching})
     outputs = model.generate_batch(inputs, GREEDY, config)
     by_prompt = {tuple(out.prompt_ids): (out.generated_tokens, out.logprobs) for out in outputs.values()}
     return [by_prompt[tuple(prompt)] for prompt in inputs]
@@ -81,6 +82,29 @@ def batches(monkeypatch) -> list[attention._Batch]:
         return batch
 
     monkeypatch.setattr(attention, "_plan", recording)
+    return seen
+
+
+@pytest.fixture
+def page_reads(monkeypatch) -> list[str]:
+    """How each decode call read its keys: "pages" (whole rows of each request's page), "rows" (token rows of
+    requests that span pages) or "stock" (the stock update; cbgen.attention.paged_decode returned None)."""
+    seen: list[str] = []
+    read, pages = attention.decode_kv, paged_decode._pages
+
+    def recording_pages(*args, **kwargs):
+        found = pages(*args, **kwargs)
+        seen.append("pages" if found is not None else "rows")
+        return found
+
+    def recording(*args, **kwargs):
+        padded = read(*args, **kwargs)
+        if padded is None:
+            seen.append("stock")
+        return padded
+
+    monkeypatch.setattr(paged_decode, "_pages", recording_pages)
+    monkeypatch.setattr(attention, "decode_kv", recording)
     return seen
 
 
@@ -129,6 +153,20 @@ def test_chunked_prefill_and_mixed_batches_match_stock(llama, batches):
     assert_same_as_stock(llama, prompts(5, 26, 47, 68, 89, 110, 131, 150), max_batch_tokens=64)
     assert any(is_chunk_after_prefix(b) for b in batches)
     assert any(is_mixed(b) for b in batches)
+    assert any(is_padded_decode(b) for b in batches)
+
+
+def test_decode_read_from_pages_matches_stock(llama, batches, page_reads):
+    # pages of 64 tokens hold every request whole (prompt + 16 new): each decode step reads the requests' own pages,
+    # padded to the longest, and the rows past a shorter request's end are masked
+    assert_same_as_stock(llama, prompts(7, 19, 33, 40), page_size=64)
+    assert any(is_padded_decode(b) for b in batches)
+    assert page_reads and set(page_reads) == {"pages"}
+
+
+def test_requests_longer_than_a_page_are_read_by_token_rows(llama, batches, page_reads):
+    assert_same_as_stock(llama, prompts(7, 19, 70), page_size=64)  # the third spans two pages
+    assert page_reads and set(page_reads) == {"rows"}
     assert any(is_padded_decode(b) for b in batches)
 
 

@@ -31,9 +31,11 @@ def test_folder_without_config_is_refused(tmp_path):
 
 
 def test_dtype_auto_follows_the_hardware(monkeypatch):
-    monkeypatch.setattr(model_load, "cpu_has_bf16_units", lambda: True)
+    from cbgen.config import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
     assert model_load.resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(model_load, "cpu_has_bf16_units", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert model_load.resolve_dtype("auto", "cpu") is torch.float32
     assert model_load.resolve_dtype("auto", "cuda") is torch.bfloat16
     assert model_load.resolve_dtype("float16", "cpu") is torch.float16

@@ -1,0 +1,130 @@
+"""Where a step's time goes in cbgen's engine on this CPU: matmuls against attention against everything else.
+
+Runs the `fixed` workload of `cbgen bench` (64 plain-text prompts of 128 tokens, 64 new tokens: llama-batched-bench's
+shape) through cbgen's engine path and profiles every step inside the manager's generation thread, where torch.profiler
+must run (the step method is wrapped for this script only: transformers' private names, checked against the
+installed version). Steps are split into prefill steps (any prompt tokens in the batch) and decode steps (one token
+per sequence, at least --min-decode sequences); each kind gets its operators' self time in buckets (matmul,
+attention, copies and gathers, elementwise, ...) and the wall time no operator accounts for (Python: the model's
+module calls, scheduling, input preparation).
+
+    python benchmarks/profile_step.py
+    python benchmarks/profile_step.py --top 15 --max-batch-tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers.generation.continuous_batching import continuous_api as api
+
+from cbgen.bench import Bench, Workload, build_workloads, matmul_flops
+from cbgen.config import ModelSection
+from cbgen.model.load import load_model
+
+BUCKETS = (  # first match wins; operator names as torch.profiler reports them
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn", "aten::_mkl", "onednn")),
+    ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax")),
+    ("copy / gather / index", ("aten::copy_", "aten::index", "aten::cat", "aten::gather", "aten::scatter",
+                               "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::embedding",
+                               "aten::stack", "aten::where", "aten::masked", "aten::fill_", "aten::zero_",
+                               "aten::empty", "aten::resize_", "aten::pad", "aten::constant_pad")),
+    ("elementwise (norm, rope, silu)", ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
+                                        "aten::silu", "aten::neg", "aten::sub", "aten::div", "aten::cos",
+                                        "aten::sin", "aten::exp", "aten::sum")),
+    ("sampling / logits", ("aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::log_softmax",
+                           "aten::multinomial", "aten::gt", "aten::lt", "aten::eq", "aten::ne", "aten::any")),
+)
+
+
+def bucket(name: str) -> str:
+    for label, needles in BUCKETS:
+        if any(n in name for n in needles):
+            return label
+    return "other operators"
+
+
+_profiles: dict[str, list] = defaultdict(list)  # "prefill" | "decode" -> (wall seconds, key_averages) per step
+
+
+def _instrument(min_decode: int) -> None:
+    """Profile each generation step where it runs, and file it as prefill or decode."""
+    step = getattr(api.ContinuousBatchProcessor, "_generation_step", None)
+    if step is None:
+        raise SystemExit("profile_step.py: this transformers has no ContinuousBatchProcessor._generation_step to wrap")
+
+    def profiled_step(self, model):
+        io = self.inputs_and_outputs
+        kind = ("decode" if io.num_q_tokens == io.num_request_in_batch else "prefill")
+        if kind == "decode" and io.num_request_in_batch < min_decode:
+            return step(self, model)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            result = step(self, model)
+            wall = time.perf_counter() - start
+        _profiles[kind].append((wall, prof.key_averages()))
+        return result
+
+    api.ContinuousBatchProcessor._generation_step = profiled_step
+
+
+def summed(steps: list) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(wall seconds, self seconds per bucket, self seconds per operator) over profiled steps."""
+    buckets: dict[str, float] = defaultdict(float)
+    ops: dict[str, float] = defaultdict(float)
+    for _, events in steps:
+        for event in events:
+            seconds = event.self_cpu_time_total / 1e6
+            buckets[bucket(event.key)] += seconds
+            ops[event.key] += seconds
+    return sum(wall for wall, _ in steps), buckets, ops
+
+
+def show(title: str, steps: list, top: int) -> None:
+    wall, buckets, ops = summed(steps)
+    print(f"\n{title}: {len(steps)} steps, {wall:.2f} s, {wall / max(1, len(steps)) * 1000:.1f} ms per step")
+    rows = sorted(buckets.items(), key=lambda kv: -kv[1])
+    rows.append(("python (wall - operators)", max(0.0, wall - sum(buckets.values()))))
+    for label, seconds in rows:
+        print(f"  {label:<40} {seconds:8.3f} s {seconds / wall:6.1%}")
+    print("  top operators by self time:")
+    for name, seconds in sorted(ops.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {name:<50} {seconds:8.3f} s {seconds / wall:6.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--max-batch-tokens", type=int, default=None)
+    parser.add_argument("--max-requests-per-batch", type=int, default=None)
+    parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
+    parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
+    parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
+                        "sequences (the full batch of 64, and the tail as requests finish).")
+    args = parser.parse_args()
+    _instrument(args.min_decode)
+    loaded = load_model(ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
+    batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
+                                  ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
+    bench = Bench(loaded, batching)
+    fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
+    bench.cbgen(Workload("warm-up", fixed.prompts[:8], 4), "input")
+    _profiles.clear()
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    rate = matmul_flops(loaded.dtype)
+    print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
+          f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
+          f"batching {batching or 'defaults'}, onednn linear {args.onednn_linear}")
+    measured = bench.cbgen(fixed, "gated")
+    print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")
+    show("prefill steps (prompt chunks, with any decode tokens)", _profiles["prefill"], args.top)
+    show(f"decode steps at >= {args.min_decode} sequences", _profiles["decode"], args.top)
+
+
+if __name__ == "__main__":
+    main()

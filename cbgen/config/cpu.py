@@ -1,0 +1,81 @@
+"""Defaults chosen by the kind of CPU: its instruction set decides the dtype and the batching that run fastest.
+
+The kind is read from the CPU flags (/proc/cpuinfo on Linux), without torch:
+
+  amx     AMX or AVX-512 BF16 units (Intel Sapphire Rapids and later, AMD Zen 4 and later): bf16 matmuls are fast
+  avx512  AVX-512 without bf16 units: bf16 is emulated and slow, float32 it is
+  avx2    AVX2 only (most other x86 servers): bf16 runs at ~1 GFLOP/s, float32 at ~100
+  other   anything else (ARM, unknown): float32, the avx2 row's batching
+
+Each row says which machine it was measured on (benchmarks/cpu_tuning.py, the fixed 64 x (128 + 64) workload of
+SmolLM2-135M); rows nobody could measure yet borrow a measured row's batching and say so. `run.json` records the row
+a CPU run used, under "cpu_defaults". Flags and the YAML file override every value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CpuRow:
+    kind: str
+    dtype: str  # what --dtype auto picks on this kind
+    # batching defaults with cbgen's per-sequence attention, and with transformers' stock attention (which scores every
+    # request against every other's keys, so there smaller batches are faster)
+    per_sequence: dict[str, int] = field(default_factory=dict)
+    stock: dict[str, int] = field(default_factory=dict)
+    measured_on: str = ""
+
+    def batching(self, per_sequence: bool) -> dict[str, int]:
+        return dict(self.per_sequence if per_sequence else self.stock)
+
+    def describe(self) -> dict[str, Any]:
+        """What run.json records."""
+        return asdict(self)
+
+
+_STOCK = {"max_requests_per_batch": 16, "max_batch_tokens": 1024}
+_AVX2 = {"max_requests_per_batch": 64, "max_batch_tokens": 1024}
+CPU_ROWS: dict[str, CpuRow] = {
+    "amx": CpuRow("amx", "bfloat16", {"max_requests_per_batch": 64, "max_batch_tokens": 1024}, _STOCK,
+                  "2-core Intel Xeon with AVX-512 and AMX, bf16: 540 tok/s at 64 requests per batch against 356 at 16; "
+                  "stock attention 341 at 16 against 195 at 64"),
+    "avx512": CpuRow("avx512", "float32", _AVX2, _STOCK, "not measured (no such machine reached): the avx2 row's"),
+    "avx2": CpuRow("avx2", "float32", _AVX2, _STOCK,
+                   "2-core AMD EPYC (AVX2 only), float32: 181 tok/s at 64 requests per batch (512, 1024 or 2048 batch "
+                   "tokens alike) against 143-161 at 32"),
+    "other": CpuRow("other", "float32", _AVX2, _STOCK, "not measured: the avx2 row's"),
+}
+
+
+def kind_from_flags(flags: set[str]) -> str:
+    if {"amx_bf16", "avx512_bf16"} & flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return "other"
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_row() -> CpuRow:
+    """This machine's row of the CPU-kind table."""
+    return CPU_ROWS[kind_from_flags(set(cpu_flags()))]

@@ -1,0 +1,66 @@
+"""--onednn-linear: float32 linear layers through oneDNN's prepacked matmul give the stock results to rounding, each
+row's result independent of how many rows share the matmul, and the same greedy tokens through the engine as through
+model.generate."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from cbgen.cli import run_cli
+from cbgen.model.linear import use_onednn_linear
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=500, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_linear_layers_match_stock_and_rows_do_not_depend_on_the_batch():
+    model = tiny_llama()
+    x = torch.randn(37, 64)
+    stock = model.model.layers[0].mlp.gate_proj(x)
+    assert use_onednn_linear(model) == sum(type(m) is torch.nn.Linear for m in model.modules()) == 15
+    with torch.no_grad():
+        ours = model.model.layers[0].mlp.gate_proj(x)
+        assert torch.allclose(ours, stock, atol=1e-5)
+        alone = [model.model.layers[0].mlp.gate_proj(x[i : i + 1]) for i in (0, 17, 36)]
+        for row, single in zip((0, 17, 36), alone):
+            assert torch.equal(single[0], ours[row])  # bitwise: the row's batch does not change it
+
+
+def test_engine_gives_model_generate_tokens_with_onednn_linear():
+    model = tiny_llama()
+    use_onednn_linear(model)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(20, 60))]
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    batched = model.generate_batch(prompts, config)
+    by_prompt = {tuple(o.prompt_ids): o.generated_tokens for o in batched.values()}
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            alone = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        assert by_prompt[tuple(prompt)] == alone[0, len(prompt):].tolist()
+
+
+def test_run_with_onednn_linear_records_it(tiny_model_dir, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9, 10]}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    assert run_cli(["run", str(source), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
+                    "--device", "cpu", "--max-new-tokens", "4", "--onednn-linear", "-q"]) == 0
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["config"]["model"]["onednn_linear"] is True and manifest["counts"]["succeeded"] == 4
+
+
+def test_onednn_linear_refuses_bfloat16(tiny_model_dir, tmp_path, capsys):
+    source = tmp_path / "p.jsonl"
+    source.write_text(json.dumps({"input_ids": [7, 8, 9]}) + "\n")
+    code = run_cli(["run", str(source), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir), "--dtype",
+                    "bfloat16", "--onednn-linear", "-q"])
+    assert code != 0
+    assert "--onednn-linear applies to float32 on CPU" in capsys.readouterr().err
