@@ -3,8 +3,9 @@
 torch computes a float32 `nn.Linear` on CPU with MKL's sgemm. On a 2-core AMD EPYC (AVX2), MKL reached 36 GFLOP/s
 on the vocabulary projection of a 64-sequence decode step (64 x 576 x 49,152) where oneDNN, given the weights
 prepacked once into its own layout, reached 101; the MLP projections gained 1.2-1.5x at 1,024 rows. A whole job
-(64 x (128 prompt + 64 new) tokens, the embedded SmolLM2-135M) ran 1.08x faster, with the same greedy tokens for all
-64 requests (benchmarks/profile_step.py, README "Against llama.cpp").
+(64 x (128 prompt + 64 new) tokens, the embedded SmolLM2-135M) ran 1.06-1.22x faster in three paired runs (cbgen
+bench, cbgen run, the engine alone), with the same greedy tokens for all 64 requests; cbgen bench's mixed workload
+1.17x (README "Against llama.cpp on an AVX2 CPU").
 
 Two properties differ from the default, which is why it is not: the prepacked weights are a second copy (the
 parameters stay, for tied embeddings and saving), and the sums run in another order than MKL's, so logits differ in
