@@ -41,13 +41,19 @@ def _pages(read_index: torch.Tensor, k_starts: list[int], k_lengths: list[int], 
         return None
     starts = torch.tensor(k_starts)
     lengths = torch.tensor(k_lengths)
-    if int(starts[-1] + lengths[-1]) > read_index.numel():
-        return None
     first = read_index[starts.to(read_index.device)].cpu()
     last = read_index[(starts + lengths - 1).to(read_index.device)].cpu()
     if bool(((first % page) != 0).any()) or not torch.equal(last - first, lengths - 1):
         return None
     return (first // page).to(read_index.device)
+
+
+def padded_positions(k_starts: list[int], k_lengths: list[int], longest: int) -> torch.Tensor:
+    """Where each request's keys lie in the packed read-back, padded to `longest` by repeating its last one:
+    [requests * longest], request by request."""
+    offsets = torch.arange(longest)[None, :]
+    last = torch.tensor(k_lengths)[:, None] - 1
+    return (torch.tensor(k_starts)[:, None] + torch.minimum(offsets, last)).flatten()
 
 
 def decode_kv(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_starts: list[int],
@@ -75,10 +81,7 @@ def decode_kv(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor
     v_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
     longest = max(k_lengths)
     if pages is None:  # a request spans pages: its token rows, padded with its last one
-        offsets = torch.arange(longest)[None, :]
-        last = torch.tensor(k_lengths)[:, None] - 1
-        rows = read_index[(torch.tensor(k_starts)[:, None] + torch.minimum(offsets, last)).flatten()
-                          .to(read_index.device)]
+        rows = read_index[padded_positions(k_starts, k_lengths, longest).to(read_index.device)]
         n = len(k_starts)
         return tuple(cached.index_select(0, rows).view(n, longest, *cached.shape[1:]).transpose(1, 2)
                      for cached in (k_cache, v_cache))

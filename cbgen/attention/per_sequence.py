@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cbgen.attention import support
-from cbgen.attention.paged_decode import decode_kv
+from cbgen.attention.paged_decode import decode_kv, padded_positions
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
 
 # Keyword arguments the engine or the supported models pass that do not change what attention computes. Any other
@@ -260,10 +260,7 @@ def _gather_padded(key: torch.Tensor, value: torch.Tensor, k_starts: list[int], 
         span = slice(k_starts[0], k_starts[0] + n * longest)
         return (keys_by_token[span].view(n, longest, num_kv_heads, head_dim).transpose(1, 2),
                 values_by_token[span].view(n, longest, num_kv_heads, -1).transpose(1, 2))
-    offsets = torch.arange(longest)
-    lengths = torch.tensor(k_lengths)
-    index = torch.tensor(k_starts)[:, None] + torch.minimum(offsets[None, :], (lengths - 1)[:, None])
-    index = index.flatten().to(key.device)
+    index = padded_positions(k_starts, k_lengths, longest).to(key.device)
     return (keys_by_token.index_select(0, index).view(n, longest, num_kv_heads, head_dim).transpose(1, 2),
             values_by_token.index_select(0, index).view(n, longest, num_kv_heads, -1).transpose(1, 2))
 

@@ -24,12 +24,13 @@ GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def llamacpp_dir() -> Path:
-    """Where benchmarks/build_llamacpp.sh puts its build and GGUF files: $CBGEN_LLAMACPP_DIR, else
-    $XDG_CACHE_HOME/cbgen/llamacpp, else ~/.cache/cbgen/llamacpp."""
+    """Where benchmarks/build_llamacpp.sh puts its build and GGUF files: $CBGEN_LLAMACPP_DIR, else `llamacpp` in
+    cbgen's cache directory ($CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen, else ~/.cache/cbgen)."""
     if os.environ.get("CBGEN_LLAMACPP_DIR"):
         return Path(os.environ["CBGEN_LLAMACPP_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "cbgen" / "llamacpp"
+    from cbgen.model.cache import default_cache_dir
+
+    return default_cache_dir() / "llamacpp"
 
 
 def find_gguf(explicit: str | None, embedded: bool, dtype: str) -> tuple[Path | None, str | None]:

@@ -116,18 +116,16 @@ class Bench:
                                           default_max_new_tokens=workload.max_new_tokens)
         start = time.perf_counter()
         generated = 0
-        lengths = [0] * len(workload.prompts)
         tokens: list[list[int]] = [[] for _ in workload.prompts]
         stopped: list[list[int]] = []
         for group in engine.run(requests):
             assert group[0].finish_reason != "error", group[0].error
             generated += sum(len(c.token_ids) for c in group)
-            lengths[group[0].request.record.index] = len(group[0].token_ids)
             tokens[group[0].request.record.index] = list(group[0].token_ids)
             stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
-        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "lengths": lengths, "tokens": tokens}
+        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens}
         if steps is not None:
             path += "-json-schema"
             extra["grammar_compile_s"] = round(steps.grammars.compile_seconds, 4)
@@ -141,7 +139,8 @@ class Bench:
         """The workload under its schema, then as free text capped request by request at the constrained answer's
         length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks."""
         constrained = self.cbgen(workload, order, constrained=True)
-        free = Workload(workload.name, workload.prompts, workload.max_new_tokens, caps=constrained.extra["lengths"])
+        caps = [len(tokens) for tokens in constrained.extra["tokens"]]
+        free = Workload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
         return [self.cbgen(free, order), constrained]
 
     def generate_batch(self, workload: Workload) -> Measurement:
@@ -180,7 +179,6 @@ class Bench:
         seconds = time.perf_counter() - start
         return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated)
-
 
     def llamacpp(self, workload: Workload, gguf, parallel: int, reference: Measurement | None = None) -> Measurement:
         """The workload's token ids through llama.cpp (`gguf`), at most `parallel` sequences at a time, each stopping

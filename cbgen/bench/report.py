@@ -30,7 +30,7 @@ def summarise(results: list[Measurement], flops_per_token: float, peak_flops: fl
             # time per generated token, against cbgen's: for paths whose outputs differ in length (a schema)
             "token_time_vs_cbgen": (round(m.seconds / m.generated_tokens / (cbgen_time[m.workload] / cbgen_tokens[
                 m.workload]), 2) if m.workload in cbgen_time and m.generated_tokens else None),
-            **{k: v for k, v in m.extra.items() if k not in ("cb", "lengths", "tokens")},
+            **{k: v for k, v in m.extra.items() if k not in ("cb", "tokens")},
             "mfu": round(m.total_tokens_per_s * flops_per_token / peak_flops, 4),
         })
     return rows

@@ -18,7 +18,6 @@ class BatchingField:
     help: str
 
 
-
 BATCHING_FIELDS: dict[str, BatchingField] = {
     "page_size": BatchingField(
         int, 256, "Tokens per KV-cache page (at least 4). Smaller pages waste less memory on short requests; larger "

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cbgen.config import ModelSection
+from cbgen.config.cpu import cpu_row
 from cbgen.errors import CbgenError, debug_enabled
 from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
@@ -19,11 +20,6 @@ from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_pat
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-def cpu_dtype() -> str:
-    """What --dtype auto picks on this CPU: its row of the CPU-kind table (cbgen.config.cpu)."""
-    from cbgen.config.cpu import cpu_row
-
-    return cpu_row().dtype
 
 
 def resolve_device(device: str) -> str:
@@ -39,7 +35,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         return _DTYPES[dtype]
     if device == "cuda":
         return torch.bfloat16
-    return _DTYPES[cpu_dtype()]
+    return _DTYPES[cpu_row().dtype]  # on CPU: the CPU-kind table's (cbgen.config.cpu)
 
 
 PER_SEQUENCE = "per-sequence"  # cbgen's CPU attention for continuous batching (cbgen.attention), on top of sdpa
