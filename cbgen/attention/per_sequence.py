@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cbgen.attention import support
-from cbgen.attention.paged_decode import decode_kv, padded_positions
+from cbgen.attention.paged_decode import PageRead, decode_kv, padded_positions
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
 
 # Keyword arguments the engine or the supported models pass that do not change what attention computes. Any other
@@ -168,13 +168,13 @@ def per_sequence_sdpa_forward(
                      is_causal=is_causal, position_bias=position_bias, cache=cache, **kwargs)
 
     num_tokens = query.shape[2]
-    padded = None
+    read = None
     if all(length == 1 for length in batch.q_lengths) and len(batch.q_lengths) == num_tokens:
         # a decode step: the new KV written as the stock update does, each request's KV read from its own page
-        padded = decode_kv(cache, module.layer_idx, key, value, batch.k_starts, batch.k_lengths, kwargs)
-    if padded is not None:
+        read = decode_kv(cache, module.layer_idx, key, value, batch.k_starts, batch.k_lengths, kwargs)
+    if read is not None:
         out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
-        _attend_decode(query, key, value, batch, list(range(num_tokens)), scaling, out, padded)
+        _attend_decode(query, key, value, batch, list(range(num_tokens)), scaling, out, read)
         return out.unsqueeze(0), None
 
     # Same cache update as the stock function: writes the new KV and returns each request's past + new KV, packed
@@ -205,47 +205,54 @@ def _attend_decode(
     requests: list[int],
     scaling: float | None,
     out: torch.Tensor,
-    padded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    read: PageRead | None = None,
 ) -> None:
     """All single-token queries at once: batch = requests, each over its own keys (padded to the longest, masked).
-    `padded`: the requests' keys and values already padded ([B, kv_heads, longest, dim], cbgen.attention.paged_decode);
-    else they are gathered here from the packed `key` and `value`.
+    `read`: the requests' keys and values as read from the cache pages (cbgen.attention.paged_decode); else they are
+    gathered here from the packed `key` and `value`.
 
     The query heads that share a KV head become that head's query rows ([B, kv_heads, group, dim]), so GQA needs no
     copy of the keys and SDPA keeps its fast path (measured faster on CPU than `enable_gqa=True` for one token).
     """
     num_heads, num_kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[-1]
-    group = num_heads // num_kv_heads
     n = len(requests)
     q_rows = [batch.q_starts[i] for i in requests]
-    k_starts = [batch.k_starts[i] for i in requests]
     k_lengths = [batch.k_lengths[i] for i in requests]
     longest = max(k_lengths)
-    equal = all(length == longest for length in k_lengths)
+    if read is None:
+        read = PageRead(*_gather_padded(key, value, [batch.k_starts[i] for i in requests], k_lengths, longest),
+                        None, "packed")
     contiguous_rows = q_rows == list(range(q_rows[0], q_rows[0] + n))
-    k, v = padded if padded is not None else _gather_padded(key, value, k_starts, k_lengths, longest)
-
-    mask = None
-    window_binds = batch.window is not None and longest > batch.window
-    if not equal or window_binds:
-        positions = torch.arange(longest)[None, :]
-        lengths = torch.tensor(k_lengths)[:, None]
-        keep = positions < lengths
-        if window_binds:
-            keep &= positions >= lengths - batch.window
-        mask = keep[:, None, None, :].to(query.device)  # [B, 1, 1, keys], shared by every head
-
     if contiguous_rows:
         q = query[0, :, q_rows[0] : q_rows[0] + n]  # [heads, B, dim]
     else:
         q = query[0].index_select(1, torch.tensor(q_rows, device=query.device))
-    q = q.transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
-    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [B, kv_heads, group, dim]
-    attended = attended.reshape(n, num_heads, -1)
+    q = q.transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    lengths = torch.tensor(k_lengths)
+    if read.rows is not None:  # rows of pages no request owns: a zero query, attending their whole length
+        q = q.new_zeros(read.keys.shape[0], *q.shape[1:]).index_copy_(0, read.rows, q)
+        lengths = torch.full((read.keys.shape[0],), longest).index_copy_(0, read.rows.cpu(), lengths)
+    mask = _decode_mask(lengths, longest, batch.window, query.device)
+    attended = F.scaled_dot_product_attention(q, read.keys, read.values, attn_mask=mask, scale=scaling)
+    if read.rows is not None:
+        attended = attended.index_select(0, read.rows)
+    attended = attended.reshape(n, num_heads, -1)  # from [B, kv_heads, group, dim]
     if contiguous_rows:
         out[q_rows[0] : q_rows[0] + n] = attended
     else:
         out.index_copy_(0, torch.tensor(q_rows, device=out.device), attended)
+
+
+def _decode_mask(lengths: torch.Tensor, longest: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[B, 1, 1, keys] keeping each row's own keys (and only its window's), or None when every key is kept."""
+    window_binds = window is not None and longest > window
+    if bool((lengths == longest).all()) and not window_binds:
+        return None
+    positions = torch.arange(longest)[None, :]
+    keep = positions < lengths[:, None]
+    if window_binds:
+        keep &= positions >= lengths[:, None] - window
+    return keep[:, None, None, :].to(device)  # shared by every head
 
 
 def _gather_padded(key: torch.Tensor, value: torch.Tensor, k_starts: list[int], k_lengths: list[int],

@@ -61,9 +61,9 @@ class ModelSection:
         True, "Use (and fill) the converted-GGUF cache; off dequantizes the GGUF file on every run.")
     onednn_linear: bool = setting(
         False, "On CPU, run the float32 linear layers through oneDNN with prepacked weights instead of torch's "
-        "default (MKL): faster on AVX2 CPUs (1.06-1.22x a whole job here, 2.6x on the vocabulary projection) at the cost "
-        "of a second copy of the weights, and each row's result no longer depends on its batch. Sums run in another "
-        "order, so a greedy token can differ from the default path at a near-tie.")
+        "default (MKL): faster on AVX2 CPUs (1.06-1.22x a whole job here, 2.6x on the vocabulary projection) at the "
+        "cost of a second copy of the weights, and each row's result no longer depends on its batch. Sums run in "
+        "another order, so a greedy token can differ from the default path at a near-tie.")
     tp_size: int = setting(
         1, "Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m cbgen run "
         "... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress. A "

@@ -87,23 +87,21 @@ def batches(monkeypatch) -> list[attention._Batch]:
 
 @pytest.fixture
 def page_reads(monkeypatch) -> list[str]:
-    """How each decode call read its keys: "pages" (whole rows of each request's page), "rows" (token rows of
-    requests that span pages) or "stock" (the stock update; cbgen.attention.paged_decode returned None)."""
+    """How each decode call read its keys (cbgen.attention.paged_decode.PageRead.kind): "in place" (views of the
+    requests' range of blocks; "in place, reordered" when their rows are not in the requests' order, "in place, with
+    gaps" when the range also has blocks of no request), "pages" (a gather of whole pages' rows), "rows" (token rows
+    of requests that span pages), or "stock" (the stock update: decode_kv returned None)."""
     seen: list[str] = []
-    read, pages = attention.decode_kv, paged_decode._pages
-
-    def recording_pages(*args, **kwargs):
-        found = pages(*args, **kwargs)
-        seen.append("pages" if found is not None else "rows")
-        return found
+    read = attention.decode_kv
 
     def recording(*args, **kwargs):
-        padded = read(*args, **kwargs)
-        if padded is None:
-            seen.append("stock")
-        return padded
+        found = read(*args, **kwargs)
+        kind = "stock" if found is None else found.kind
+        if found is not None and found.rows is not None:
+            kind += ", with gaps" if found.keys.shape[0] > found.rows.numel() else ", reordered"
+        seen.append(kind)
+        return found
 
-    monkeypatch.setattr(paged_decode, "_pages", recording_pages)
     monkeypatch.setattr(attention, "decode_kv", recording)
     return seen
 
@@ -161,6 +159,42 @@ def test_decode_read_from_pages_matches_stock(llama, batches, page_reads):
     # padded to the longest, and the rows past a shorter request's end are masked
     assert_same_as_stock(llama, prompts(7, 19, 33, 40), page_size=64)
     assert any(is_padded_decode(b) for b in batches)
+    # the engine hands out blocks from the top of its free list: the batch's rows run backwards through the range
+    assert page_reads and set(page_reads) == {"in place, reordered"}
+
+
+def test_one_request_attends_its_page_in_place(llama, page_reads):
+    assert_same_as_stock(llama, prompts(33), page_size=64)
+    assert page_reads and set(page_reads) == {"in place"}
+
+
+def test_rows_out_of_order_and_gaps_attend_as_the_packed_keys():
+    # a range of blocks read in place can run in another order than the batch and hold blocks of no request (a
+    # finished request's): those rows get a zero query and are dropped; each request's output is what it gets from its
+    # own keys gathered out of the packed read-back (to SDPA's rounding, which moves with a row's place in the batch)
+    torch.manual_seed(0)
+    kv_heads, group, dim, lengths = 2, 2, 8, [5, 9, 7]
+    starts = [0, 5, 14]
+    query = torch.randn(1, kv_heads * group, len(lengths), dim)
+    key, value = torch.randn(1, kv_heads, sum(lengths), dim), torch.randn(1, kv_heads, sum(lengths), dim)
+    batch = attention._Batch([0, 1, 2], [1, 1, 1], starts, lengths, None)
+    expected = query.new_empty(len(lengths), kv_heads * group, dim)
+    attention._attend_decode(query, key, value, batch, [0, 1, 2], None, expected)
+
+    rows = torch.tensor([3, 0, 4])  # rows 1 and 2: blocks of no request, stale values
+    keys, values = torch.randn(5, kv_heads, max(lengths), dim), torch.randn(5, kv_heads, max(lengths), dim)
+    for row, start, length in zip(rows.tolist(), starts, lengths):
+        keys[row, :, :length] = key[0, :, start : start + length]
+        values[row, :, :length] = value[0, :, start : start + length]
+    got = query.new_empty(len(lengths), kv_heads * group, dim)
+    read = paged_decode.PageRead(keys, values, rows, "in place")
+    attention._attend_decode(query, key, value, batch, [0, 1, 2], None, got, read)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_scattered_pages_are_gathered(llama, page_reads, monkeypatch):
+    monkeypatch.setattr(paged_decode, "_SPAN_PER_REQUEST", 0)  # no range is compact enough
+    assert_same_as_stock(llama, prompts(7, 19, 33, 40), page_size=64)
     assert page_reads and set(page_reads) == {"pages"}
 
 
