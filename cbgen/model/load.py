@@ -173,5 +173,9 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
     model.eval()
     if settings.onednn_linear:
         _use_onednn(model, device, dtype, tp)
+    elif device == "cpu" and dtype == torch.float32 and tp is None:
+        from cbgen.model.linear import chunk_vocab_projection
+
+        chunk_vocab_projection(model)
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)

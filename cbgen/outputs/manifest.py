@@ -94,9 +94,11 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
     """Writes run.json beside the shards."""
     model = {"name": summary.model}
     if loaded is not None:
+        from cbgen.model.linear import linear_kind
+
         model |= {"device": loaded.device, "dtype": str(loaded.dtype).removeprefix("torch."),
                   "attn_implementation": loaded.attn_implementation, "cache": loaded.cache,
-                  "random_weights": loaded.random_weights}
+                  "random_weights": loaded.random_weights, "linear": linear_kind(loaded.model)}
     manifest = {
         "format": FORMAT,
         "cbgen_version": __version__,

@@ -1,6 +1,7 @@
-"""--onednn-linear: float32 linear layers through oneDNN's prepacked matmul give the stock results to rounding, each
-row's result independent of how many rows share the matmul, and the same greedy tokens through the engine as through
-model.generate."""
+"""cbgen.model.linear: the vocabulary projection in column chunks is bitwise the plain matmul, and is switched on only
+where a probe finds it so; --onednn-linear: float32 linear layers through oneDNN's prepacked matmul give the stock
+results to rounding, each row's result independent of how many rows share the matmul, and the same greedy tokens
+through the engine as through model.generate."""
 
 from __future__ import annotations
 
@@ -10,14 +11,37 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from cbgen.cli import run_cli
-from cbgen.model.linear import use_onednn_linear
+import cbgen.model.linear as linear
+from cbgen.model.linear import chunk_vocab_projection, linear_kind, use_onednn_linear
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(vocab_size: int = 500) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=2, vocab_size=500, max_position_embeddings=256)
+                         num_hidden_layers=2, vocab_size=vocab_size, max_position_embeddings=256)
     return LlamaForCausalLM(config).eval()
+
+
+def test_vocabulary_chunks_are_bitwise_the_plain_projection():
+    model = tiny_llama(vocab_size=3 * linear.VOCAB_CHUNK + 123)  # a last chunk shorter than the others
+    head = model.lm_head
+    inputs = {rows: torch.randn(1, rows, 64) for rows in (1, 2, 64, linear.CHUNK_ROWS, 300)}
+    with torch.no_grad():
+        plain = {rows: head(x) for rows, x in inputs.items()}
+        assert linear_kind(model) == "stock"
+        assert chunk_vocab_projection(model)
+        assert linear_kind(model) == f"stock, vocabulary in {linear.VOCAB_CHUNK}-column chunks"
+        for rows, x in inputs.items():
+            assert torch.equal(head(x), plain[rows])
+
+
+def test_vocabulary_chunks_stay_off_where_the_probe_finds_a_difference(monkeypatch):
+    model = tiny_llama(vocab_size=3 * linear.VOCAB_CHUNK)
+    chunked = linear._chunked
+    monkeypatch.setattr(linear, "_chunked", lambda rows, weight: chunked(rows, weight) * (1 + 2**-20))
+    assert not chunk_vocab_projection(model)
+    assert linear_kind(model) == "stock" and "forward" not in vars(model.lm_head)
+    assert not chunk_vocab_projection(tiny_llama(vocab_size=500))  # too small a vocabulary to gain anything
 
 
 def test_linear_layers_match_stock_and_rows_do_not_depend_on_the_batch():
@@ -55,6 +79,17 @@ def test_run_with_onednn_linear_records_it(tiny_model_dir, tmp_path):
                     "--device", "cpu", "--max-new-tokens", "4", "--onednn-linear", "-q"]) == 0
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["config"]["model"]["onednn_linear"] is True and manifest["counts"]["succeeded"] == 4
+    assert manifest["model"]["linear"] == "onednn"
+
+
+def test_run_records_the_chunked_vocabulary_projection(tiny_model_dir, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9, 10]}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    assert run_cli(["run", str(source), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
+                    "--device", "cpu", "--max-new-tokens", "4", "-q"]) == 0
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["model"]["linear"] == f"stock, vocabulary in {linear.VOCAB_CHUNK}-column chunks"
 
 
 def test_onednn_linear_refuses_bfloat16(tiny_model_dir, tmp_path, capsys):
