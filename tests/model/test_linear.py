@@ -10,8 +10,8 @@ import json
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from cbgen.cli import run_cli
 import cbgen.model.linear as linear
+from cbgen.cli import run_cli
 from cbgen.model.linear import chunk_vocab_projection, linear_kind, use_onednn_linear
 
 
