@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
+from cbgen.attention.pass_memo import watch
 from cbgen.attention.per_sequence import per_sequence_sdpa_forward
 from cbgen.attention.support import cpu_attention_available, cpu_attention_unavailable_reason, installed
 
@@ -53,5 +54,9 @@ def per_sequence_attention(model: torch.nn.Module, *, required: bool = False) ->
         logger.info("per-sequence attention not used: %s", reason)
         yield False
         return
-    with installed("sdpa", per_sequence_sdpa_forward):
-        yield True
+    unwatch = watch(model)
+    try:
+        with installed("sdpa", per_sequence_sdpa_forward):
+            yield True
+    finally:
+        unwatch()

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from cbgen.attention.pass_memo import remembered
 from cbgen.attention.support import FULL_ATTENTION
 
 
@@ -70,6 +71,13 @@ def _pages(read_index: torch.Tensor, k_starts: list[int], k_lengths: list[int], 
     if bool(((first % page) != 0).any()) or not torch.equal(last - first, lengths - 1):
         return None
     return first // page
+
+
+def _where(allocator: Any, read_index: torch.Tensor, k_starts: list[int], k_lengths: list[int]) -> tuple[Any, Any]:
+    """(each request's page or None, the range of blocks to read in place or None): the same for every layer of the
+    allocator in a forward pass."""
+    pages = _pages(read_index, k_starts, k_lengths, allocator.tokens_per_page)
+    return pages, None if pages is None else _span(allocator, pages, len(k_starts))
 
 
 def _span(allocator: Any, pages: torch.Tensor, n: int) -> tuple[int, int, int, torch.Tensor | None] | None:
@@ -118,7 +126,8 @@ def decode_kv(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor
     if read_index.numel() < k_starts[-1] + k_lengths[-1] or write_index.numel() != len(k_starts):
         return None
     page = allocator.tokens_per_page
-    pages = _pages(read_index, k_starts, k_lengths, page)
+    pages, span = remembered(("pages", id(allocator), id(read_index)),
+                             lambda: _where(allocator, read_index, k_starts, k_lengths))
     k_cache, v_cache = allocator._kv_token_views[layer_idx]
     k_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
     v_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
@@ -133,7 +142,6 @@ def decode_kv(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor
     whole = k_cache.shape[0] // page * page
     by_page = [cached[:whole].view(-1, page, *cached.shape[1:])[:, :longest].permute(0, 2, 1, 3)
                for cached in (k_cache, v_cache)]
-    span = _span(allocator, pages, len(k_starts))
     if span is not None:
         # SDPA reads the range of blocks where their pages lie: no copy
         low, high, stride, rows = span

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from cbgen.attention import support
 from cbgen.attention.paged_decode import PageRead, decode_kv, padded_positions
+from cbgen.attention.pass_memo import remembered
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
 
 # Keyword arguments the engine or the supported models pass that do not change what attention computes. Any other
@@ -64,7 +65,8 @@ def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | Non
 
 
 def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> _Batch | None:
-    """Reads the packed layout from the engine's arguments, or None when the call is not one this path handles."""
+    """Reads the packed layout from the engine's arguments, or None when the call is not one this path handles.
+    Worked out once per forward pass and layer type (cbgen.attention.pass_memo)."""
     config = getattr(module, "config", None)
     layer_idx = getattr(module, "layer_idx", None)
     if config is None or not isinstance(layer_idx, int):
@@ -76,13 +78,21 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwarg
     requested = kwargs.get("sliding_window")
     if requested is not None and requested != getattr(config, "sliding_window", None):
         return None
+    memo_key = ("plan", id(config), layer_type, window, query.shape[2], id(kwargs.get("cu_seq_lens_q")),
+                id(kwargs.get("cu_seq_lens_k")), id(kwargs.get("position_ids")))
+    return remembered(memo_key, lambda: _layout(config, layer_type, window, query.shape[2], kwargs))
+
+
+def _layout(config: Any, layer_type: str, window: int | None, num_tokens: int, kwargs: dict[str, Any]) -> _Batch | None:
+    """The batch's layout for the layers of one type, from the engine's arguments (the same for every such layer of a
+    forward pass)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if isinstance(cu_k, dict):
         cu_k = cu_k.get(layer_type)
     if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor) or cu_q.shape != cu_k.shape:
         return None
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
-    if bounds_q[0] != 0 or bounds_k[0] != 0 or bounds_q[-1] > query.shape[2]:
+    if bounds_q[0] != 0 or bounds_k[0] != 0 or bounds_q[-1] > num_tokens:
         return None
     batch = _Batch([], [], [], [], window)
     for i in range(len(bounds_q) - 1):
@@ -228,11 +238,10 @@ def _attend_decode(
     else:
         q = query[0].index_select(1, torch.tensor(q_rows, device=query.device))
     q = q.transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    lengths = torch.tensor(k_lengths)
     if read.rows is not None:  # rows of pages no request owns: a zero query, attending their whole length
         q = q.new_zeros(read.keys.shape[0], *q.shape[1:]).index_copy_(0, read.rows, q)
-        lengths = torch.full((read.keys.shape[0],), longest).index_copy_(0, read.rows.cpu(), lengths)
-    mask = _decode_mask(lengths, longest, batch.window, query.device)
+    memo_key = ("decode mask", id(batch), tuple(requests), id(read.rows), read.keys.shape[0])
+    mask = remembered(memo_key, lambda: _decode_mask(k_lengths, read, longest, batch.window, query.device))
     attended = F.scaled_dot_product_attention(q, read.keys, read.values, attn_mask=mask, scale=scaling)
     if read.rows is not None:
         attended = attended.index_select(0, read.rows)
@@ -243,8 +252,13 @@ def _attend_decode(
         out.index_copy_(0, torch.tensor(q_rows, device=out.device), attended)
 
 
-def _decode_mask(lengths: torch.Tensor, longest: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """[B, 1, 1, keys] keeping each row's own keys (and only its window's), or None when every key is kept."""
+def _decode_mask(k_lengths: list[int], read: PageRead, longest: int, window: int | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """[rows, 1, 1, keys] keeping each row's own keys (and only its window's), or None when every key is kept. Rows
+    of no request keep all theirs."""
+    lengths = torch.tensor(k_lengths)
+    if read.rows is not None:
+        lengths = torch.full((read.keys.shape[0],), longest).index_copy_(0, read.rows.cpu(), lengths)
     window_binds = window is not None and longest > window
     if bool((lengths == longest).all()) and not window_binds:
         return None

@@ -284,3 +284,25 @@ def test_unusual_calls_are_handed_to_stock(llama):
     ours, _ = per_sequence_sdpa_forward(module, query, key, value, None, scaling=0.25, is_causal=True)
     stock, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25, is_causal=True)
     assert torch.equal(ours, stock)
+
+
+def test_the_batch_layout_is_worked_out_once_per_forward_pass(llama, monkeypatch):
+    layouts, passes = [], []
+    layout = attention._layout
+    monkeypatch.setattr(attention, "_layout", lambda *args: layouts.append(1) or layout(*args))
+    with per_sequence_attention(llama, required=True):
+        counting = llama.register_forward_pre_hook(lambda *_: passes.append(1))
+        try:
+            generate(llama, prompts(7, 19, 33, 40), page_size=64)
+        finally:
+            counting.remove()
+    assert passes and len(layouts) == len(passes)  # one plan per pass, for both layers
+    assert not llama._forward_pre_hooks and not llama._forward_hooks  # the memo's hooks are gone with the block
+
+
+def test_nothing_is_remembered_outside_a_forward_pass():
+    from cbgen.attention.pass_memo import remembered
+
+    calls = []
+    assert remembered("k", lambda: calls.append(1) or len(calls)) == 1
+    assert remembered("k", lambda: calls.append(1) or len(calls)) == 2
