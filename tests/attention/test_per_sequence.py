@@ -219,6 +219,16 @@ def test_full_and_sliding_layers_in_one_model_match_stock(tmp_path, batches):
     assert {b.window for b in batches} == {None, 24}
 
 
+def test_full_layers_of_a_hybrid_model_read_their_pages_in_place(tmp_path, page_reads):
+    # the full-attention allocator's blocks hold its one layer only: its pages come every 2 pages, not every 6
+    config = Qwen2Config(num_hidden_layers=3, sliding_window=24, use_sliding_window=True, max_window_layers=1, **SHAPE)
+    model = load(Qwen2ForCausalLM, config, tmp_path)
+    assert_same_as_stock(model, prompts(5, 41, 77, 99), max_batch_tokens=32, page_size=128)
+    assert any(kind.startswith("in place") for kind in page_reads)
+    # stock: the sliding layers; pages: steps where the few requests left hold blocks too far apart for a range
+    assert set(page_reads) <= {"in place", "in place, reordered", "pages", "stock"}
+
+
 def test_stock_attention_is_restored_and_plain_generate_unchanged(llama):
     stock = AttentionInterface()["sdpa"]
     inputs = torch.tensor(prompts(12, 12))
