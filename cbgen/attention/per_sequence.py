@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cbgen.attention import support
-from cbgen.attention.paged_decode import PageRead, decode_kv, padded_positions
+from cbgen.attention.paged_decode import PageRead, layer_cache, padded_positions, read_requests
 from cbgen.attention.pass_memo import remembered
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
 
@@ -178,33 +178,50 @@ def per_sequence_sdpa_forward(
                      is_causal=is_causal, position_bias=position_bias, cache=cache, **kwargs)
 
     num_tokens = query.shape[2]
-    read = None
-    if all(length == 1 for length in batch.q_lengths) and len(batch.q_lengths) == num_tokens:
-        # a decode step: the new KV written as the stock update does, each request's KV read from its own page
-        read = decode_kv(cache, module.layer_idx, key, value, batch.k_starts, batch.k_lengths, kwargs)
-    if read is not None:
-        out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
-        _attend_decode(query, key, value, batch, list(range(num_tokens)), scaling, out, read)
+    out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
+    if sum(batch.q_lengths) < num_tokens:
+        out.zero_()  # padding tokens: never read, but keep them finite
+    # single-token queries with a past (decode) are attended together; every other query chunk on its own
+    decode = [i for i, (q, k) in enumerate(zip(batch.q_lengths, batch.k_lengths)) if q == 1 and k > 1]
+    chunks = [i for i, (q, k) in enumerate(zip(batch.q_lengths, batch.k_lengths)) if q > 1 or k == 1]
+    # the packed read-back is empty when no request has a past (the engine skips it then)
+    read_end = batch.k_starts[-1] + batch.k_lengths[-1] if batch.k_lengths != batch.q_lengths else 0
+    layer = layer_cache(cache, module.layer_idx, kwargs, read_end, num_tokens)
+    if layer is None:
+        _attend_packed(query, key, value, batch, decode, chunks, scaling, out, cache.update(
+            key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs))
         return out.unsqueeze(0), None
+    # The new KV written as the stock update does, without its packed read-back: single-token requests read their
+    # cache pages (cbgen.attention.paged_decode), a fresh prompt chunk attends its own new KV, a later chunk reads its
+    # rows of the cache
+    layer.write(key, value)
+    if decode:
+        read = read_requests(layer, [batch.k_starts[i] for i in decode], [batch.k_lengths[i] for i in decode],
+                             key.device)
+        _attend_decode(query, key, value, batch, decode, scaling, out, read)
+    for i in chunks:
+        k, v = layer.read_chunk(key, value, batch.q_starts[i], batch.q_lengths[i], batch.k_starts[i],
+                                batch.k_lengths[i])
+        _attend_chunk(query, k, v, batch, i, scaling, out)
+    return out.unsqueeze(0), None
 
-    # Same cache update as the stock function: writes the new KV and returns each request's past + new KV, packed
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+
+def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch, decode: list[int],
+                   chunks: list[int], scaling: float | None, out: torch.Tensor,
+                   packed: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Every request over the stock update's packed read-back (each request's past + new KV, request by request):
+    the path of layers whose cache this module does not read itself (sliding-window layers, an unexpected layout)."""
+    key, value = packed
     if batch.k_starts[-1] + batch.k_lengths[-1] > key.shape[2]:
         raise RuntimeError(
             f"per-sequence attention: the paged cache returned {key.shape[2]} keys for cumulative key lengths that "
             f"end at {batch.k_starts[-1] + batch.k_lengths[-1]}; run without cbgen's per-sequence attention"
         )
-
-    out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
-    if sum(batch.q_lengths) < num_tokens:
-        out.zero_()  # padding tokens: never read, but keep them finite
-    decode = [i for i, length in enumerate(batch.q_lengths) if length == 1]
     if decode:
         _attend_decode(query, key, value, batch, decode, scaling, out)
-    for i, q_length in enumerate(batch.q_lengths):
-        if q_length > 1:
-            _attend_chunk(query, key, value, batch, i, scaling, out)
-    return out.unsqueeze(0), None
+    for i in chunks:
+        span = slice(batch.k_starts[i], batch.k_starts[i] + batch.k_lengths[i])
+        _attend_chunk(query, key[:, :, span], value[:, :, span], batch, i, scaling, out)
 
 
 def _attend_decode(
@@ -288,19 +305,18 @@ def _gather_padded(key: torch.Tensor, value: torch.Tensor, k_starts: list[int], 
 
 def _attend_chunk(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     batch: _Batch,
     request: int,
     scaling: float | None,
     out: torch.Tensor,
 ) -> None:
-    """One request's query chunk over its cached prefix and itself, causal within the chunk."""
+    """One request's query chunk over its cached prefix and itself (`k`, `v`: [1, kv_heads, its keys, dim]), causal
+    within the chunk."""
     q_start, q_length = batch.q_starts[request], batch.q_lengths[request]
-    k_start, k_length = batch.k_starts[request], batch.k_lengths[request]
+    k_length = batch.k_lengths[request]
     q = query[:, :, q_start : q_start + q_length]
-    k = key[:, :, k_start : k_start + k_length]
-    v = value[:, :, k_start : k_start + k_length]
     past = k_length - q_length  # the chunk's queries are the last q_length keys
     window = batch.window
     if past == 0 and (window is None or q_length <= window):

@@ -87,22 +87,30 @@ def batches(monkeypatch) -> list[attention._Batch]:
 
 @pytest.fixture
 def page_reads(monkeypatch) -> list[str]:
-    """How each decode call read its keys (cbgen.attention.paged_decode.PageRead.kind): "in place" (views of the
-    requests' range of blocks; "in place, reordered" when their rows are not in the requests' order, "in place, with
-    gaps" when the range also has blocks of no request), "pages" (a gather of whole pages' rows), "rows" (token rows
-    of requests that span pages), or "stock" (the stock update: decode_kv returned None)."""
+    """How each call's single-token requests read their keys (cbgen.attention.paged_decode.PageRead.kind): "in place"
+    (views of the requests' range of blocks; "in place, reordered" when their rows are not in the requests' order,
+    "in place, with gaps" when the range also has blocks of no request), "pages" (a gather of whole pages' rows),
+    "rows" (token rows of requests that span pages), or "stock" (the layer took the stock update: layer_cache
+    returned None)."""
     seen: list[str] = []
-    read = attention.decode_kv
+    read, layer_cache = attention.read_requests, attention.layer_cache
 
     def recording(*args, **kwargs):
         found = read(*args, **kwargs)
-        kind = "stock" if found is None else found.kind
-        if found is not None and found.rows is not None:
+        kind = found.kind
+        if found.rows is not None:
             kind += ", with gaps" if found.keys.shape[0] > found.rows.numel() else ", reordered"
         seen.append(kind)
         return found
 
-    monkeypatch.setattr(attention, "decode_kv", recording)
+    def recording_layer(*args, **kwargs):
+        found = layer_cache(*args, **kwargs)
+        if found is None:
+            seen.append("stock")
+        return found
+
+    monkeypatch.setattr(attention, "read_requests", recording)
+    monkeypatch.setattr(attention, "layer_cache", recording_layer)
     return seen
 
 
@@ -147,11 +155,20 @@ def test_equal_length_decode_matches_stock(llama, batches):
     assert any(set(b.q_lengths) == {1} and len(set(b.k_lengths)) == 1 for b in batches)
 
 
-def test_chunked_prefill_and_mixed_batches_match_stock(llama, batches):
-    assert_same_as_stock(llama, prompts(5, 26, 47, 68, 89, 110, 131, 150), max_batch_tokens=64)
+def test_chunked_prefill_and_mixed_batches_match_stock(llama, batches, page_reads):
+    assert_same_as_stock(llama, prompts(5, 26, 47, 68, 89, 110, 131, 150), max_batch_tokens=64, page_size=256)
     assert any(is_chunk_after_prefix(b) for b in batches)
     assert any(is_mixed(b) for b in batches)
     assert any(is_padded_decode(b) for b in batches)
+    # no packed read-back: the decode requests of mixed steps read their pages, later chunks their cache rows
+    assert page_reads and "stock" not in page_reads
+
+
+def test_one_token_prompts_beside_longer_ones_match_stock(llama, batches, page_reads):
+    # a one-token prompt's first step is a single query without a past: a chunk of its own, not a decode
+    assert_same_as_stock(llama, prompts(1, 7, 1, 19), page_size=64)
+    assert any(1 in b.q_lengths and 1 in b.k_lengths for b in batches)
+    assert page_reads and "stock" not in page_reads
 
 
 def test_decode_read_from_pages_matches_stock(llama, batches, page_reads):
