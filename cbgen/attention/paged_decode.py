@@ -59,7 +59,9 @@ class PageRead:
     keys: torch.Tensor
     values: torch.Tensor
     rows: torch.Tensor | None  # request i's row in keys and values; None: row i
-    kind: str  # "in place" (views of the pages' range), "pages" (a gather of whole pages' rows), "rows" (token rows)
+    # "in place" (views of the pages' range), "pages" (a gather of whole pages' rows), "rows" (token rows), "packed"
+    # (gathered from the stock update's packed read-back, by per_sequence)
+    kind: str
 
 
 def _pages(read_index: torch.Tensor, k_starts: list[int], k_lengths: list[int], page: int) -> torch.Tensor | None:

@@ -4,6 +4,7 @@ of a paged continuous batch to its own keys only (see cbgen.attention for why an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -46,6 +47,29 @@ class _Batch:
     k_starts: list[int]
     k_lengths: list[int]
     window: int | None  # sliding window of this layer, as the stock mask applies it, or None
+
+    # Derived once per batch: the batch is worked out once per forward pass (pass_memo), its layers all read these
+
+    @cached_property
+    def decode(self) -> list[int]:
+        """Single-token queries with a past: attended together."""
+        return [i for i, (q, k) in enumerate(zip(self.q_lengths, self.k_lengths)) if q == 1 and k > 1]
+
+    @cached_property
+    def chunks(self) -> list[int]:
+        """Every other query chunk (a one-token prompt's first step included): attended on its own."""
+        return [i for i, (q, k) in enumerate(zip(self.q_lengths, self.k_lengths)) if q > 1 or k == 1]
+
+    @cached_property
+    def read_end(self) -> int:
+        """Rows of the stock packed read-back the batch reads: none when no request has a past (the engine skips the
+        read-back then)."""
+        return self.k_starts[-1] + self.k_lengths[-1] if self.k_lengths != self.q_lengths else 0
+
+    @cached_property
+    def decode_keys(self) -> tuple[list[int], list[int]]:
+        """The decode requests' starts and lengths in the packed read-back."""
+        return [self.k_starts[i] for i in self.decode], [self.k_lengths[i] for i in self.decode]
 
 
 def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | None:
@@ -181,34 +205,27 @@ def per_sequence_sdpa_forward(
     out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])
     if sum(batch.q_lengths) < num_tokens:
         out.zero_()  # padding tokens: never read, but keep them finite
-    # single-token queries with a past (decode) are attended together; every other query chunk on its own
-    decode = [i for i, (q, k) in enumerate(zip(batch.q_lengths, batch.k_lengths)) if q == 1 and k > 1]
-    chunks = [i for i, (q, k) in enumerate(zip(batch.q_lengths, batch.k_lengths)) if q > 1 or k == 1]
-    # the packed read-back is empty when no request has a past (the engine skips it then)
-    read_end = batch.k_starts[-1] + batch.k_lengths[-1] if batch.k_lengths != batch.q_lengths else 0
-    layer = layer_cache(cache, module.layer_idx, kwargs, read_end, num_tokens)
+    layer = layer_cache(cache, module.layer_idx, kwargs, batch.read_end, num_tokens)
     if layer is None:
-        _attend_packed(query, key, value, batch, decode, chunks, scaling, out, cache.update(
+        _attend_packed(query, key, value, batch, scaling, out, cache.update(
             key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs))
         return out.unsqueeze(0), None
     # The new KV written as the stock update does, without its packed read-back: single-token requests read their
     # cache pages (cbgen.attention.paged_decode), a fresh prompt chunk attends its own new KV, a later chunk reads its
     # rows of the cache
     layer.write(key, value)
-    if decode:
-        read = read_requests(layer, [batch.k_starts[i] for i in decode], [batch.k_lengths[i] for i in decode],
-                             key.device)
-        _attend_decode(query, key, value, batch, decode, scaling, out, read)
-    for i in chunks:
+    if batch.decode:
+        read = read_requests(layer, *batch.decode_keys, key.device)
+        _attend_decode(query, key, value, batch, batch.decode, scaling, out, read)
+    for i in batch.chunks:
         k, v = layer.read_chunk(key, value, batch.q_starts[i], batch.q_lengths[i], batch.k_starts[i],
                                 batch.k_lengths[i])
         _attend_chunk(query, k, v, batch, i, scaling, out)
     return out.unsqueeze(0), None
 
 
-def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch, decode: list[int],
-                   chunks: list[int], scaling: float | None, out: torch.Tensor,
-                   packed: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch, scaling: float | None,
+                   out: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Every request over the stock update's packed read-back (each request's past + new KV, request by request):
     the path of layers whose cache this module does not read itself (sliding-window layers, an unexpected layout)."""
     key, value = packed
@@ -217,9 +234,9 @@ def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             f"per-sequence attention: the paged cache returned {key.shape[2]} keys for cumulative key lengths that "
             f"end at {batch.k_starts[-1] + batch.k_lengths[-1]}; run without cbgen's per-sequence attention"
         )
-    if decode:
-        _attend_decode(query, key, value, batch, decode, scaling, out)
-    for i in chunks:
+    if batch.decode:
+        _attend_decode(query, key, value, batch, batch.decode, scaling, out)
+    for i in batch.chunks:
         span = slice(batch.k_starts[i], batch.k_starts[i] + batch.k_lengths[i])
         _attend_chunk(query, key[:, :, span], value[:, :, span], batch, i, scaling, out)
 
