@@ -92,11 +92,15 @@ def _bitwise_same(weight: torch.Tensor) -> bool:
     return True
 
 
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 def chunk_vocab_projection(model: torch.nn.Module) -> bool:
     """Computes the float32 CPU output projection of `model` in column chunks for decode-sized batches, when it is a
     plain bias-free `nn.Linear` over more than two chunks of vocabulary and the probe finds the result bitwise the
     same as one matmul's. Returns whether it did."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_head(model)
     if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head, "_cbgen_packed"):
         return False
     weight = head.weight
@@ -113,5 +117,6 @@ def linear_kind(model: torch.nn.Module) -> str:
     """How the model's linear layers run, for run.json and bench.json."""
     if uses_onednn_linear(model):
         return "onednn"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return f"stock, vocabulary in {VOCAB_CHUNK}-column chunks" if hasattr(head, "_cbgen_chunked") else "stock"
+    if hasattr(_output_head(model), "_cbgen_chunked"):
+        return f"stock, vocabulary in {VOCAB_CHUNK}-column chunks"
+    return "stock"
