@@ -14,8 +14,8 @@
 #         $DIR/build/bin/llama-batched-bench -m $DIR/models/SmolLM2-135M-Instruct-f32.gguf -c 13000 -b 2048 \
 #             -ub 512 -npp 128 -ntg 64 -npl 64 -t 2 -tb 2
 #
-# Environment: CBGEN_LLAMACPP_DIR (default: llamacpp in cbgen's cache directory, $CBGEN_CACHE_DIR or ~/.cache/cbgen), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
-# JOBS (default: all cores), PYTHON (default: python).
+# Environment: CBGEN_LLAMACPP_DIR (default: llamacpp in cbgen's cache directory, $CBGEN_CACHE_DIR or ~/.cache/cbgen),
+# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), JOBS (default: all cores), PYTHON (default: python).
 set -euo pipefail
 
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
