@@ -92,3 +92,30 @@ def test_structured_workload_runs_cbgen_with_and_without_its_schema(tiny_model_d
     assert "grammar_compile_s" not in rows["cbgen"]
     # the free-text run is capped, request by request, at the constrained answers' lengths
     assert 0 < rows["cbgen"]["generated_tokens"] <= constrained["generated_tokens"]
+
+
+def test_onednn_path_runs_beside_cbgen_and_compares_its_tokens(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu", "--size", "tiny",
+                    "--workloads", "fixed,structured", "--paths", "cbgen,cbgen-onednn", "-o", str(out)])
+    assert code == 0
+    rows = {(r["workload"], r["path"]): r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert set(rows) == {(w, p) for w in ("fixed", "structured")
+                         for p in ("cbgen", "cbgen-onednn", "cbgen-json-schema", "cbgen-onednn-json-schema")} - {
+        ("fixed", "cbgen-json-schema"), ("fixed", "cbgen-onednn-json-schema")}
+    for (_, path), row in rows.items():
+        assert row["generated_tokens"] > 0
+        assert ("same_tokens_as_cbgen" in row) == path.startswith("cbgen-onednn")
+    assert 0 <= rows["fixed", "cbgen-onednn"]["same_tokens_as_cbgen"] <= 1
+    assert rows["fixed", "cbgen-onednn"]["time_vs_cbgen"] > 0
+
+
+def test_onednn_path_is_skipped_with_its_reason_off_float32(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--device", "cpu", "--size", "tiny",
+                    "--workloads", "fixed", "--paths", "cbgen,cbgen-onednn", "-o", str(out)])
+    assert code == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert {r["path"] for r in data["rows"]} == {"cbgen"}
+    assert "float32 on CPU" in data["meta"]["skipped"]["cbgen-onednn"]
+    assert "cbgen-onednn path skipped" in capsys.readouterr().err

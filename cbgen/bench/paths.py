@@ -2,7 +2,8 @@
 with `model.generate`, measured side by side in one process, model load excluded from all.
 
 Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
-(input order, no gate), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig), `static-B`
+(input order, no gate), `cbgen-onednn` (the `cbgen` path with every float32 linear layer through oneDNN, on the same
+loaded model), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig), `static-B`
 (`model.generate` on left-padded batches of B prompts, in input order) and `llamacpp` (the same token ids through
 llama.cpp: cbgen.bench.llamacpp).
 """
@@ -143,6 +144,23 @@ class Bench:
         free = Workload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
         return [self.cbgen(free, order), constrained]
 
+    def cbgen_onednn(self, workload: Workload, earlier: Sequence[Measurement]) -> list[Measurement]:
+        """The cbgen path with every float32 linear layer through oneDNN (cbgen.model.linear.onednn_linear): weights
+        packed and first calls made before the clock, the model as it was afterwards. Each row adds the share of
+        requests whose greedy tokens equal those of the same path without oneDNN, when it ran earlier on this
+        workload (`earlier`)."""
+        from cbgen.model.linear import onednn_linear
+
+        with onednn_linear(self.loaded.model):
+            self.cbgen(Workload("warm-up", workload.prompts[:8], 4), "input")
+            measured = [self.cbgen(workload)] if workload.schema is None else self.structured(workload)
+        for m in measured:
+            reference = next((r for r in earlier if r.path == m.path and "tokens" in r.extra), None)
+            m.path = m.path.replace("cbgen", "cbgen-onednn", 1)
+            if reference is not None:
+                m.extra["same_tokens_as_cbgen"] = same_share(m.extra["tokens"], reference.extra["tokens"])
+        return measured
+
     def generate_batch(self, workload: Workload) -> Measurement:
         """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
         _, plan, _ = self._plan(workload)
@@ -201,10 +219,15 @@ class Bench:
             engine.close()
         extra: dict[str, Any] = {"gguf": gguf.name, "llamacpp_parallel": min(parallel, n)}
         if reference is not None and "tokens" in reference.extra:
-            same = sum(a == b for a, b in zip(run.tokens, reference.extra["tokens"]))
-            extra["same_tokens_as_cbgen"] = round(same / n, 3)
+            extra["same_tokens_as_cbgen"] = same_share(run.tokens, reference.extra["tokens"])
         return Measurement(workload.name, "llamacpp", run.seconds, n, sum(map(len, workload.prompts)),
                            sum(map(len, run.tokens)), extra)
+
+
+def same_share(tokens: Sequence[list[int]], reference: Sequence[list[int]]) -> float:
+    """The share of requests whose generated tokens are the same in both runs (request by request, in workload
+    order)."""
+    return round(sum(a == b for a, b in zip(tokens, reference)) / max(len(reference), 1), 3)
 
 
 def matmul_flops(dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0, largest: int = 2048) -> float:
@@ -255,6 +278,8 @@ def run_suite(
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
             elif path == "generate_batch":
                 measured = [bench.generate_batch(workload)]
+            elif path == "cbgen-onednn":
+                measured = bench.cbgen_onednn(workload, [m for m in results if m.workload == workload.name])
             elif path == "llamacpp":
                 reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
                 measured = [bench.llamacpp(workload, llamacpp_model, llamacpp_parallel, reference)]

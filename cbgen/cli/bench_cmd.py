@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cbgen.errors import CbgenError
 
-PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "generate_batch", "static", "llamacpp")
+PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-onednn", "generate_batch", "static", "llamacpp")
 
 
 def _split(value: str) -> list[str]:
@@ -90,6 +90,12 @@ def bench(
             skipped["llamacpp"] = reason
             chosen_paths.remove("llamacpp")
             console.print(f"llamacpp path skipped: {reason}", markup=False)
+    if "cbgen-onednn" in chosen_paths:
+        reason = _onednn_unready(loaded)
+        if reason:
+            skipped["cbgen-onednn"] = reason
+            chosen_paths.remove("cbgen-onednn")
+            console.print(f"cbgen-onednn path skipped: {reason}", markup=False)
     console.log(f"measuring the machine's {str(loaded.dtype).removeprefix('torch.')} matmul rate")
     peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
@@ -122,6 +128,21 @@ def _llamacpp_ready(explicit: str | None, loaded):
         return None, "cbgen's llama.cpp build is for the CPU; run it with --device cpu"
     _, reason = bindings()
     return (None, reason) if reason else (gguf, None)
+
+
+def _onednn_unready(loaded) -> str | None:
+    """Why the cbgen-onednn path cannot run on this model and machine, or None."""
+    import torch
+
+    from cbgen.model.linear import onednn_available, uses_onednn_linear
+
+    if loaded.device != "cpu" or loaded.dtype != torch.float32:
+        return "oneDNN's linear layers are for float32 on CPU: add --device cpu --dtype float32"
+    if not onednn_available():
+        return "this torch build has no oneDNN (mkldnn) linear"
+    if uses_onednn_linear(loaded.model):
+        return "--onednn-linear already runs every path through oneDNN"
+    return None
 
 
 def _checked_paths(paths: str, size: str) -> list[str]:

@@ -27,6 +27,8 @@ depend on which requests were batched with it.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -66,6 +68,27 @@ def use_onednn_linear(model: torch.nn.Module) -> int:
 
 def uses_onednn_linear(model: torch.nn.Module) -> bool:
     return any(hasattr(module, "_cbgen_packed") for module in model.modules())
+
+
+@contextmanager
+def onednn_linear(model: torch.nn.Module) -> Iterator[int]:
+    """Every float32 CPU `nn.Linear` of `model` through oneDNN inside the block, and back as it was after it (the
+    chunked vocabulary projection included): how `cbgen bench`'s cbgen-onednn path measures the lever against the
+    default on one loaded model. Yields how many layers it switched; none when the model already runs through
+    oneDNN (--onednn-linear), which the block then leaves alone."""
+    if uses_onednn_linear(model):
+        yield 0
+        return
+    saved = {module: module.__dict__.get("forward") for module in model.modules() if type(module) is torch.nn.Linear}
+    try:
+        yield use_onednn_linear(model)
+    finally:
+        for module, forward in saved.items():
+            module.__dict__.pop("_cbgen_packed", None)
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
 
 
 def _chunked_forward(self, x: torch.Tensor) -> torch.Tensor:

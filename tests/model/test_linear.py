@@ -12,7 +12,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import cbgen.model.linear as linear
 from cbgen.cli import run_cli
-from cbgen.model.linear import chunk_vocab_projection, linear_kind, use_onednn_linear
+from cbgen.model.linear import chunk_vocab_projection, linear_kind, onednn_linear, use_onednn_linear, uses_onednn_linear
 
 
 def tiny_llama(vocab_size: int = 500) -> LlamaForCausalLM:
@@ -55,6 +55,27 @@ def test_linear_layers_match_stock_and_rows_do_not_depend_on_the_batch():
         alone = [model.model.layers[0].mlp.gate_proj(x[i : i + 1]) for i in (0, 17, 36)]
         for row, single in zip((0, 17, 36), alone):
             assert torch.equal(single[0], ours[row])  # bitwise: the row's batch does not change it
+
+
+def test_onednn_block_puts_every_layer_back_as_it_was():
+    """cbgen bench's cbgen-onednn path switches oneDNN on for one path only: afterwards the model computes bitwise what
+    it computed before, its chunked vocabulary projection included."""
+    model = tiny_llama(vocab_size=3 * linear.VOCAB_CHUNK)
+    assert chunk_vocab_projection(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = model(ids).logits
+        with onednn_linear(model) as count:
+            assert count == 15 and uses_onednn_linear(model) and linear_kind(model) == "onednn"
+            assert torch.allclose(model(ids).logits, before, atol=1e-5)
+        assert not uses_onednn_linear(model)
+        assert linear_kind(model) == f"stock, vocabulary in {linear.VOCAB_CHUNK}-column chunks"
+        assert "forward" not in vars(model.model.layers[0].mlp.gate_proj)
+        assert torch.equal(model(ids).logits, before)
+        use_onednn_linear(model)  # a model already on oneDNN (--onednn-linear) is left alone
+        with onednn_linear(model) as count:
+            assert count == 0
+        assert uses_onednn_linear(model)
 
 
 def test_engine_gives_model_generate_tokens_with_onednn_linear():
