@@ -12,16 +12,16 @@ plain matmul on this machine, with the model's own weights, at several row count
 
 torch computes a float32 `nn.Linear` on CPU with MKL's sgemm. On a 2-core AMD EPYC (AVX2), MKL reached 36 GFLOP/s
 on the vocabulary projection of a 64-sequence decode step (64 x 576 x 49,152) where oneDNN, given the weights
-prepacked once into its own layout, reached 101; the MLP projections gained 1.2-1.5x at 1,024 rows. A whole job
-(64 x (128 prompt + 64 new) tokens, the embedded SmolLM2-135M) ran 1.06-1.22x faster in three paired runs (cbgen
-bench, cbgen run, the engine alone), with the same greedy tokens for all 64 requests; cbgen bench's mixed workload
-1.17x (README "Against llama.cpp on an AVX2 CPU").
+prepacked once into its own layout, reached 101; the MLP projections gained 1.2-1.5x at 1,024 rows. Whole jobs of
+the embedded SmolLM2-135M ran 0.98-1.22x as fast: in one `cbgen bench` run of five workloads (path cbgen-onednn,
+README "Against llama.cpp on an AVX2 CPU") 0.98x on the fixed 64 x (128 + 64) one, 1.06-1.11x on the others, with
+the same greedy tokens for all 360 requests.
 
 Two properties differ from the default, which is why it is not: the prepacked weights are a second copy (the
 parameters stay, for tied embeddings and saving), and the sums run in another order than MKL's, so logits differ in
-the last bits and a greedy token can flip at a near-tie. In exchange each row's result no longer depends on how many
-rows share the matmul (measured: bitwise the same for 1 to 1,024 rows; MKL's are not), so a request's tokens do not
-depend on which requests were batched with it.
+the last bits and a greedy token can flip at a near-tie (measured: none in 520 requests). In exchange each row's
+result no longer depends on how many rows share the matmul (measured: bitwise the same for 1 to 1,024 rows; MKL's
+are not), so a request's tokens do not depend on which requests were batched with it.
 """
 
 from __future__ import annotations
