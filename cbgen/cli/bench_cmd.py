@@ -82,20 +82,15 @@ def bench(
         chosen = build_workloads(loaded.tokenizer, size, _split(workloads))
     except ValueError as e:
         raise CbgenError(f"--workloads: {e}") from None
-    skipped: dict[str, str] = {}
-    gguf = None
+    gguf, reasons = None, {}  # why a chosen path cannot run here, or None
     if "llamacpp" in chosen_paths:
-        gguf, reason = _llamacpp_ready(llamacpp_model, loaded)
-        if reason:
-            skipped["llamacpp"] = reason
-            chosen_paths.remove("llamacpp")
-            console.print(f"llamacpp path skipped: {reason}", markup=False)
+        gguf, reasons["llamacpp"] = _llamacpp_ready(llamacpp_model, loaded)
     if "cbgen-onednn" in chosen_paths:
-        reason = _onednn_unready(loaded)
-        if reason:
-            skipped["cbgen-onednn"] = reason
-            chosen_paths.remove("cbgen-onednn")
-            console.print(f"cbgen-onednn path skipped: {reason}", markup=False)
+        reasons["cbgen-onednn"] = _onednn_unready(loaded)
+    skipped = {path: reason for path, reason in reasons.items() if reason}
+    for path, reason in skipped.items():
+        chosen_paths.remove(path)
+        console.print(f"{path} path skipped: {reason}", markup=False)
     console.log(f"measuring the machine's {str(loaded.dtype).removeprefix('torch.')} matmul rate")
     peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
