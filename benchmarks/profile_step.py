@@ -24,6 +24,7 @@ from transformers.generation.continuous_batching import continuous_api as api
 
 from cbgen.bench import Bench, Workload, build_workloads, matmul_flops
 from cbgen.config import ModelSection
+from cbgen.model import dtype_name
 from cbgen.model.load import load_model
 
 BUCKETS = (  # first match wins; operator names as torch.profiler reports them
@@ -115,7 +116,7 @@ def main() -> None:
     fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
     bench.cbgen(Workload("warm-up", fixed.prompts[:8], 4), "input")
     _profiles.clear()
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = dtype_name(loaded.dtype)
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "

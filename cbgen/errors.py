@@ -38,6 +38,15 @@ class RowError(ValueError):
     """A problem with one input row: the row becomes an error record naming it, and the job goes on."""
 
 
+def first_line(message: BaseException | str, limit: int = 300) -> str:
+    """The first line of a message, at most `limit` characters: what a one-line error shows of a library's
+    multi-line one. An exception without any text gives its type's name; an empty string gives ""."""
+    text = str(message).strip()
+    if not text:
+        return type(message).__name__ if isinstance(message, BaseException) else ""
+    return text.splitlines()[0][:limit]
+
+
 def describe_type(value: object) -> str:
     """A JSON-ish name for the type of `value`, for row errors read by people who wrote JSON, not Python."""
     names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",

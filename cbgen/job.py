@@ -211,7 +211,7 @@ class _Run:
         renderer = Renderer(loaded.tokenizer, vocab_size=text_config.vocab_size, raw_prompts=job.input.raw_prompts,
                             max_positions=getattr(text_config, "max_position_embeddings", None),
                             template_kwargs=job.generation.chat_template_kwargs,
-                            finds_calls=self.replies is not None and self.replies.calls)
+                            finds_calls=template is not None and template.calls)
         self.progress.stage("rendering prompts")
         sampling = SamplingPlan.build(job, self.used, text_config.vocab_size)
         steps = StepPlan.build(job, self.used, loaded.tokenizer, text_config.vocab_size,

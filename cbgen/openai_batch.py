@@ -22,7 +22,7 @@ COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 
 
-def _hex(*parts: str, size: int = 12) -> str:
+def stable_hex(*parts: str, size: int = 12) -> str:
     """Stable ids: the same request gets the same ids in a rerun, so outputs compare byte for byte."""
     return hashlib.blake2b("\x1f".join(parts).encode("utf-8"), digest_size=size).hexdigest()
 
@@ -128,7 +128,7 @@ class OutputLine:
         chat = endpoint != COMPLETIONS
         completion_tokens = sum(len(c.token_ids) for c in choices)
         body = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + _hex(custom_id),
+            "id": ("chatcmpl-" if chat else "cmpl-") + stable_hex(custom_id),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()) if created is None else created,
             "model": model,
@@ -154,8 +154,8 @@ class OutputLine:
         return cls(line["custom_id"], response.get("status_code", 500), body)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": f"batch_req_{_hex(self.custom_id, size=16)}", "custom_id": self.custom_id,
-                "response": {"status_code": self.status_code, "request_id": _hex(self.custom_id, "request"),
+        return {"id": f"batch_req_{stable_hex(self.custom_id, size=16)}", "custom_id": self.custom_id,
+                "response": {"status_code": self.status_code, "request_id": stable_hex(self.custom_id, "request"),
                              "body": self.body},
                 "error": None}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from cbgen.errors import first_line
 from cbgen.records import PromptRecord, Request
 
 LOOKAHEAD = 1024  # requests rendered ahead: the window of the prefix-aware order (and what sizes the KV cache)
@@ -63,8 +64,7 @@ class Renderer:
             return self._render(record)
         except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja errors, role-order checks), and
             # so may a tokenizer on odd text: it is the row's fault, never the job's
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            return Request(record, error=f"cannot render the prompt: {first_line}")
+            return Request(record, error=f"cannot render the prompt: {first_line(e, 200)}")
 
     def _render(self, record: PromptRecord) -> Request:
         too_long = self._too_long(record)

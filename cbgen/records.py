@@ -45,7 +45,7 @@ class Request:
     sampling: dict = field(default_factory=dict)  # per-request sampler settings (add_request's processor kwargs)
     stop: tuple[str, ...] = ()  # strings that end its sequences
     n: int | None = None  # its own number of sequences; None: the job's
-    response_format: Any = None  # cbgen.control.formats.ResponseFormat its sequences follow, or None
+    response_format: Any = None  # cbgen.formats.ResponseFormat its sequences follow, or None
     top_logprobs: int = 0  # how many alternatives per token it wants (0: none)
 
 

@@ -1,5 +1,6 @@
-"""The house rules the tree keeps: no import cycles between cbgen's modules, no module over ~400 lines and no
-function over ~60 without a reason written here."""
+"""The house rules the tree keeps: no import cycles between cbgen's modules (a package's `__init__` counted as the
+module it is) nor between its packages, no module over ~400 lines and no function over ~60 without a reason written
+here."""
 
 from __future__ import annotations
 
@@ -25,9 +26,16 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
 
 
-def runtime_imports(path: Path) -> set[str]:
+def ancestors(name: str) -> list[str]:
+    """The packages whose `__init__` runs before module `name` can: cbgen.a.b.c -> cbgen, cbgen.a, cbgen.a.b."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def runtime_imports(path: Path, importer: str | None = None) -> set[str]:
     """The cbgen modules a module imports, at the top or inside functions; `if TYPE_CHECKING:` blocks, which never
-    run, are left out."""
+    run, are left out. Importing cbgen.x.y also runs cbgen/x/__init__.py, so the packages above an imported module
+    count too, except those above the importer itself (already imported by the time it runs)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
                  and "TYPE_CHECKING" in ast.unparse(block.test) for stmt in block.body for node in ast.walk(stmt)}
@@ -41,11 +49,17 @@ def runtime_imports(path: Path) -> set[str]:
             for alias in node.names:
                 submodule = f"{node.module}.{alias.name}"
                 found.add(submodule if submodule in MODULES else node.module)
-    return {name for name in found if name in MODULES}
+    running = set(ancestors(importer)) | {importer} if importer else set()
+    found |= {package for name in found for package in ancestors(name)}
+    return {name for name in found if name in MODULES and name not in running}
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: runtime_imports(path, name) - {name} for name, path in MODULES.items()}
 
 
 def test_no_import_cycles():
-    graph = {name: runtime_imports(path) - {name} for name, path in MODULES.items()}
+    graph = import_graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles = []
 
@@ -82,8 +96,33 @@ def test_functions_stay_short():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long} (split them, or say why in LONG_FUNCTIONS)"
 
 
+def package_of(name: str) -> str:
+    """The part of the tree a module belongs to: its top-level package (cbgen.engine), or itself (cbgen.job)."""
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_packages_depend_on_each_other():
+    """Packages form layers: when one uses another, the other never uses it back."""
+    uses: dict[str, set[str]] = {}
+    for name, targets in import_graph().items():
+        for target in targets:
+            if package_of(name) != package_of(target):
+                uses.setdefault(package_of(name), set()).add(package_of(target))
+    mutual = sorted(f"{a} <-> {b}" for a, targets in uses.items() for b in targets if a < b and a in uses.get(b, ()))
+    assert not mutual, f"packages that import each other: {mutual}"
+
+
 def test_the_cycle_check_sees_lazy_imports(tmp_path):
     """The check itself: an import inside a function counts (the cycles this tree once had were such imports)."""
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from cbgen.job import run_job\n\nif TYPE_CHECKING:\n    import cbgen.engine\n")
-    assert runtime_imports(module) == {"cbgen.job"}
+    assert runtime_imports(module) == {"cbgen", "cbgen.job"}
+
+
+def test_the_cycle_check_counts_the_packages_above_an_import(tmp_path):
+    """Importing cbgen.engine.plan runs cbgen/engine/__init__.py first: an edge to that package, except from a
+    module inside it (which the package itself imports, or which only runs once the package has)."""
+    module = tmp_path / "m.py"
+    module.write_text("from cbgen.engine.plan import plan_engine\n")
+    assert runtime_imports(module, "cbgen.job") == {"cbgen.engine", "cbgen.engine.plan"}
+    assert runtime_imports(module, "cbgen.engine.engine") == {"cbgen.engine.plan"}

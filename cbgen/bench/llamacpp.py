@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cbgen.errors import first_line
+
 BUILD_HINT = "bash benchmarks/build_llamacpp.sh builds it"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -57,7 +59,7 @@ def bindings() -> tuple[object | None, str | None]:
     except ImportError as e:
         return None, f"llama.cpp's Python bindings do not load ({e}); {BUILD_HINT}"
     except (OSError, RuntimeError) as e:  # the package without its shared library
-        return None, f"llama.cpp's library does not load ({str(e).splitlines()[0]}); {BUILD_HINT}"
+        return None, f"llama.cpp's library does not load ({first_line(e)}); {BUILD_HINT}"
     return llama_cpp, None
 
 

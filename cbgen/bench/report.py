@@ -11,6 +11,7 @@ import torch
 
 from cbgen.bench.paths import Measurement, parameter_count
 from cbgen.errors import CbgenError
+from cbgen.model import dtype_name
 from cbgen.model.linear import linear_kind, uses_onednn_linear
 from cbgen.model.load import LoadedModel
 
@@ -69,10 +70,10 @@ def write_outputs(rows: list[dict[str, Any]], meta: dict[str, Any], directory: P
 
 
 def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[str, Any]) -> dict[str, Any]:
-    return {"model": loaded.source.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": loaded.device,
+    return {"model": loaded.source.name, "dtype": dtype_name(loaded.dtype), "device": loaded.device,
             "attn_implementation": loaded.attn_implementation, "size": size,
             "onednn_linear": uses_onednn_linear(loaded.model), "linear": linear_kind(loaded.model),
             "parameters": parameter_count(loaded.model), "matmul_flops": round(peak_flops),
-            "matmul_dtype": str(loaded.dtype).removeprefix("torch."),
+            "matmul_dtype": dtype_name(loaded.dtype),
             "batching_overrides": batching, "torch_threads": torch.get_num_threads(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}

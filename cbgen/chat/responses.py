@@ -16,17 +16,41 @@ from typing import Any
 
 from cbgen.errors import CbgenError
 
-THINK = {  # --response-template think: the reasoning models' common <think>...</think> before the answer
-    "defaults": {"role": "assistant"},
-    "start_anchor_pattern": r"\Z",  # the reply alone is parsed (a <think> the prompt opened is carried over)
-    "fields": {
-        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
-        "content": {"content": "text"},
+
+@dataclass(frozen=True)
+class ResponseTemplate:
+    """A response template (transformers' format, `spec`) and how cbgen hands it a reply. `reply_only`: parse the
+    generated text alone (no prompt prefix), carrying over a `<think>` the prompt opened and dropping special
+    tokens such as end-of-turn markers, for templates written for the reply rather than the whole conversation."""
+
+    spec: dict[str, Any]
+    reply_only: bool = False
+
+    @property
+    def reasons(self) -> bool:
+        """It separates a reasoning model's thinking from the answer."""
+        return "reasoning_content" in (self.spec.get("fields") or {})
+
+    @property
+    def calls(self) -> bool:
+        """It finds tool calls in a reply."""
+        return "tool_calls" in (self.spec.get("fields") or {})
+
+
+THINK = ResponseTemplate(  # --response-template think: the reasoning models' common <think>...</think> first
+    {
+        "defaults": {"role": "assistant"},
+        "start_anchor_pattern": r"\Z",  # the reply alone is parsed
+        "fields": {
+            "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+            "content": {"content": "text"},
+        },
     },
-}
+    reply_only=True,
+)
 
 
-def load_template(value: str | None) -> dict[str, Any] | None:
+def load_template(value: str | None) -> ResponseTemplate | None:
     """The job's `--response-template`: None, `think`, or a JSON file (checked by transformers' own loader)."""
     if value is None:
         return None
@@ -39,7 +63,7 @@ def load_template(value: str | None) -> dict[str, Any] | None:
         raise CbgenError(f"--response-template: cannot read '{value}': {e.strerror or e}") from None
     except ValueError as e:
         raise CbgenError(f"--response-template: '{value}' is not JSON: {e}") from None
-    return check_template(template, f"--response-template '{value}'")
+    return ResponseTemplate(check_template(template, f"--response-template '{value}'"))
 
 
 def check_template(template: Any, where: str) -> dict[str, Any]:
@@ -52,18 +76,20 @@ def check_template(template: Any, where: str) -> dict[str, Any]:
     return template
 
 
-def model_template(tokenizer: Any, model_type: str | None, chosen: dict[str, Any] | None) -> dict[str, Any] | None:
+def model_template(tokenizer: Any, model_type: str | None, chosen: ResponseTemplate | None
+                   ) -> ResponseTemplate | None:
     """The response template replies are parsed with, or None (see the module's docstring)."""
     if chosen is not None:
         return chosen
     own = getattr(tokenizer, "response_template", None)
     if own is not None:
-        return own
+        return ResponseTemplate(own)
     try:  # transformers' table for tokenizers that ship none; a private name, so its absence is not an error
         from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
     except ImportError:
         return None
-    return next((t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)
+    fallback = next((t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)
+    return ResponseTemplate(fallback) if fallback is not None else None
 
 
 @dataclass
@@ -77,26 +103,24 @@ class ReplyParser:
     """Parses generated tokens into a Reply. `reasons`: the template separates reasoning, so every chat reply is
     parsed; otherwise only replies to requests that offered tools are."""
 
-    def __init__(self, tokenizer: Any, template: dict[str, Any]) -> None:
+    def __init__(self, tokenizer: Any, template: ResponseTemplate) -> None:
         self.tokenizer = tokenizer
         self.template = template
-        self.reasons = "reasoning_content" in (template.get("fields") or {})
-        self.calls = "tool_calls" in (template.get("fields") or {})
 
     def applies(self, tools: list | None) -> bool:
-        return self.reasons or (bool(tools) and self.calls)
+        return self.template.reasons or (bool(tools) and self.template.calls)
 
     def parse(self, prompt_ids: list[int], token_ids: list[int], tools: list | None, call_id: str) -> Reply:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         prefix = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        if self.template is THINK:
+        if self.template.reply_only:
             if prefix.rfind("<think>") > prefix.rfind("</think>"):  # the prompt opened the thinking
                 text = "<think>" + text
             prefix = ""
             for special in getattr(self.tokenizer, "all_special_tokens", ()):  # end-of-turn markers, not content
                 text = text.replace(special, "")
         try:
-            parsed = self.tokenizer.parse_response(text, self.template, prefix=prefix, tools=tools or None)
+            parsed = self.tokenizer.parse_response(text, self.template.spec, prefix=prefix, tools=tools or None)
         except Exception:  # noqa: BLE001 - a reply the template cannot parse (cut short, malformed call) stays text
             clean = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             return Reply(clean)

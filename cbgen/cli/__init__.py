@@ -11,10 +11,11 @@ import traceback
 # this when it is imported, so it is set before anything imports it; TQDM_DISABLE=0 in the environment brings them back.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import click  # noqa: E402
 import typer  # noqa: E402
 
 from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run  # noqa: E402
-from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled  # noqa: E402
+from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line  # noqa: E402
 from cbgen.startup import hold_gc  # noqa: E402
 
 app = typer.Typer(
@@ -34,6 +35,26 @@ app.command("bench")(bench_cmd.bench)
 app.add_typer(config_cmd.app, name="config")
 
 
+def command() -> click.Command:
+    """The app as a click command, with every help text shown as written: typer reads help as Rich markup, where
+    `[ids]` or `[default: 256]` would be taken for style tags and vanish. Only the epilogs use markup on purpose."""
+    from rich.markup import escape
+
+    def literal(cmd: click.Command) -> None:
+        cmd.help = escape(cmd.help) if cmd.help else cmd.help
+        for param in cmd.params:
+            if isinstance(param, click.Option) and param.help:
+                param.help = escape(param.help)
+            elif getattr(param, "help", None):
+                param.help = escape(param.help)  # typer's arguments carry a help text too
+        for sub in getattr(cmd, "commands", {}).values():
+            literal(sub)
+
+    root = typer.main.get_command(app)
+    literal(root)
+    return root
+
+
 def run_cli(argv: list[str] | None = None) -> int:
     """Runs the CLI on `argv` and returns the exit code; every error becomes one line on stderr.
 
@@ -41,7 +62,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     """
     debug = debug_enabled()
     try:
-        app(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
+        command()(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except CbgenError as e:
@@ -52,8 +73,8 @@ def run_cli(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the one place that turns any crash into a message
         if debug:
             traceback.print_exc()
-        message = (str(e).strip().splitlines() or [""])[0]
-        print(f"Error: unexpected {type(e).__name__}: {message} (set {DEBUG_VARIABLE}=1 to see the traceback)",
+        message = f": {first_line(e)}" if str(e).strip() else ""
+        print(f"Error: unexpected {type(e).__name__}{message} (set {DEBUG_VARIABLE}=1 to see the traceback)",
               file=sys.stderr)
         return ExitCode.INTERNAL
     return ExitCode.OK

@@ -66,6 +66,7 @@ def bench(
         write_outputs,
     )
     from cbgen.config import ModelSection, check_value
+    from cbgen.model import dtype_name
     from cbgen.model.load import load_model
 
     chosen_paths = _checked_paths(paths, size)
@@ -91,7 +92,7 @@ def bench(
     for path, reason in skipped.items():
         chosen_paths.remove(path)
         console.print(f"{path} path skipped: {reason}", markup=False)
-    console.log(f"measuring the machine's {str(loaded.dtype).removeprefix('torch.')} matmul rate")
+    console.log(f"measuring the machine's {dtype_name(loaded.dtype)} matmul rate")
     peak = matmul_flops(loaded.dtype)
     flops_per_token = 2 * parameter_count(loaded.model)
 
@@ -113,10 +114,11 @@ def bench(
 def _llamacpp_ready(explicit: str | None, loaded):
     """(the GGUF file for the llamacpp path, None) or (None, why the path is skipped)."""
     from cbgen.bench.llamacpp import bindings, find_gguf
+    from cbgen.model import dtype_name
     from cbgen.model.source import EMBEDDED_NAME
 
     gguf, reason = find_gguf(explicit, loaded.source.name == EMBEDDED_NAME,
-                             str(loaded.dtype).removeprefix("torch."))
+                             dtype_name(loaded.dtype))
     if gguf is None:
         return None, reason
     if loaded.device != "cpu":

@@ -10,7 +10,7 @@ import yaml
 
 from cbgen.config.sections import SECTIONS, JobConfig
 from cbgen.config.values import check_value
-from cbgen.errors import CbgenError
+from cbgen.errors import CbgenError, first_line
 
 
 def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -27,7 +27,7 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or first_line(e)
         raise CbgenError(f"{path}{line}: YAML syntax error: {problem}") from None
     if data is None:
         return {}
@@ -101,8 +101,7 @@ def _check_format(job: JobConfig) -> None:
     if g.json_schema is None and not g.json_object and g.regex is None and not g.choice and g.grammar is None \
             and g.response_format is None:
         return
-    from cbgen.control.formats import FormatError, job_format
-    from cbgen.control.grammars import check_format
+    from cbgen.formats import FormatError, check_format, job_format
 
     try:
         fmt = job_format(g)

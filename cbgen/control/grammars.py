@@ -8,22 +8,20 @@ noticeable, and a mask for 64 sequences fills in about a millisecond. Each forma
 
 from __future__ import annotations
 
-import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cbgen.control.formats import FormatError, ResponseFormat
+from cbgen.errors import first_line
+from cbgen.formats import FormatError, ResponseFormat, grammar_text
 
-# Compact JSON: one fixed form of whitespace. With flexible whitespace a model that hesitates can wander through
-# whitespace for many steps (measured with random logits: mask fills of seconds), and compact records are what a
-# synthetic-data job wants anyway.
-JSON_OPTIONS = {"whitespace_flexible": False}
+if TYPE_CHECKING:
+    from cbgen.chat.responses import ResponseTemplate
 
 
 class Grammars:
     """The grammars of one job's formats for one tokenizer: each compiled (and checked) once."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, response_template: dict | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, response_template: ResponseTemplate | None = None) -> None:
         import llguidance.hf
 
         self.tokenizer_info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)  # about 1 s, once
@@ -53,11 +51,10 @@ class Grammars:
         from llguidance import LLMatcher
 
         started = time.perf_counter()
-        grammar = _to_grammar(fmt, self.response_template)
+        grammar = grammar_text(fmt, self.response_template.spec if self.response_template else None)
         error = LLMatcher.validate_grammar(grammar, self.tokenizer_info)
         if error:
-            first = error.strip().splitlines()[0] if error.strip() else "invalid"
-            raise FormatError(f"{fmt.describe()} cannot be compiled: {first}")
+            raise FormatError(f"{fmt.describe()} cannot be compiled: {first_line(error) or 'invalid'}")
         with self._lock:
             self._grammars[fmt.key] = grammar
             self.compile_seconds += time.perf_counter() - started
@@ -75,38 +72,3 @@ class Grammars:
         from llguidance import LLMatcher
 
         return LLMatcher(self.tokenizer_info, self.grammar(fmt), log_level=0)
-
-
-def check_format(fmt: ResponseFormat) -> None:
-    """Compiles `fmt` without a tokenizer (before any model loads); raises FormatError if it cannot be."""
-    from llguidance import LLMatcher
-
-    error = LLMatcher.validate_grammar(_to_grammar(fmt))
-    if error:
-        first = error.strip().splitlines()[0] if error.strip() else "invalid"
-        raise FormatError(f"{fmt.describe()} cannot be compiled: {first}")
-
-
-def _to_grammar(fmt: ResponseFormat, response_template: dict | None = None) -> str:
-    from llguidance import LLMatcher, gbnf_to_lark
-
-    try:
-        if fmt.kind == "tool_call":
-            from cbgen.chat.tools import tool_call_grammar
-
-            if response_template is None:
-                raise ValueError("the model has no response template to say how it writes tool calls")
-            spec = json.loads(fmt.spec)
-            return LLMatcher.grammar_from_lark(tool_call_grammar(response_template, spec["tools"], spec["name"]))
-        if fmt.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        if fmt.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(fmt.spec, defaults=JSON_OPTIONS)
-        if fmt.kind == "regex":
-            return LLMatcher.grammar_from_regex(fmt.spec)
-        if fmt.kind == "choice":
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(fmt.spec)))
-        text = gbnf_to_lark(fmt.spec) if "::=" in fmt.spec else fmt.spec
-        return LLMatcher.grammar_from_lark(text)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise FormatError(f"{fmt.describe()} cannot be compiled: {e}") from None

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbgen.config import JobConfig
-from cbgen.control.formats import ResponseFormat, job_format
 from cbgen.control.grammars import Grammars
+from cbgen.formats import ResponseFormat, job_format
 from cbgen.inputs.settings import MAX_TOP_LOGPROBS
 
 

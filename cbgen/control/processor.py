@@ -21,7 +21,6 @@ cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has n
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +28,12 @@ import numpy as np
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
-from cbgen.control.formats import ResponseFormat
 from cbgen.control.grammars import Grammars
+from cbgen.formats import ResponseFormat
+from cbgen.sequences import sample_index
 
 GRAMMAR_KWARG = "response_format"  # the format's key (ResponseFormat.key), as a request's processor kwarg
 SEED_KWARG = "sample_seed"  # the request's seed (cbgen derives it from the job's or row's seed and the input id)
-_SAMPLE_INDEX = re.compile(r"(?:__child#(\d+)|~copy(\d+))$")  # transformers' child ids, cbgen's copies
 
 
 @dataclass
@@ -54,14 +53,6 @@ class _Sequence:
     seed: int | None = None
     sample_index: int = 0
     position: int = 0  # of the token this step draws: how many the sequence has generated before it
-
-
-def sample_index(manager_id: str) -> int:
-    """A sequence's index among its request's sequences, from the id the manager knows it by."""
-    match = _SAMPLE_INDEX.search(manager_id)
-    if match is None:
-        return 0
-    return int(match.group(1)) + 1 if match.group(1) is not None else int(match.group(2))
 
 
 def _noise_seed(seed: int, index: int, position: int) -> int:

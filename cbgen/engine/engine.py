@@ -28,17 +28,9 @@ from cbgen.engine.manager import (
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
 from cbgen.records import Completion, Request
+from cbgen.sequences import request_key, sequence_ids
 
 log = logging.getLogger(__name__)
-
-CHILD_MARK = "__child#"  # transformers names the extra sequences of a request "<id>__child#<k>"
-COPY_MARK = "~copy"  # cbgen's own suffix for the separate sequences of a request whose n differs from the job's
-
-
-def request_key(manager_id: str) -> str:
-    """The engine's key of a request, from the id the manager knows one of its sequences by."""
-    return manager_id.partition(CHILD_MARK)[0].partition(COPY_MARK)[0]
-
 
 @dataclass
 class EngineSettings:
@@ -253,11 +245,10 @@ class Engine:
         self._counter += 1
         entry = _InFlight(request, self.limits.max_new_for(request), time.monotonic())
         n, job_n = request.n or self.settings.num_return_sequences, self.settings.num_return_sequences
+        entry.ids = sequence_ids(key, n, copies=n != job_n)
         if n == job_n:
-            entry.ids = {key: 0} | {f"{key}{CHILD_MARK}{k}": k + 1 for k in range(n - 1)}
             first = [key]
         else:
-            entry.ids = {f"{key}{COPY_MARK}{j}": j for j in range(n)}
             first = list(entry.ids)[:1] if self._prefix_sharing else list(entry.ids)
             entry.later = [i for i in entry.ids if i not in first]
         if request.stop:

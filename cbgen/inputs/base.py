@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cbgen.errors import CbgenError, RowError, describe_type
+from cbgen.errors import CbgenError, RowError, describe_type, first_line
 from cbgen.inputs.checks import ROW_NUMBER, check_id, check_input_ids, check_messages
 from cbgen.inputs.settings import ROW_SETTINGS, parse_settings
 from cbgen.records import RESERVED_NAMES, PromptRecord
@@ -110,7 +110,7 @@ class Reader(ABC):
                 try:
                     record = self.to_record(row, index, location)
                 except Exception as e:  # noqa: BLE001 - whatever one row holds, it must not end the job
-                    error = f"cannot read the row: {type(e).__name__}: {first_line(e)}"
+                    error = f"cannot read the row: {type(e).__name__}: {first_line(e, 200)}"
                 else:
                     yield record
                     continue
@@ -193,10 +193,6 @@ class ColumnarReader(Reader):
         settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
         return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
                                    *self.keep_columns, *settings]))
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 _EXPECTED = {"prompt": "a string", "messages": "a list of messages", "input_ids": "a list of token ids"}

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.errors import CbgenError
+from cbgen.errors import CbgenError, first_line
 from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
@@ -21,10 +21,6 @@ def is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (
         (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
     )
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _pick_split(dataset: Any, split: str | None, name: str) -> Any:
@@ -63,11 +59,11 @@ def load(source: str, *, split: str | None, subset: str | None) -> Any:
         raise
     except Exception as e:  # datasets raises many types: missing files, bad configs, network and auth errors
         if path.exists():
-            raise CbgenError(f"cannot load dataset '{source}': {_first_line(e)}") from None
+            raise CbgenError(f"cannot load dataset '{source}': {first_line(e)}") from None
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         hint = " (HF_HUB_OFFLINE is set)" if offline else ""
         raise CbgenError(f"no local file or folder '{source}' exists, and the Hugging Face Hub{hint} gave no dataset "
-                         f"of that name: {_first_line(e)}") from None
+                         f"of that name: {first_line(e)}") from None
     return _pick_split(dataset, split, source)
 
 

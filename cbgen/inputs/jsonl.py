@@ -120,11 +120,15 @@ class JsonlReader(Reader):
         except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream shows up only here
             raise CbgenError(f"cannot read input file '{self.name}': {e}") from None
 
-    def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+    def objects(self) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+        """`(line_number, row, error)` for each non-blank line: its object, or why it is not one."""
         for n, line in self._lines():
-            location = f"{self.name}:{n}"
             row, error = self._parse(n, line)
-            yield location, row, error
+            yield n, row, error
+
+    def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+        for n, row, error in self.objects():
+            yield f"{self.name}:{n}", row, error
 
     def _parse(self, n: int, line: bytes | TooLong) -> tuple[dict[str, Any] | None, str | None]:
         """One line's object, or why it is not one."""
@@ -144,8 +148,7 @@ class JsonlReader(Reader):
         return None, f"expected a JSON object per line, got {describe_type(row)}"
 
     def _ids(self) -> Iterator[tuple[int, Any]]:
-        for n, line in self._lines():
-            row, _ = self._parse(n, line)
+        for n, row, _ in self.objects():
             if row is not None:  # unreadable rows become error records when the rows are read
                 yield n, row.get(self.id_column)
 

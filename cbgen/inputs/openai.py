@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.chat.tools import check_tool_choice, check_tools
-from cbgen.control.formats import tool_call_format
 from cbgen.errors import RowError, describe_type
+from cbgen.formats import tool_call_format
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 from cbgen.inputs.settings import CHECKS, parse_settings
@@ -42,8 +42,7 @@ def detect_openai_batch(path: str | Path) -> tuple[bool, str]:
     (custom_id, method, url, body) than a plain row's prompt field, and at least one is a whole request line."""
     reader = JsonlReader(path, detect_id=False)
     parsed = request_like = whole = plain = 0
-    for n, line in reader._lines():
-        row, error = reader._parse(n, line)
+    for _, row, error in reader.objects():
         if error is not None or not isinstance(row, dict):
             continue
         parsed += 1

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cbgen.errors import CbgenError
+from cbgen.errors import CbgenError, first_line
 from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
@@ -54,7 +54,7 @@ class ParquetReader(ColumnarReader):
                 with pq.ParquetFile(file) as f:
                     yield from ((file, batch) for batch in f.iter_batches(batch_size=BATCH_SIZE, columns=columns))
             except (pa.ArrowException, OSError) as e:
-                raise CbgenError(f"cannot read input file '{file}': {_first_line(e)}") from None
+                raise CbgenError(f"cannot read input file '{file}': {first_line(e)}") from None
 
     def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
         file, n = None, 0
@@ -97,8 +97,5 @@ def _read_schema(file: str) -> tuple[pa.Schema, int]:
     except PermissionError:
         raise CbgenError(f"cannot read input file '{file}': permission denied") from None
     except (pa.ArrowException, OSError) as e:
-        raise CbgenError(f"input file '{file}' is not a valid Parquet file: {_first_line(e)}") from None
+        raise CbgenError(f"input file '{file}' is not a valid Parquet file: {first_line(e)}") from None
 
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -88,7 +88,7 @@ def _seed(value: Any) -> int | str:
 
 def _response_format(value: Any, field: str = "response_format") -> Any:
     """A ResponseFormat, or None for text; its own message names the part that is wrong."""
-    from cbgen.control.formats import FormatError, parse_response_format
+    from cbgen.formats import FormatError, parse_response_format
 
     try:
         return parse_response_format(value, field)

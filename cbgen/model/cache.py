@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.config import ModelSection
+from cbgen.errors import first_line
 from cbgen.files import read_json_or_none, write_json_atomic
+from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
 
 if TYPE_CHECKING:
@@ -31,6 +33,7 @@ CACHE_OFF = "off"
 CACHE_UNWRITABLE = "unwritable"
 CACHE_UNSUPPORTED = "unsupported"  # the weights stayed packed in GGUF blocks: no plain weights to save
 
+TOKENIZER_ENTRY = "tokenizer"  # the converted tokenizer's entry; the model's is `model_entry(dtype)`
 _MARKER = "cbgen-cache.json"  # written last into an entry; an entry without it is never trusted
 _STALE_TEMP_SECONDS = 6 * 3600  # a temporary folder this old belongs to a killed run
 _warned: set[str] = set()
@@ -195,7 +198,7 @@ def load_cached(cache: GgufCache | None, entry: str, load: Callable[[Path], Any]
     try:
         return load(folder), None
     except Exception as e:  # noqa: BLE001 - whatever the reason, the GGUF is loaded next
-        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return None, f"{type(e).__name__}: {first_line(e)}"
 
 
 def rebuild(cache: GgufCache, entry: str, failure: str | None) -> None:
@@ -218,14 +221,14 @@ def gguf_tokenizer(gguf: Path, cache: GgufCache | None):
         tokenizer.save_pretrained(folder)
         describe_added_tokens(folder)
 
-    tokenizer, failure = load_cached(cache, "tokenizer", load)
+    tokenizer, failure = load_cached(cache, TOKENIZER_ENTRY, load)
     if tokenizer is not None:
         return tokenizer, CACHE_HIT
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if cache is None:
         return tokenizer, CACHE_OFF
-    rebuild(cache, "tokenizer", failure)
-    return tokenizer, CACHE_WRITTEN if cache.write("tokenizer", save) else CACHE_UNWRITABLE
+    rebuild(cache, TOKENIZER_ENTRY, failure)
+    return tokenizer, CACHE_WRITTEN if cache.write(TOKENIZER_ENTRY, save) else CACHE_UNWRITABLE
 
 
 def describe_added_tokens(folder: Path) -> None:
@@ -244,12 +247,17 @@ def describe_added_tokens(folder: Path) -> None:
         pass  # an entry that cannot be described still loads, the slow way
 
 
+def model_entry(dtype: torch.dtype) -> str:
+    """The cache entry that holds the converted model in `dtype` (the tokenizer's is TOKENIZER_ENTRY)."""
+    return f"model-{dtype_name(dtype)}"
+
+
 def load_gguf(source: ModelSource, cache: GgufCache | None, dtype: torch.dtype, **load_kwargs):
     from transformers import AutoModelForCausalLM
 
     gguf = Path(source.location) / source.gguf_file
     tokenizer, tokenizer_status = gguf_tokenizer(gguf, cache)
-    entry = f"model-{str(dtype).removeprefix('torch.')}"
+    entry = model_entry(dtype)
     model, failure = load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, **load_kwargs))
     if model is not None:

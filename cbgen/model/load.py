@@ -13,7 +13,7 @@ import torch
 
 from cbgen.config import ModelSection
 from cbgen.config.cpu import cpu_row
-from cbgen.errors import CbgenError, debug_enabled
+from cbgen.errors import CbgenError, debug_enabled, first_line
 from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
 
@@ -165,11 +165,9 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only models already in the local cache can load)" if offline else ""
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CbgenError(f"--model {source.name}: cannot load: {first_line}{hint}") from None
+        raise CbgenError(f"--model {source.name}: cannot load: {first_line(e)}{hint}") from None
     except ValueError as e:
-        first_line = str(e).strip().splitlines()[0]
-        raise CbgenError(f"--model {source.name}: {first_line}") from None
+        raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
     if settings.onednn_linear:
         _use_onednn(model, device, dtype, tp)

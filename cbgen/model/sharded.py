@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from cbgen.errors import CbgenError
-from cbgen.model.cache import CACHE_HIT, CACHE_OFF, GgufCache, gguf_tokenizer, load_gguf
+from cbgen.model.cache import CACHE_HIT, CACHE_OFF, GgufCache, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.source import ModelSource
 
 
@@ -30,7 +30,7 @@ def load_sharded(source: ModelSource, cache_root: Path | None, tp, dtype: torch.
     if source.gguf_file:
         gguf = Path(source.location) / source.gguf_file
         cache = GgufCache(cache_root, gguf) if cache_root else None
-        entry = f"model-{str(dtype).removeprefix('torch.')}"
+        entry = model_entry(dtype)
         if cache is not None:
             if tp.share(cache.find(entry) is None):  # rank 0 decides, so every rank takes the same path
                 if tp.driver:

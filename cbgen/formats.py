@@ -1,6 +1,6 @@
 """Structured-output formats: what a job (flags, YAML) or a row (`response_format`, OpenAI's shape) asks generation
-to follow, read into one canonical form. Nothing here needs the model or the grammar engine; whether a format
-compiles is checked by cbgen.control.grammars.
+to follow, read into one canonical form, and the llguidance grammar each one becomes. Nothing here needs the model;
+compiling a grammar for a tokenizer, and matching tokens against it, is cbgen.control.grammars' work.
 
 Accepted shapes, as OpenAI and its peers write them:
 
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cbgen.errors import describe_type
+from cbgen.errors import describe_type, first_line
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # and "tool_call", set by tool_choice
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar larger than this is a mistake, not a format
@@ -194,3 +194,45 @@ def tool_call_format(tools: list[dict[str, Any]], name: str | None) -> ResponseF
     """A required call of one of `tools` (or of the one named): compiled from the model's tool-call markup
     (cbgen.chat.tools.tool_call_grammar) once the model is known."""
     return ResponseFormat("tool_call", json.dumps({"tools": tools, "name": name}, ensure_ascii=False))
+
+
+# Compact JSON: one fixed form of whitespace. With flexible whitespace a model that hesitates can wander through
+# whitespace for many steps (measured with random logits: mask fills of seconds), and compact records are what a
+# synthetic-data job wants anyway.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def check_format(fmt: ResponseFormat) -> None:
+    """Compiles `fmt` without a tokenizer (before any model loads); raises FormatError if it cannot be."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar_text(fmt))
+    if error:
+        raise FormatError(f"{fmt.describe()} cannot be compiled: {first_line(error) or 'invalid'}")
+
+
+def grammar_text(fmt: ResponseFormat, response_template: dict | None = None) -> str:
+    """llguidance's grammar for `fmt` (a required tool call needs the model's `response_template`, which says
+    how it writes calls). Raises FormatError when it cannot be built."""
+    from llguidance import LLMatcher, gbnf_to_lark
+
+    try:
+        if fmt.kind == "tool_call":
+            from cbgen.chat.tools import tool_call_grammar
+
+            if response_template is None:
+                raise ValueError("the model has no response template to say how it writes tool calls")
+            spec = json.loads(fmt.spec)
+            return LLMatcher.grammar_from_lark(tool_call_grammar(response_template, spec["tools"], spec["name"]))
+        if fmt.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if fmt.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(fmt.spec, defaults=JSON_OPTIONS)
+        if fmt.kind == "regex":
+            return LLMatcher.grammar_from_regex(fmt.spec)
+        if fmt.kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(fmt.spec)))
+        text = gbnf_to_lark(fmt.spec) if "::=" in fmt.spec else fmt.spec
+        return LLMatcher.grammar_from_lark(text)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise FormatError(f"{fmt.describe()} cannot be compiled: {e}") from None
