@@ -29,7 +29,7 @@ def tiny_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from cbgen.model import embedded_model_path
+    from cbgen.model.source import embedded_model_path
 
     gguf = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
