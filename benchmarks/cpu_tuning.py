@@ -41,7 +41,7 @@ def measure(loaded, inputs, new_tokens, fields, attention) -> tuple[float, int]:
     cb = ContinuousBatchingConfig(num_blocks=len(inputs) * 2 + 8, **fields)
     engine = Engine(loaded.model, EngineSettings(
         spec=ManagerSpec(config, cb, attention=attention), max_in_flight=len(inputs), max_new_tokens=new_tokens,
-        num_return_sequences=1, eos_token_ids=set(), max_positions=None, prefix_gating=False))
+        num_return_sequences=1, eos_token_ids=frozenset(), max_positions=None, prefix_gating=False))
     requests = [Request(PromptRecord(str(i), i, str(i)), input_ids=ids) for i, ids in enumerate(inputs)]
     start = time.perf_counter()
     generated = sum(len(c.token_ids) for group in engine.run(requests) for c in group)

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers.generation.continuous_batching import continuous_api as api
 
-from cbgen.bench import Bench, Workload, build_workloads, matmul_flops
+from cbgen.bench import Bench, BenchWorkload, build_workloads, matmul_flops
 from cbgen.config import ModelSection
 from cbgen.model import dtype_name
 from cbgen.model.load import load_model
@@ -114,7 +114,7 @@ def main() -> None:
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     bench = Bench(loaded, batching)
     fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
-    bench.cbgen(Workload("warm-up", fixed.prompts[:8], 4), "input")
+    bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input")
     _profiles.clear()
     dtype = dtype_name(loaded.dtype)
     rate = matmul_flops(loaded.dtype)

@@ -7,11 +7,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
 from cbgen.inputs import open_reader
+from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.rundir import (
     FINGERPRINT_FILE,
     LOCK_FILE,
@@ -21,9 +22,13 @@ from cbgen.outputs.rundir import (
     read_json,
     read_stored_run,
     scan_done,
+    stored_columns,
 )
 from cbgen.outputs.writers import open_writer, read_shards
 from cbgen.sharding import parse_shard_directory, shard_directory, shard_of
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 @dataclass
@@ -41,6 +46,11 @@ class RunDirectory:
     @property
     def fingerprint(self) -> dict[str, Any]:
         return self.stored.fingerprint
+
+    @property
+    def columns(self) -> OutputColumns:
+        """The columns of its rows, as the run recorded them (or as its first shard has them)."""
+        return stored_columns(self.path, self.stored)
 
 
 def find_run_directories(base: Path) -> list[RunDirectory]:
@@ -95,6 +105,7 @@ class DirectoryStatus:
     expected: int | None
     running: bool
     status: str | None  # from run.json: complete / stopped / ..., None while running or after a kill
+    columns: tuple[str, ...] | None = None  # its rows' columns; None before its first run has planned
 
     @property
     def remaining(self) -> int | None:
@@ -113,7 +124,8 @@ class DirectoryStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return {"directory": str(self.path), "shard": list(self.shard) if self.shard else None, "done": self.done,
-                "failed": self.failed, "remaining": self.remaining, "state": self.state}
+                "failed": self.failed, "remaining": self.remaining, "state": self.state,
+                "columns": list(self.columns) if self.columns is not None else None}
 
 
 def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatus]:
@@ -131,9 +143,11 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
         done = scan_done(directory.path)
         key = directory.shard[0] if directory.shard else None
         manifest = read_json(directory.path / MANIFEST_FILE) or {}
+        known = directory.stored.columns is not None or done.next_shard > 0
         result.append(DirectoryStatus(directory.path, directory.shard, done.requests, done.failed_requests,
                                       expected[key] if expected is not None else None,
-                                      is_running(directory.path), manifest.get("status")))
+                                      is_running(directory.path), manifest.get("status"),
+                                      directory.columns.names if known else None))
     count = directories[0].shard[1] if directories[0].shard else None
     started = {d.shard[0] for d in directories if d.shard}
     for index in sorted(set(range(count or 0)) - started):
@@ -186,7 +200,7 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
         raise CbgenError(f"merge target '{target}' is not empty; remove it or choose another with -o")
     job = directories[0].job
     if to_dataset:
-        report.rows = save_dataset([d.path for d in directories], target, job)
+        report.rows = save_dataset(directories, target, job)
     else:
         report.rows = _copy_rows(directories, target, job)
     report.output = target
@@ -220,18 +234,46 @@ def check_shards(base: Path, directories: list[RunDirectory], input_path: str | 
 
 
 def _copy_rows(directories: list[RunDirectory], target: Path, job: dict[str, Any]) -> int:
-    """Writes the shards' rows, in shard order, as shards of the job's own format in `target`; returns how many."""
+    """Writes the shards' rows, in shard order, as shards of the job's own format in `target`, with the columns the
+    job's rows have; returns how many."""
     rows = 0
+    columns = shared_columns(directories)
     writer = open_writer(job["output"]["format"], target, rows_per_shard=job["output"]["rows_per_shard"],
-                         logprobs=job["generation"]["logprobs"], kept_names=job["input"]["keep_columns"])
+                         columns=columns, kept_schema=_kept_schema([d.path for d in directories], columns))
     with writer:
         for directory in directories:
             for row in read_shards(directory.path, as_rows=False):  # OpenAI lines are copied as they are
                 writer.write(row)
                 rows += 1
     write_json_atomic(target / MANIFEST_FILE, {"merged_from": [str(d.path) for d in directories], "rows": rows,
-                                               "shards": [p.name for p in writer.shards], "job": job})
+                                               "shards": [p.name for p in writer.shards], "job": job,
+                                               "columns": columns.to_dict()})
     return rows
+
+
+def shared_columns(directories: list[RunDirectory]) -> OutputColumns:
+    """The columns the rows of every directory of one job have; a CbgenError when they disagree."""
+    columns = {d.path: d.columns for d in directories}
+    first = directories[0].path
+    for path, theirs in columns.items():
+        if theirs != columns[first]:
+            raise CbgenError(f"'{path}' has the columns {', '.join(theirs.names)} and '{first}' "
+                             f"{', '.join(columns[first].names)}: they cannot be merged into one table")
+    return columns[first]
+
+
+def _kept_schema(directories: list[Path], columns: OutputColumns) -> pa.Schema | None:
+    """The kept columns' Arrow types, from the first Parquet shard (None for JSONL: the writer infers them)."""
+    from cbgen.outputs.writers import shard_paths
+
+    first = next((p for d in directories for _, p in shard_paths(d)), None)
+    if first is None or first.suffix != ".parquet" or not columns.kept:
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(first)
+    return pa.schema([schema.field(name) for name in columns.kept])
 
 
 def _whole_job_to_dataset(directory: RunDirectory, target: Path, input_path: str | None) -> MergeReport:
@@ -243,11 +285,11 @@ def _whole_job_to_dataset(directory: RunDirectory, target: Path, input_path: str
     if target.exists() and any(target.iterdir()):
         raise CbgenError(f"dataset target '{target}' is not empty; remove it or choose another with -o")
     report = MergeReport(output=target)
-    report.rows = save_dataset([directory.path], target, directory.job)
+    report.rows = save_dataset([directory], target, directory.job)
     return report
 
 
-def save_dataset(directories: list[Path], target: Path, job: dict[str, Any]) -> int:
+def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, Any]) -> int:
     """Writes every row of `directories`' shards, in order, as a dataset saved with `save_to_disk` at `target`;
     returns the number of rows. Rows stream through an Arrow file, so memory stays bounded. Column types are
     cbgen's output schema (token_ids: int32 lists, logprobs: float32 lists); kept columns keep the input's types
@@ -258,28 +300,24 @@ def save_dataset(directories: list[Path], target: Path, job: dict[str, Any]) -> 
     import pyarrow as pa
 
     from cbgen.outputs.schema import arrow_schema, infer_kept_schema
-    from cbgen.outputs.writers import shard_paths
 
     datasets.disable_progress_bars()
 
+    paths = [d.path for d in directories]
+
     def rows() -> Iterator[dict[str, Any]]:
-        for directory in directories:
-            yield from read_shards(directory, as_rows=False)
+        for path in paths:
+            yield from read_shards(path, as_rows=False)
 
     features = None
     if job["output"]["format"] != "openai":
-        kept = job["input"]["keep_columns"]
-        first = next((p for d in directories for _, p in shard_paths(d)), None)
-        if first is not None and first.suffix == ".parquet":
-            import pyarrow.parquet as pq
+        import itertools
 
-            schema = pq.read_schema(first)
-        else:
-            import itertools
-
-            kept_schema = infer_kept_schema(itertools.islice(rows(), 1000), kept)
-            schema = arrow_schema("logprobs" in _first_row_keys(rows()), kept_schema, kept)
-        features = datasets.Features.from_arrow_schema(schema)
+        columns = shared_columns(directories)
+        kept = _kept_schema(paths, columns)
+        if columns.kept and kept is None:  # JSONL shards: the types their first rows' values have
+            kept = infer_kept_schema(itertools.islice(rows(), 1000), columns.kept)
+        features = datasets.Features.from_arrow_schema(arrow_schema(columns, kept))
     with tempfile.TemporaryDirectory(prefix="cbgen-dataset-") as cache:
         try:
             dataset = datasets.Dataset.from_generator(rows, features=features, cache_dir=cache)
@@ -288,10 +326,8 @@ def save_dataset(directories: list[Path], target: Path, job: dict[str, Any]) -> 
                              "whose columns have one type each") from None
         dataset.save_to_disk(str(target))
         count = dataset.num_rows
-    write_json_atomic(target / "cbgen_merge.json", {"merged_from": [str(d) for d in directories], "rows": count,
+    write_json_atomic(target / "cbgen_merge.json", {"merged_from": [str(p) for p in paths], "rows": count,
                                                     "job": job})
     return count
 
 
-def _first_row_keys(rows: Iterator[dict[str, Any]]) -> set[str]:
-    return set(next(rows, {}))

@@ -4,11 +4,20 @@ Transformers shards the model (`DistributedConfig(tp_size=N)`), and its continuo
 in step by itself: rank 0 is the driver, whose new requests and cancellations it broadcasts to the other ranks every
 step; every rank schedules the same batches, runs its shard, and takes part in the collectives. So in cbgen only rank
 0 reads the input, writes the output and shows progress. The other ranks (followers) load the model, build a manager
-from exactly the configuration rank 0 sends them (a KV cache sized from one rank's free memory on another would
-schedule differently and desynchronise the collectives), and run it until rank 0 stops it.
+from exactly the plan rank 0 sends them (a KV cache sized from one rank's free memory on another would schedule
+differently and desynchronise the collectives), and run it until rank 0 stops it.
 
 cbgen's own messages go over a separate gloo group: the default group belongs to the manager's collectives, and a
-broadcast of ours on it while the manager runs would interleave with them.
+broadcast of ours on it while the manager runs would interleave with them. Each message has a name, in the order
+both sides follow:
+
+    load         rank 0 has checked its input: load the model
+    gguf-cache   (a GGUF model with the converted cache) whether rank 0 converts it first
+    gguf-ready   (when it did) the converted model is in the cache
+    plan         the job's plan (cbgen.planning.JobPlan): build its manager and serve it
+
+Whenever rank 0 stops before sending the plan, whether it failed or found nothing to do, it sends that instead, and
+a follower waiting for any message gets it at once: it exits with rank 0's message, never waiting for gloo's timeout.
 """
 
 from __future__ import annotations
@@ -18,9 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbgen.config import JobConfig
-from cbgen.errors import CbgenError
+from cbgen.errors import CbgenError, ExitCode
 
-LOAD = "load"
+LOAD, GGUF_CACHE, GGUF_READY, PLAN = "load", "gguf-cache", "gguf-ready", "plan"
+_FINAL = PLAN  # after it, the followers serve the manager and wait for no message of ours
+_STOP, _FAILED = "stop", "failed"  # rank 0 ended early: nothing to do, or an error (its message and exit code)
+
+
+class RankZeroStopped(CbgenError):
+    """On a follower: rank 0 ended before sending the plan. `exit_code` is rank 0's (0 when it had nothing to do)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[assignment]
 
 
 @dataclass
@@ -28,31 +47,62 @@ class TensorParallel:
     size: int
     rank: int
     group: Any  # cbgen's own gloo group
-    _pending: list[str] = field(default_factory=lambda: ["load", "spec"])  # messages rank 0 still owes
+    _ended: bool = field(default=False, repr=False)  # rank 0: the followers wait for no more messages
 
     @property
     def driver(self) -> bool:
         return self.rank == 0
 
-    def share(self, value: Any = None) -> Any:
-        """Rank 0's `value`, on every rank (a collective: every rank must call it, in the same order)."""
+    def _broadcast(self, message: tuple[str, Any]) -> tuple[str, Any]:
         import torch.distributed as dist
 
-        box = [value if self.driver else None]
+        box = [message if self.driver else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
-        if self._pending:
-            self._pending.pop(0)
         return box[0]
 
-    def release(self) -> None:
-        """Rank 0 is done (or failed) before sending all its messages: tell the followers to stop waiting."""
-        while self.driver and self._pending:
-            self.share(None)
+    def send(self, name: str, value: Any = None) -> None:
+        """Rank 0: the message `name` to every follower (each waits for it in `receive(name)`)."""
+        assert self.driver and not self._ended, f"rank 0 sends {name!r} after its last message"
+        self._broadcast((name, value))
+        self._ended = name == _FINAL
 
-    def barrier(self) -> None:
+    def receive(self, name: str) -> Any:
+        """A follower: the value of rank 0's message `name`. Raises RankZeroStopped when rank 0 ended instead."""
+        got, value = self._broadcast(("", None))
+        if got == name:
+            return value
+        if got == _STOP:
+            raise RankZeroStopped(f"rank 0 stopped before {name!r}: {value}", ExitCode.OK)
+        if got == _FAILED:
+            message, code = value
+            raise RankZeroStopped(f"rank 0 failed before {name!r}: {message}", code)
+        raise CbgenError(f"tensor parallel: rank 0 sent {got!r} where this rank waited for {name!r}")
+
+    def share(self, name: str, value: Any = None) -> Any:
+        """Rank 0's `value` of message `name`, on every rank (rank 0 sends it, the followers receive it)."""
+        if self.driver:
+            self.send(name, value)
+            return value
+        return self.receive(name)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Rank 0 is done: followers still waiting for a message are told why (nothing to do, or `error`)."""
+        if not self.driver or self._ended:
+            return
+        if error is None:
+            self._broadcast((_STOP, "nothing to do"))
+        else:
+            code = int(getattr(error, "exit_code", ExitCode.INTERNAL))
+            self._broadcast((_FAILED, (str(error) or type(error).__name__, code)))
+        self._ended = True
+
+
+    def close(self) -> None:
+        """Leaves the process group (a group left alive aborts the process as Python exits)."""
         import torch.distributed as dist
 
-        dist.barrier(group=self.group)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def setup(job: JobConfig, env: dict[str, str] | None = None) -> TensorParallel | None:
@@ -78,18 +128,3 @@ def setup(job: JobConfig, env: dict[str, str] | None = None) -> TensorParallel |
         dist.init_process_group(backend="nccl" if on_gpu else "gloo")
     group = dist.new_group(backend="gloo")
     return TensorParallel(tp, dist.get_rank(), group)
-
-
-def follow(job: JobConfig, tp: TensorParallel) -> None:
-    """A follower's whole job: load the model shard, serve the manager rank 0 describes until rank 0 stops it."""
-    from cbgen.engine.manager import serve
-    from cbgen.model.load import load_model
-    from cbgen.startup import release_gc
-
-    if tp.share() != LOAD:
-        return
-    loaded = load_model(job.model, tp)
-    release_gc()
-    spec = tp.share()  # rank 0's ManagerSpec, or None when it stopped before starting an engine
-    if spec is not None:
-        serve(loaded.model, loaded.tokenizer, spec)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from cbgen.errors import first_line
 from cbgen.records import PromptRecord, Request
@@ -25,9 +27,21 @@ def prefix_key(input_ids: list[int], key_tokens: int) -> tuple[int, ...] | None:
     return tuple(input_ids[:key_tokens]) if len(input_ids) > key_tokens else None
 
 
+@dataclass(frozen=True)
+class RenderPlan:
+    """How a job's records become token ids (cbgen.planning decides it from the job and the model)."""
+
+    vocab_size: int
+    raw_prompts: bool = False  # text as is, not as a user turn of the chat template
+    max_positions: int | None = None  # the model's context
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the job's chat-template variables
+    finds_calls: bool = False  # the model's response template can find tool calls in its replies
+
+
 class Renderer:
-    """Turns records into token ids with the tokenizer: chat turns through the chat template (with the generation
-    prompt), text as one user turn unless `raw_prompts` (or the tokenizer has no chat template), ids as given.
+    """Turns records into token ids with the tokenizer, as `plan` says: chat turns through the chat template (with
+    the generation prompt), text as one user turn unless `raw_prompts` (or the tokenizer has no chat template), ids
+    as given.
 
     With `max_positions` (the model's context), text that cannot fit is refused before it is tokenized: no token
     covers more characters than the longest one in the vocabulary, so a prompt longer than the context times that
@@ -35,16 +49,14 @@ class Renderer:
     seconds and gigabytes. Any failure while rendering one row is that row's error.
     """
 
-    def __init__(self, tokenizer, *, vocab_size: int, raw_prompts: bool = False,
-                 max_positions: int | None = None, template_kwargs: dict | None = None,
-                 finds_calls: bool = False) -> None:
+    def __init__(self, tokenizer: Any, plan: RenderPlan) -> None:
         self.tokenizer = tokenizer
-        self.template_kwargs = template_kwargs or {}  # the job's chat-template variables; a row's own go over them
-        self.finds_calls = finds_calls  # the model's response template can find tool calls in its replies
-        self.vocab_size = vocab_size
+        self.template_kwargs = plan.template_kwargs  # a row's own chat-template variables go over these
+        self.finds_calls = plan.finds_calls
+        self.vocab_size = plan.vocab_size
         self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
-        self.raw_prompts = raw_prompts or not self.has_chat_template
-        self.max_positions = max_positions
+        self.raw_prompts = plan.raw_prompts or not self.has_chat_template
+        self.max_positions = plan.max_positions
         self._max_chars: int | None = None
 
     @property

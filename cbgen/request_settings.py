@@ -2,43 +2,52 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cbgen.config import JobConfig
+from cbgen.errors import RowError
+from cbgen.outputs.columns import top_logprobs_of
 from cbgen.records import Request
-from cbgen.sampling import SamplingPlan
+
+if TYPE_CHECKING:
+    from cbgen.control.grammars import Grammars
+    from cbgen.planning import JobPlan
 
 
 class RequestSettings:
     """Gives a rendered request its own sampling values, max_new_tokens, number of sequences, stop strings and step
-    control (format, seed, top logprobs); a row setting that cannot apply makes the request an error naming why."""
+    control (format, seed, top logprobs), as the job's plan says. A row setting that cannot apply makes the request
+    an error naming why: every check below raises RowError, caught here, once."""
 
-    def __init__(self, job: JobConfig, plan: SamplingPlan, steps=None) -> None:
+    def __init__(self, job: JobConfig, plan: JobPlan, grammars: Grammars | None = None) -> None:
         self.job = job
         self.plan = plan
-        self.steps = steps  # cbgen.control.plan.StepPlan, or None when no step control runs
+        self.grammars = grammars  # the job's compiled formats, when some request follows one
 
     def __call__(self, request: Request) -> Request:
+        g = self.job.generation
+        if request.error is not None or not request.record.settings and not g.stop and self.plan.steps is None:
+            return request
+        try:
+            self._apply(request)
+        except RowError as e:
+            request.error = str(e)
+        return request
+
+    def _apply(self, request: Request) -> None:
         settings = request.record.settings
         g = self.job.generation
-        if request.error is not None or not settings and not g.stop and self.steps is None:
-            return request
         n = settings.get("n")
         if n is not None and n != g.num_return_sequences and g.num_return_sequences > 1:
-            request.error = (f"the row asks for n={n}, the job for {g.num_return_sequences} sequences per prompt "
-                             "(-n): rows may ask for their own n only when the job asks for one")
-            return request
-        sampling = self.plan.request_kwargs(settings)
-        if isinstance(sampling, str):
-            request.error = sampling
-            return request
-        if self.steps is not None:
-            kwargs, request.response_format, error = self.steps.request_kwargs(request.record.id, settings, g.seed)
-            if error is not None:
-                request.error = error
-                return request
+            raise RowError(f"the row asks for n={n}, the job for {g.num_return_sequences} sequences per prompt (-n): "
+                           "rows may ask for their own n only when the job asks for one")
+        sampling = self.plan.sampling.request_kwargs(settings)
+        steps = self.plan.steps
+        if steps is not None:
+            kwargs, request.response_format = steps.request_kwargs(request.record.id, settings, g.seed, self.grammars)
             sampling |= kwargs
-            request.top_logprobs = settings.get("top_logprobs", g.top_logprobs or 0)
+            request.top_logprobs = top_logprobs_of(g, settings)
         request.sampling = sampling
         request.n = n
         request.max_new_tokens = settings.get("max_new_tokens")
         request.stop = tuple(dict.fromkeys([*g.stop, *settings.get("stop", ())]))
-        return request

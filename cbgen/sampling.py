@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbgen.config import JobConfig
+from cbgen.errors import RowError
 from cbgen.inputs.settings import SAMPLING_SETTINGS
 
 # Values that make transformers build a stage; every request then passes its own value, so these never apply.
@@ -57,11 +58,11 @@ class SamplingPlan:
             return {"do_sample": True, **fields}
         return {"do_sample": True, **{name: _BUILD[name] if name in self.stages else None for name in _BUILD}}
 
-    def request_kwargs(self, settings: dict[str, Any]) -> dict[str, Any] | str:
-        """The sampler values for a request with the row settings `settings`, or why they cannot apply."""
+    def request_kwargs(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The sampler values for a request with the row settings `settings`; RowError when they cannot apply."""
         if not self.per_request:
             if any(name in settings for name in SAMPLING_SETTINGS):  # only rows read after the plan was made
-                return self._late(next(n for n in SAMPLING_SETTINGS if n in settings))
+                raise self._late(next(n for n in SAMPLING_SETTINGS if n in settings))
             return {}
         temperature = settings.get("temperature")
         if temperature is None:
@@ -75,11 +76,11 @@ class SamplingPlan:
         neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": self.vocab_size}
         for name, value in values.items():
             if name not in self.stages and value != neutral[name]:
-                return self._late(name if name in settings else "temperature")
+                raise self._late(name if name in settings else "temperature")
         return {name: value for name, value in values.items() if name in self.stages}
 
     @staticmethod
-    def _late(name: str) -> str:
+    def _late(name: str) -> RowError:
         flag = "--" + name.replace("_", "-")
-        return (f"the row sets {name}, but the sampler was built before any row using it was read (stdin): give "
-                f"the job a {flag} so it has that stage, or put such a row among the first ones")
+        return RowError(f"the row sets {name}, but the sampler was built before any row using it was read (stdin): "
+                        f"give the job a {flag} so it has that stage, or put such a row among the first ones")

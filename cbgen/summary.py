@@ -10,7 +10,11 @@ from cbgen.errors import ExitCode
 from cbgen.records import Completion
 
 if TYPE_CHECKING:
+    from cbgen.control.grammars import Grammars
+    from cbgen.control.plan import StepPlan
+    from cbgen.inputs.base import IdChoice
     from cbgen.outputs.rundir import DoneIndex
+    from cbgen.planning import JobPlan
 
 
 class Status:
@@ -42,11 +46,28 @@ class RunSummary:
     kv_cache: dict[str, Any] = field(default_factory=dict)
     engine_restarts: int = 0
     attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
-    ids: str | None = None  # where request ids come from: a field name, or None for the row number
+    ids: IdChoice | None = None  # where request ids come from
+    row_settings: frozenset[str] = frozenset()  # the generation settings the input's rows carry
     sampling: dict[str, Any] = field(default_factory=dict)  # per-request sampler stages, from the rows' settings
     step_control: dict[str, Any] = field(default_factory=dict)  # formats compiled, logprobs recorded, seeded draws
     input_notices: dict[str, int] = field(default_factory=dict)  # input fields that could not apply, with counts
     replicas: dict[str, Any] = field(default_factory=dict)  # --data-parallel: how many, and those lost (why)
+
+    def record_plan(self, plan: JobPlan) -> None:
+        """What run.json says of the job's plan: how the KV cache was sized and which sampler stages run."""
+        self.kv_cache = dict(plan.engine.kv_cache)
+        self.sampling = {"per_request": plan.sampling.per_request, "stages": sorted(plan.sampling.stages),
+                         "row_settings": sorted(self.row_settings)}
+
+    def record_step_control(self, steps: StepPlan, grammars: Grammars | None) -> None:
+        """What run.json says of the step control: formats compiled, logprobs recorded, how tokens were drawn."""
+        self.step_control = {
+            "formats_compiled": grammars.compiled if grammars else 0,
+            "compile_s": round(grammars.compile_seconds, 3) if grammars else 0.0,
+            "logprobs": "the model's own (before sampling settings and formats)" if steps.capture else None,
+            "top_logprobs": steps.top_logprobs,
+            "draws": ("seeded per request" if steps.seeds else "per request") if steps.do_sample else "greedy",
+        }
 
     def add_done(self, done: DoneIndex) -> None:
         """Counts what earlier runs already wrote."""

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cbgen.prompts import Renderer, prefix_aware_order
+from cbgen.prompts import Renderer, RenderPlan, prefix_aware_order
 from cbgen.records import PromptRecord, Request
 
 
@@ -71,8 +71,8 @@ def tokenizer(tiny_model_dir):
 
 def test_text_is_wrapped_in_the_chat_template_unless_raw(tokenizer):
     record = PromptRecord(id="0", index=0, location="x", prompt="Hello")
-    chat = Renderer(tokenizer, vocab_size=len(tokenizer)).render(record).input_ids
-    raw = Renderer(tokenizer, vocab_size=len(tokenizer), raw_prompts=True).render(record).input_ids
+    chat = Renderer(tokenizer, RenderPlan(len(tokenizer))).render(record).input_ids
+    raw = Renderer(tokenizer, RenderPlan(len(tokenizer), raw_prompts=True)).render(record).input_ids
     assert "<|im_start|>user" in tokenizer.decode(chat) and tokenizer.decode(chat).rstrip().endswith("assistant")
     assert tokenizer.decode(raw).endswith("Hello") and "<|im_start|>" not in tokenizer.decode(raw)
 
@@ -85,7 +85,7 @@ def test_template_failures_are_row_errors(tiny_model_dir):
         "{% if messages|length > 1 %}{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
         "{{ messages[0]['content'] }}"
     )
-    renderer = Renderer(tokenizer, vocab_size=len(tokenizer))
+    renderer = Renderer(tokenizer, RenderPlan(len(tokenizer)))
     turns = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     failed = renderer.render(PromptRecord(id="0", index=0, location="x", messages=turns))
     assert failed.input_ids is None

@@ -65,7 +65,8 @@ def test_sampling_plan_builds_only_the_stages_rows_use():
     assert plan.request_kwargs({}) == {"temperature": 0.7, "top_k": 100}
     assert plan.request_kwargs({"top_k": 5}) == {"temperature": 0.7, "top_k": 5}
     # a row read after the plan (stdin) that needs a stage the plan lacks is refused, naming the way out
-    assert "--top-p" in SamplingPlan.build(job, set(), 100).request_kwargs({"top_p": 0.5})
+    with pytest.raises(RowError, match="--top-p"):
+        SamplingPlan.build(job, set(), 100).request_kwargs({"top_p": 0.5})
 
 
 def test_rows_sample_with_their_own_settings_and_greedy_rows_stay_greedy(tiny_model_dir, tmp_path):

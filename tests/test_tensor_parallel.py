@@ -1,7 +1,13 @@
 """Tensor parallelism on CPU: `torchrun --nproc-per-node 2 -m cbgen run ... --tp 2` (gloo) writes the same tokens
-as a single process, for a model whose heads split two ways and for one whose heads do not (MLP-only sharding)."""
+as a single process, for a model whose heads split two ways and for one whose heads do not (MLP-only sharding); and
+when rank 0 fails before the followers have its plan, they exit at once with its message."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -77,3 +83,67 @@ def test_tp_with_step_control_matches_one_process(tiny_model_dir, tmp_path):
     for key in one:
         assert [[e["token_id"] for e in p] for p in tp[key]["top_logprobs"]] == \
             [[e["token_id"] for e in p] for p in one[key]["top_logprobs"]]
+
+
+# Runs `cbgen run` under torchrun with one failure injected on rank 0 (CBGEN_TEST_FAIL_AT): while it plans the job
+# ("plan"), or while it converts a GGUF model for the cache the followers wait on ("gguf").
+FAILING_DRIVER = """
+import os, sys
+where = os.environ.get("CBGEN_TEST_FAIL_AT", "")
+if os.environ.get("RANK") == "0" and where:
+    from cbgen.errors import CbgenError
+
+    def fail(*args, **kwargs):
+        raise CbgenError(f"injected failure at {where}")
+
+    if where == "plan":
+        import cbgen.planning
+        cbgen.planning.plan_job = fail
+    elif where == "gguf":
+        import cbgen.model.sharded
+        cbgen.model.sharded.load_gguf = fail
+from cbgen.cli import main
+sys.argv = ["cbgen", *sys.argv[1:]]
+main()
+"""
+
+
+def torchrun_failing(tmp_path, where: str, *args) -> tuple[subprocess.CompletedProcess, float]:
+    driver = tmp_path / "driver.py"
+    driver.write_text(FAILING_DRIVER)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "CBGEN_TEST_FAIL_AT": where,
+                        "CBGEN_CACHE_DIR": str(tmp_path / "model-cache")}  # a GGUF cache that misses
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(driver), "run", *map(str, args), "--tp", "2", "-q"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("where", "message"), [
+    ("input", "rank 0 failed before 'load': input file '{missing}' does not exist"),
+    ("gguf", "rank 0 failed before 'gguf-ready': injected failure at gguf"),
+    ("plan", "rank 0 failed before 'plan': injected failure at plan"),
+])
+def test_followers_exit_promptly_with_rank_0s_message(tiny_model_dir, prompts, tmp_path, where, message):
+    """Whenever rank 0 fails before its plan is sent (reading its input, converting the GGUF model the followers
+    wait for, planning), the followers get its message at once instead of waiting for gloo's timeout (minutes)."""
+    missing = tmp_path / "missing.jsonl"
+    source = missing if where == "input" else prompts
+    model = [] if where == "gguf" else ["--model", str(tiny_model_dir)]  # the embedded GGUF model, uncached
+    done, seconds = torchrun_failing(tmp_path, where, source, "-o", tmp_path / "out", *model, "--dtype", "float32")
+    assert done.returncode != 0
+    assert message.format(missing=missing) in done.stderr, done.stderr[-3000:]
+    assert seconds < 120, f"{seconds:.0f} s"
+
+
+@pytest.mark.slow
+def test_followers_go_home_when_rank_0_needs_no_model(tiny_model_dir, tmp_path):
+    """Every row is an error record: rank 0 writes them without loading a model, and tells the followers so."""
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "prompt": ""}, {"id": "b", "prompt": 3}])
+    done, seconds = torchrun_failing(tmp_path, "", bad, "-o", tmp_path / "out", "--model", str(tiny_model_dir))
+    assert done.returncode == 1, done.stderr[-3000:]  # rank 0's: the requests failed
+    assert "rank 0 failed" not in done.stderr and "SIGABRT" not in done.stderr, done.stderr[-3000:]
+    assert seconds < 120, f"{seconds:.0f} s"
+    assert sorted(r["id"] for r in read_shards(tmp_path / "out")) == ["a", "b"]

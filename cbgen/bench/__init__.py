@@ -3,7 +3,7 @@ workloads (workloads.py), through the paths (paths.py), reported as a table, ben
 
 from cbgen.bench.paths import Bench, Measurement, matmul_flops, parameter_count, run_suite
 from cbgen.bench.report import meta_for, summarise, write_outputs
-from cbgen.bench.workloads import WORDS, Workload, build_workloads
+from cbgen.bench.workloads import WORDS, BenchWorkload, build_workloads
 
-__all__ = ["WORDS", "Bench", "Measurement", "Workload", "build_workloads", "run_suite", "summarise", "write_outputs",
-           "matmul_flops", "parameter_count", "meta_for"]
+__all__ = ["WORDS", "Bench", "BenchWorkload", "Measurement", "build_workloads", "matmul_flops", "meta_for",
+           "parameter_count", "run_suite", "summarise", "write_outputs"]

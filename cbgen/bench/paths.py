@@ -14,18 +14,20 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from cbgen.bench.workloads import Workload
+from cbgen.bench.workloads import BenchWorkload
 from cbgen.config import JobConfig, page_size
 from cbgen.engine.engine import Engine
-from cbgen.engine.plan import EnginePlan, plan_engine
-from cbgen.engine.plan import Workload as EngineWorkload
+from cbgen.inputs.base import IdChoice
 from cbgen.model.load import LoadedModel
+from cbgen.planning import JobPlan
 from cbgen.prompts import LOOKAHEAD, prefix_aware_order
 from cbgen.records import PromptRecord, Request
+from cbgen.request_settings import RequestSettings
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Measurement:
         return self.prompt_tokens / self.seconds
 
 
-def _job(workload: Workload, batching: dict[str, Any], prefix_gating: bool = True) -> JobConfig:
+def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True) -> JobConfig:
     job = JobConfig()
     job.generation.max_new_tokens = workload.max_new_tokens
     job.batching = dict(batching)
@@ -59,9 +61,11 @@ def _job(workload: Workload, batching: dict[str, Any], prefix_gating: bool = Tru
     return job
 
 
-def _requests(workload: Workload) -> list[Request]:
-    return [Request(PromptRecord(id=str(i), index=i, location=f"{workload.name}#{i}"), input_ids=ids,
-                    max_new_tokens=workload.cap(i)) for i, ids in enumerate(workload.prompts)]
+def _records(workload: BenchWorkload) -> list[PromptRecord]:
+    """The workload's prompts as input rows: token ids, each with its own cap when the workload has caps."""
+    return [PromptRecord(id=str(i), index=i, location=f"{workload.name}#{i}", input_ids=list(ids),
+                         settings={"max_new_tokens": workload.cap(i)} if workload.caps else {})
+            for i, ids in enumerate(workload.prompts)]
 
 
 def _is_json(text: str | None) -> bool:
@@ -72,7 +76,7 @@ def _is_json(text: str | None) -> bool:
     return True
 
 
-def _useful(tokens: list[int], eos: set[int], cap: int) -> int:
+def _useful(tokens: list[int], eos: frozenset[int], cap: int) -> int:
     """Tokens a request really asked for: up to its end-of-sequence token, at most its cap."""
     stop = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
     return min(stop, cap)
@@ -85,36 +89,35 @@ class Bench:
         self.loaded = loaded
         self.batching = batching or {}
 
-    def _plan(self, workload: Workload, prefix_gating: bool = True, constrained: bool = False
-              ) -> tuple[JobConfig, EnginePlan, Any]:
-        """The engine set-up `cbgen run` would make for these prompts (cbgen.engine.plan), and its step control
-        (a cbgen.control.plan.StepPlan) when `constrained` puts the workload under its schema."""
+    def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False
+              ) -> tuple[JobConfig, JobPlan, list[Request]]:
+        """The plan `cbgen run` would make for these prompts (cbgen.planning), under the workload's schema when
+        `constrained`, and the requests rendered as it renders them."""
+        from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
+        from cbgen.prompts import Renderer
+
         job = _job(workload, self.batching, prefix_gating)
-        sized_for = EngineWorkload(longest_prompt=max(len(p) for p in workload.prompts),
-                                   max_new_tokens=max([workload.max_new_tokens, *(workload.caps or [])]),
-                                   num_return_sequences=1, requests=len(workload.prompts))
-        steps = None
         if constrained:
-            from cbgen.control.plan import StepPlan
-
             job.generation.json_schema = json.dumps(workload.schema)
-            vocab = self.loaded.model.config.get_text_config().vocab_size
-            steps = StepPlan.build(job, set(), self.loaded.tokenizer, vocab, job.do_sample)
-        return job, plan_engine(job, self.loaded, sized_for, steps=steps), steps
+        records = _records(workload)
+        rendering = plan_rendering(job, self.loaded)
+        head = tuple(Renderer(self.loaded.tokenizer, rendering.render).render(r) for r in records)
+        facts = InputFacts(used_settings(None, records), head, len(head), whole=True, ids=IdChoice(None, "bench"))
+        return job, plan_job(job, facts, self.loaded, rendering), list(head)
 
-    def cbgen(self, workload: Workload, order: str = "gated", constrained: bool = False) -> Measurement:
+    def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
         `cbgen run` does it while reading)."""
-        job, plan, steps = self._plan(workload, prefix_gating=order == "gated", constrained=constrained)
-        engine = Engine(self.loaded.model, plan.engine_settings(job))
-        requests = _requests(workload)
-        if steps is not None:
-            for request in requests:
-                request.sampling, request.response_format, error = steps.request_kwargs(request.record.id, {}, None)
-                assert error is None, error
+        job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained)
+        grammars = plan.steps.make_grammars(self.loaded.tokenizer) if plan.steps is not None else None
+        engine = Engine.for_tokenizer(self.loaded.model, self.loaded.tokenizer, plan.engine.settings,
+                                      grammars=grammars)
+        prepare = RequestSettings(job, plan, grammars)
+        requests = [prepare(request) for request in requests]
+        assert all(r.error is None for r in requests), next(r.error for r in requests if r.error)
         if order != "input":
-            requests = prefix_aware_order(requests, key_tokens=page_size(plan.batching), lookahead=LOOKAHEAD,
-                                          default_max_new_tokens=workload.max_new_tokens)
+            requests = list(prefix_aware_order(requests, key_tokens=page_size(plan.engine.batching),
+                                               lookahead=LOOKAHEAD, default_max_new_tokens=workload.max_new_tokens))
         start = time.perf_counter()
         generated = 0
         tokens: list[list[int]] = [[] for _ in workload.prompts]
@@ -127,24 +130,24 @@ class Bench:
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
         extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens}
-        if steps is not None:
+        if grammars is not None:
             path += "-json-schema"
-            extra["grammar_compile_s"] = round(steps.grammars.compile_seconds, 4)
+            extra["grammar_compile_s"] = round(grammars.compile_seconds, 4)
             decode = self.loaded.tokenizer.decode
             extra["stopped_json"] = sum(_is_json(decode(t, skip_special_tokens=True)) for t in stopped)
             extra["stopped"] = len(stopped)
         return Measurement(workload.name, path, seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated, extra)
 
-    def structured(self, workload: Workload, order: str = "gated") -> list[Measurement]:
+    def structured(self, workload: BenchWorkload, order: str = "gated") -> list[Measurement]:
         """The workload under its schema, then as free text capped request by request at the constrained answer's
         length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks."""
         constrained = self.cbgen(workload, order, constrained=True)
         caps = [len(tokens) for tokens in constrained.extra["tokens"]]
-        free = Workload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
+        free = BenchWorkload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
         return [self.cbgen(free, order), constrained]
 
-    def cbgen_onednn(self, workload: Workload, earlier: Sequence[Measurement]) -> list[Measurement]:
+    def cbgen_onednn(self, workload: BenchWorkload, earlier: Sequence[Measurement]) -> list[Measurement]:
         """The cbgen path with every float32 linear layer through oneDNN (cbgen.model.linear.onednn_linear): weights
         packed and first calls made before the clock, the model as it was afterwards. Each row adds the share of
         requests whose greedy tokens equal those of the same path without oneDNN, when it ran earlier on this
@@ -152,7 +155,7 @@ class Bench:
         from cbgen.model.linear import onednn_linear
 
         with onednn_linear(self.loaded.model):
-            self.cbgen(Workload("warm-up", workload.prompts[:8], 4), "input")
+            self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input")
             measured = [self.cbgen(workload)] if workload.schema is None else self.structured(workload)
         for m in measured:
             reference = next((r for r in earlier if r.path == m.path and "tokens" in r.extra), None)
@@ -161,13 +164,13 @@ class Bench:
                 m.extra["same_tokens_as_cbgen"] = same_share(m.extra["tokens"], reference.extra["tokens"])
         return measured
 
-    def generate_batch(self, workload: Workload) -> Measurement:
+    def generate_batch(self, workload: BenchWorkload) -> Measurement:
         """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
-        _, plan, _ = self._plan(workload)
-        eos = plan.eos_token_ids
+        engine = self._plan(workload)[1].engine
+        eos = engine.eos_token_ids
         start = time.perf_counter()
-        outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=plan.generation_config,
-                                                   continuous_batching_config=plan.spec.cb_config)
+        outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=engine.generation_config,
+                                                   continuous_batching_config=engine.settings.spec.cb_config)
         seconds = time.perf_counter() - start
         assert len(outputs) == len(workload.prompts) and not any(o.error for o in outputs.values())
         # generate_batch returns results in input order (request ids req_0, req_1, ...)
@@ -175,11 +178,11 @@ class Bench:
         return Measurement(workload.name, "generate_batch", seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated)
 
-    def static(self, workload: Workload, batch_size: int) -> Measurement:
+    def static(self, workload: BenchWorkload, batch_size: int) -> Measurement:
         """`model.generate` on left-padded batches, in input order, each run to its largest cap; tokens after a
         sequence's EOS or cap are not counted."""
-        _, plan, _ = self._plan(workload)
-        generation_config, eos = plan.generation_config, plan.eos_token_ids
+        engine = self._plan(workload)[1].engine
+        generation_config, eos = engine.generation_config, engine.eos_token_ids
         pad = generation_config.pad_token_id
         model = self.loaded.model
         generated = 0
@@ -198,7 +201,8 @@ class Bench:
         return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated)
 
-    def llamacpp(self, workload: Workload, gguf, parallel: int, reference: Measurement | None = None) -> Measurement:
+    def llamacpp(self, workload: BenchWorkload, gguf: Path, parallel: int, reference: Measurement | None = None
+                 ) -> Measurement:
         """The workload's token ids through llama.cpp (`gguf`), at most `parallel` sequences at a time, each stopping
         at its cap or end of sequence; `reference` (cbgen's measurement of the same workload) adds the share of
         requests whose greedy tokens are the same in both."""
@@ -209,7 +213,7 @@ class Bench:
             raise RuntimeError(reason)
         n = len(workload.prompts)
         caps = [workload.cap(i) for i in range(n)]
-        eos = self._plan(workload)[1].eos_token_ids
+        eos = self._plan(workload)[1].engine.eos_token_ids
         longest = max(len(p) + c for p, c in zip(workload.prompts, caps))
         engine = LlamaCpp(lib, gguf, torch.get_num_threads(), min(parallel, n), -(-longest // 256) * 256)
         try:
@@ -256,7 +260,7 @@ def parameter_count(model) -> int:
 
 def run_suite(
     loaded: LoadedModel,
-    workloads: list[Workload],
+    workloads: list[BenchWorkload],
     paths: Sequence[str],
     static_batch_sizes: Sequence[int] = (8, 16, 32),
     batching: dict[str, Any] | None = None,
@@ -270,7 +274,7 @@ def run_suite(
     for workload in workloads:
         # first-call costs (kernel selection for this workload's shapes, allocator growth) are paid before measuring,
         # so that no path pays them for the others
-        bench.cbgen(Workload("warm-up", workload.prompts[:8], 4), "input")
+        bench.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input")
         for path in paths:
             if workload.schema is not None and not path.startswith("cbgen"):
                 continue  # only cbgen can follow a schema; the structured workload compares cbgen with itself

@@ -28,7 +28,7 @@ WORDS = (
 
 
 @dataclass
-class Workload:
+class BenchWorkload:
     """Prompts and their caps. With per-request caps (`caps`), paths that cannot stop a request at its own cap
     (`generate_batch`, static batches) run to the largest cap and only tokens up to each request's cap count."""
 
@@ -85,7 +85,7 @@ def _plain(tokenizer, rng: random.Random, length: int) -> list[int]:
     return ids[:length]
 
 
-def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None = None) -> list[Workload]:
+def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None = None) -> list[BenchWorkload]:
     counts = SIZES[size]
     scale = {"tiny": 0.1, "small": 1.0, "medium": 1.0}[size]
     out = []
@@ -96,26 +96,26 @@ def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None 
             prompts = [_chat(tokenizer, " ".join(_sentence(rng, rng.randint(5, 20)) for _ in range(rng.randint(1, 6)))
                              + " Explain.") for _ in range(n)]
             top = 256 if size != "tiny" else 16
-            out.append(Workload(name, prompts, top, [rng.randint(min(16, top), top) for _ in range(n)]))
+            out.append(BenchWorkload(name, prompts, top, [rng.randint(min(16, top), top) for _ in range(n)]))
         elif name == "shared-prefix":
             systems = [" ".join(_sentence(rng, 12) for _ in range(max(1, int(40 * scale)))) for _ in range(4)]
             prompts = [_chat(tokenizer, f"Question {i}: {_sentence(rng, 8)}", rng.choice(systems)) for i in range(n)]
-            out.append(Workload(name, prompts, 8))
+            out.append(BenchWorkload(name, prompts, 8))
         elif name == "long-prompt":
             prompts = [_chat(tokenizer, " ".join(_sentence(rng, 14) for _ in range(max(1, int(70 * scale))))
                              + " Summarise in one sentence.") for _ in range(n)]
-            out.append(Workload(name, prompts, 16))
+            out.append(BenchWorkload(name, prompts, 16))
         elif name == "many-small":
             prompts = [_chat(tokenizer, _sentence(rng, rng.randint(3, 10))) for _ in range(n)]
-            out.append(Workload(name, prompts, 16))
+            out.append(BenchWorkload(name, prompts, 16))
         elif name == "structured":
             prompts = [_chat(tokenizer, f"Create a JSON record for a fictional {ROLES[i % 8]} who lives in "
                              f"{CITIES[i // 8 % 8]}, with name, age, status (active, inactive or pending), a few tags "
                              "and address (city and 5-digit zip).", "You output only JSON.") for i in range(n)]
-            out.append(Workload(name, prompts, 160 if size != "tiny" else 24, schema=RECORD_SCHEMA))
+            out.append(BenchWorkload(name, prompts, 160 if size != "tiny" else 24, schema=RECORD_SCHEMA))
         elif name == "fixed":
             length, new = (128, 64) if size != "tiny" else (32, 8)
-            out.append(Workload(name, [_plain(tokenizer, rng, length) for _ in range(n)], new))
+            out.append(BenchWorkload(name, [_plain(tokenizer, rng, length) for _ in range(n)], new))
         else:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(counts)}")
     return out

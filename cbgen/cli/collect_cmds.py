@@ -29,8 +29,9 @@ def status(
     """Report done / failed / remaining requests of a job, shard by shard.
 
     Exit code 0 when every request is done, 1 when some are not (or failed), 2 for a directory that holds no job.
-    With --json: {"directory", "complete", "done", "failed", "remaining", "directories": [{"directory", "shard",
-    "done", "failed", "remaining", "state"}, ...]}; remaining is null when the input cannot be read.
+    With --json: {"directory", "complete", "done", "failed", "remaining", "columns", "directories": [{"directory",
+    "shard", "done", "failed", "remaining", "state", "columns"}, ...]}; remaining is null when the input cannot be
+    read, columns (those of the rows) while no run has planned.
 
     Example: cbgen status out/ --json | jq .remaining
     """
@@ -40,9 +41,11 @@ def status(
     remaining = [r.remaining for r in rows]
     total_remaining = None if None in remaining else sum(remaining)
     incomplete = any(r.remaining != 0 or r.failed for r in rows)
+    columns = next((r.columns for r in rows if r.columns is not None), None)
     if as_json:
         typer.echo(json.dumps({"directory": directory, "complete": not incomplete, "done": sum(r.done for r in rows),
                                "failed": sum(r.failed for r in rows), "remaining": total_remaining,
+                               "columns": list(columns) if columns is not None else None,
                                "directories": [r.to_dict() for r in rows]}))
         raise typer.Exit(ExitCode.SOME_FAILED if incomplete else ExitCode.OK)
     table = Table(title=f"cbgen status: {directory}", title_justify="left")
@@ -55,6 +58,8 @@ def status(
         table.add_row("total", str(sum(r.done for r in rows)), str(sum(r.failed for r in rows)),
                       "?" if total_remaining is None else str(total_remaining), "", style="bold")
     Console().print(table)
+    if columns is not None:
+        typer.echo(f"columns: {', '.join(columns)}")
     raise typer.Exit(ExitCode.SOME_FAILED if incomplete else ExitCode.OK)
 
 

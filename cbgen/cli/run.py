@@ -63,16 +63,23 @@ def run(
 
         console = Console(stderr=True, log_path=False)
         raise typer.Exit(run_on_ray(job, lambda line: console.log(line, markup=False, highlight=False)))
-    from cbgen.distributed import follow, setup
+    from cbgen.distributed import setup
+    from cbgen.job import follow_job
 
     tp = setup(job)  # None unless started by torchrun with --tp
     if tp is not None and not tp.driver:
-        follow(job, tp)  # rank 0 reads, writes and reports; this rank runs its shard of the model
-        raise typer.Exit(ExitCode.OK)
+        try:
+            raise typer.Exit(follow_job(job, tp))  # rank 0 reads, writes and reports; this rank runs its model shard
+        finally:
+            tp.close()
     console = Console(stderr=True, log_path=False)
     stop = threading.Event()
-    with graceful_stop(stop, console):
-        summary = run_job(job, make_progress(console, job.run.quiet), stop, tp)
+    try:
+        with graceful_stop(stop, console):
+            summary = run_job(job, make_progress(console, job.run.quiet), stop, tp)
+    finally:
+        if tp is not None:
+            tp.close()
     if not job.run.quiet:
         console.print(summary_table(summary))
     if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):

@@ -1,70 +1,92 @@
 """What a job asks of the step control, decided before its engine starts: whether any request follows a format,
-wants the model's own logprobs or top logprobs, or draws with a seed; and, per request, the values that travel with
-it to the engine."""
+records the model's own logprobs or top logprobs, or draws with a seed; and, per request, the values that travel with
+it to the engine.
+
+A StepPlan is plain data: tensor-parallel followers and --data-parallel replicas receive rank 0's and build the same
+step control from it (`StepPlan.control`).
+"""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Set
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
-from cbgen.control.grammars import Grammars
-from cbgen.formats import ResponseFormat, job_format
+from cbgen.errors import CbgenError, RowError
+from cbgen.formats import FormatError, ResponseFormat, job_format
 from cbgen.inputs.settings import MAX_TOP_LOGPROBS
 
+if TYPE_CHECKING:
+    from cbgen.chat.responses import ResponseTemplate
+    from cbgen.control.grammars import Grammars
+    from cbgen.control.processor import StepControl
+    from cbgen.outputs.columns import OutputColumns
 
-@dataclass
+
+@dataclass(frozen=True)
 class StepPlan:
+    vocab_size: int
     job_format: ResponseFormat | None
-    grammars: Grammars | None  # when the job or some row has a format
+    formats: bool  # the job or some row follows a format: the job compiles grammars
     do_sample: bool  # the engine samples (the job does, or rows bring their own sampling)
     capture: bool  # record the model's own logprob of each token
     top_logprobs: int  # alternatives recorded per token (0: none)
     seeds: bool  # the job or some row gives a seed
+    response_template: ResponseTemplate | None = None  # the model's: how it writes tool calls (required ones)
 
     @classmethod
-    def build(cls, job: JobConfig, used: set[str], tokenizer: Any, vocab_size: int, do_sample: bool,
-              response_template: dict | None = None) -> StepPlan:
-        """`used`: the row settings the input carries (Reader.settings_present); `response_template`: the model's,
-        which says how it writes tool calls (for required ones)."""
+    def decide(cls, job: JobConfig, used: Set[str], columns: OutputColumns, do_sample: bool, vocab_size: int,
+               response_template: ResponseTemplate | None = None) -> StepPlan | None:
+        """The step control a job needs, or None when it needs none (generation is then transformers' alone).
+        `used`: the row settings its input carries; `columns`: what its rows record (logprobs, top logprobs)."""
         g = job.generation
-        fmt = job_format(g)
-        grammars = (Grammars(tokenizer, vocab_size, response_template)
-                    if fmt is not None or "response_format" in used else None)
+        try:
+            fmt = job_format(g)
+        except FormatError as e:  # checked before any model loads (cbgen.config.build): a library caller's job
+            raise CbgenError(str(e)) from None
         top = g.top_logprobs or (MAX_TOP_LOGPROBS if "top_logprobs" in used else 0)
-        capture = g.logprobs or top > 0 or bool({"logprobs", "top_logprobs"} & used)
-        return cls(fmt, grammars, do_sample, capture, top, g.seed is not None or "seed" in used)
+        plan = cls(vocab_size, fmt, fmt is not None or "response_format" in used, do_sample, columns.logprobs,
+                   top if columns.top_logprobs else 0, g.seed is not None or "seed" in used, response_template)
+        return plan if plan.formats or plan.capture or (plan.seeds and plan.do_sample) else None
 
-    @property
-    def active(self) -> bool:
-        """Whether the engine needs cbgen's step control at all; without it, generation is transformers' alone."""
-        return self.grammars is not None or self.capture or (self.seeds and self.do_sample)
-
-    def spec(self, vocab_size: int):
-        from cbgen.control.processor import ControlSpec
-
-        return ControlSpec(vocab_size=vocab_size, do_sample=self.do_sample, capture=self.capture,
-                           top_logprobs=self.top_logprobs, grammars=self.grammars is not None,
-                           response_template=self.grammars.response_template if self.grammars else None)
-
-    def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None
-                       ) -> tuple[dict[str, Any], ResponseFormat | None, str | None]:
-        """The processor kwargs of one request, its format, and why it cannot run (a format that does not
-        compile) or None."""
+    def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None,
+                       grammars: Grammars | None) -> tuple[dict[str, Any], ResponseFormat | None]:
+        """The processor kwargs of one request and the format it follows. Raises RowError when its format does not
+        compile."""
         from cbgen.control.processor import GRAMMAR_KWARG, SEED_KWARG
 
         kwargs: dict[str, Any] = {}
         fmt = settings.get("response_format", self.job_format)
         if fmt is not None:
-            error = self.grammars.check(fmt)
-            if error is not None:
-                return {}, None, error
+            if grammars is None:
+                raise RowError("the row asks for a response_format, but the job compiles no grammars: give it the "
+                               "format (--json-schema, --regex, ...) or put such a row among the first ones")
+            try:
+                grammars.grammar(fmt)
+            except FormatError as e:
+                raise RowError(str(e)) from None
             kwargs[GRAMMAR_KWARG] = fmt.key
         seed = settings.get("seed", job_seed)
-        if seed is not None and self.active and self.do_sample:
+        if seed is not None and self.do_sample:
             kwargs[SEED_KWARG] = request_seed(seed, record_id)
-        return kwargs, fmt, None
+        return kwargs, fmt
+
+    def make_grammars(self, tokenizer: Any) -> Grammars | None:
+        """The job's grammar compiler for `tokenizer`, when some request follows a format."""
+        if not self.formats:
+            return None
+        from cbgen.control.grammars import Grammars
+
+        return Grammars(tokenizer, self.vocab_size, self.response_template)
+
+    def control(self, tokenizer: Any, grammars: Grammars | None = None) -> StepControl:
+        """The step control of one engine (`grammars`: the job's, when this process compiled them already)."""
+        from cbgen.control.processor import StepControl
+
+        return StepControl(vocab_size=self.vocab_size, grammars=grammars or self.make_grammars(tokenizer),
+                           do_sample=self.do_sample, capture=self.capture, top_logprobs=self.top_logprobs)
 
 
 def request_seed(seed: int, record_id: str) -> int:

@@ -67,24 +67,6 @@ def gumbel_noise(seed: int, index: int, position: int, size: int) -> torch.Tenso
     return (-torch.log(-torch.log(uniform))).to(torch.float32)
 
 
-@dataclass(frozen=True)
-class ControlSpec:
-    """What builds a StepControl; plain data, so tensor-parallel followers build the same one as rank 0."""
-
-    vocab_size: int
-    do_sample: bool
-    capture: bool  # keep the model's own logprob of each chosen token
-    top_logprobs: int  # and this many of the most likely tokens (0: none)
-    grammars: bool  # some request follows a format
-    response_template: dict | None = None  # the model's, for required tool calls (followers compile them too)
-
-    def build(self, tokenizer, grammars: Grammars | None = None) -> StepControl:
-        if self.grammars and grammars is None:
-            grammars = Grammars(tokenizer, self.vocab_size, self.response_template)
-        return StepControl(vocab_size=self.vocab_size, grammars=grammars, do_sample=self.do_sample,
-                           capture=self.capture, top_logprobs=self.top_logprobs)
-
-
 class StepControl:
     """The state the two processors share: one entry per sequence in the engine, keyed by its manager id."""
 

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
 from cbgen.engine.manager import (
@@ -30,9 +30,13 @@ from cbgen.errors import CbgenError
 from cbgen.records import Completion, Request
 from cbgen.sequences import request_key, sequence_ids
 
+if TYPE_CHECKING:
+    from cbgen.control.grammars import Grammars
+    from cbgen.control.processor import StepControl
+
 log = logging.getLogger(__name__)
 
-@dataclass
+@dataclass(frozen=True)
 class EngineSettings:
     """How the engine runs: what builds its manager, how much it keeps in flight, and what ends a sequence."""
 
@@ -40,14 +44,10 @@ class EngineSettings:
     max_in_flight: int
     max_new_tokens: int  # the job's; a request may ask for its own
     num_return_sequences: int  # the job's; a request may ask for its own (then it runs as copies)
-    eos_token_ids: set[int]
+    eos_token_ids: frozenset[int]
     max_positions: int | None  # the model's context
     request_timeout: float | None = None
     prefix_gating: bool = True
-    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for stop strings
-    control: Any = None  # cbgen.control.processor.StepControl: grammar masks, own logprobs, seeded draws
-    # a fresh manager after a loop death; not under tensor parallelism, whose other ranks cannot follow suit
-    restartable: bool = True
 
 
 @dataclass
@@ -88,17 +88,34 @@ class _Feed:
 
 
 class Engine:
-    """Feeds requests to a ContinuousBatchingManager, at most `max_in_flight` at a time, and yields Completions."""
+    """Feeds requests to a ContinuousBatchingManager, at most `max_in_flight` at a time, and yields Completions.
 
-    def __init__(self, model, settings: EngineSettings) -> None:
+    `control` runs inside each step (grammar masks, the model's own logprobs, seeded draws); `decode` turns token
+    ids into text, for stop strings; `restartable`: a fresh manager takes over when the loop dies (not under tensor
+    parallelism, whose other ranks cannot follow suit)."""
+
+    def __init__(self, model: Any, settings: EngineSettings, *, control: StepControl | None = None,
+                 decode: Callable[[list[int]], str] | None = None, restartable: bool = True) -> None:
         self.model = model
         self.settings = settings
         self.limits = Limits(settings.max_new_tokens, settings.max_positions)
         self.stats = EngineStats()
-        self.control = settings.control
-        self._manager = None
+        self.control = control
+        self.decode = decode
+        self.restartable = restartable
+        self._manager: Any = None
         self._prefix_sharing = False
         self._counter = 0
+
+    @classmethod
+    def for_tokenizer(cls, model: Any, tokenizer: Any, settings: EngineSettings, *, grammars: Grammars | None = None,
+                      restartable: bool = True) -> Engine:
+        """The engine `settings` describe, its step control (if its plan has one) and stop strings working with
+        `tokenizer`; `grammars`: the job's compiled formats, when this process has them already."""
+        steps = settings.spec.control
+        control = steps.control(tokenizer, grammars) if steps is not None else None
+        return cls(model, settings, control=control, restartable=restartable,
+                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def run(self, requests: Iterable[Request], stop: threading.Event | None = None) -> Iterator[list[Completion]]:
         """Yields the sequences of each request together (sorted by sample index), in the order requests finish.
@@ -216,7 +233,7 @@ class Engine:
             if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
                 yield group
         error = loop_error(self._manager)
-        if not self.settings.restartable:
+        if not self.restartable:
             raise CbgenError(f"{error}; under tensor parallelism the job stops here (run it again to resume)")
         log.warning("%s; restarting it (%d requests in flight failed)", error, len(in_flight))
         for key in list(in_flight):
@@ -252,7 +269,7 @@ class Engine:
             first = list(entry.ids)[:1] if self._prefix_sharing else list(entry.ids)
             entry.later = [i for i in entry.ids if i not in first]
         if request.stop:
-            entry.stop = StopStrings(request.stop, self.settings.decode)
+            entry.stop = StopStrings(request.stop, self.decode)
         for manager_id in first:
             if not self._add(entry, manager_id, streaming=lead or bool(entry.later)):
                 yield self._reject(request, "the engine refused the request (it was stopping)")
@@ -310,8 +327,7 @@ class Engine:
         """A sequence that has ended, with what the step control recorded of it (its own logprobs, top logprobs,
         whether its format was complete)."""
         record = self.control.take(result.request_id) if self.control is not None else None
-        logprobs = [float(x) for x in result.logprobs] if result.logprobs else None
-        top = None
+        logprobs = top = None
         if record is not None and self.control.capture:
             logprobs, top = record.logprobs[: len(tokens)], record.top[: len(tokens)] or None
         if stopped is not None:

@@ -3,25 +3,33 @@ in a single process and on rank 0; tensor-parallel followers use it to serve the
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.attention import per_sequence_attention
 from cbgen.attention.softcap import softcapped_paged_eager
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
-@dataclass
+    from cbgen.control.plan import StepPlan
+
+
+@dataclass(frozen=True)
 class ManagerSpec:
-    """Everything that builds a manager. A tensor-parallel follower receives rank 0's, so that both build the same
-    one (the manager may change what it is given, so rank 0 sends copies taken before it starts)."""
+    """Everything that builds a manager. A tensor-parallel follower receives rank 0's (in its JobPlan), so that both
+    build the same one. A manager may change the configurations it is given: each one gets copies."""
 
-    generation_config: Any
-    cb_config: Any
-    workload_hints: Any = None
+    generation_config: GenerationConfig
+    cb_config: ContinuousBatchingConfig
+    workload_hints: WorkloadHints | None = None
     attention: str = "auto"  # cbgen's per-sequence attention: "auto" (where it applies), "required" or "off"
-    control: Any = None  # cbgen.control.processor.ControlSpec: grammar masks, own logprobs, seeded draws; or None
+    control: StepPlan | None = None  # grammar masks, the model's own logprobs, seeded draws
 
 
 @dataclass
@@ -49,9 +57,9 @@ def attention_scope(model, attention: str) -> Iterator[str]:
 def start_manager(model, spec: ManagerSpec, control=None) -> tuple[Any, CacheFacts]:
     """A started manager, its cache built by a warm-up so that its real size is known before the first admission.
     `control` (cbgen.control.processor.StepControl) joins its logits processors first."""
-    manager = model.init_continuous_batching(generation_config=spec.generation_config,
-                                             continuous_batching_config=spec.cb_config,
-                                             workload_hints=spec.workload_hints)
+    manager = model.init_continuous_batching(generation_config=copy.deepcopy(spec.generation_config),
+                                             continuous_batching_config=copy.deepcopy(spec.cb_config),
+                                             workload_hints=copy.deepcopy(spec.workload_hints))
     if control is not None:
         from cbgen.control.processor import install
 
@@ -94,7 +102,7 @@ def loop_error(manager) -> str:
 def serve(model, tokenizer, spec: ManagerSpec) -> None:
     """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
     control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
-    control = spec.control.build(tokenizer) if spec.control is not None else None
+    control = spec.control.control(tokenizer) if spec.control is not None else None
     with attention_scope(model, spec.attention):
         manager, _ = start_manager(model, spec, control)
         try:

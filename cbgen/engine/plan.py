@@ -7,10 +7,11 @@ workload hints, and records why.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import ceil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig, page_size
 from cbgen.config.cpu import cpu_row
@@ -22,12 +23,18 @@ from cbgen.prompts import LOOKAHEAD
 from cbgen.records import Request
 from cbgen.sampling import SamplingPlan
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    from cbgen.control.plan import StepPlan
+
 KV_MEMORY_SHARE = 0.25  # on CPU, the KV cache cbgen sizes never takes more than this share of available RAM
 MAX_REQUESTS_PER_BATCH = 256  # transformers' choice when unset, as far as the in-flight window is concerned
 
 
-@dataclass
-class Workload:
+@dataclass(frozen=True)
+class WorkloadShape:
     """What the engine is sized for, known from the requests read ahead."""
 
     longest_prompt: int
@@ -36,53 +43,38 @@ class Workload:
     requests: int | None  # in the whole job; None when unknown (stdin)
 
     @classmethod
-    def of(cls, job: JobConfig, head: list[Request], total: int | None, *, whole: bool = False) -> Workload:
-        """From the requests read ahead; `whole`: they are all the job's, so only those that can run count."""
+    def of(cls, job: JobConfig, head: Sequence[Request], total: int | None, *, whole: bool = False) -> WorkloadShape:
+        """From the requests read ahead (rendered: their token ids; their rows' own caps and n); `whole`: they are
+        all the job's, so only those that can run count."""
         g = job.generation
-        runnable = [r for r in head if r.error is None]
-        return cls(longest_prompt=max((len(r.input_ids) for r in runnable), default=1),
-                   max_new_tokens=max([g.max_new_tokens, *(r.max_new_tokens or 0 for r in runnable)]),
-                   num_return_sequences=max([g.num_return_sequences, *(r.n or 0 for r in runnable)]),
+        runnable = [r for r in head if r.error is None and r.input_ids is not None]
+        asked = [r.record.settings for r in runnable]
+        return cls(longest_prompt=max((len(r.input_ids or ()) for r in runnable), default=1),
+                   max_new_tokens=max([g.max_new_tokens, *(s.get("max_new_tokens") or 0 for s in asked)]),
+                   num_return_sequences=max([g.num_return_sequences, *(s.get("n") or 0 for s in asked)]),
                    requests=max(len(runnable), 1) if whole else total)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EnginePlan:
-    generation_config: Any
-    eos_token_ids: set[int]
-    batching: dict[str, Any]  # the ContinuousBatchingConfig fields: the user's and cbgen's choices
-    max_in_flight: int
+    """How the engine runs: the GenerationConfig, the ContinuousBatchingConfig fields (the user's and cbgen's
+    choices), how the KV cache was sized, and the settings the Engine (and its manager) is built from."""
+
+    generation_config: GenerationConfig
+    eos_token_ids: frozenset[int]
+    batching: dict[str, Any]
     kv_cache: dict[str, Any]  # how the KV cache was sized, for run.json
-    spec: ManagerSpec
-    max_positions: int | None
-    control: Any = None  # cbgen.control.processor.StepControl for this process's engine, or None
-
-    def engine_settings(self, job: JobConfig, *, decode=None, restartable: bool = True) -> EngineSettings:
-        return EngineSettings(
-            spec=self.spec,
-            max_in_flight=self.max_in_flight,
-            max_new_tokens=job.generation.max_new_tokens,
-            num_return_sequences=job.generation.num_return_sequences,
-            eos_token_ids=self.eos_token_ids,
-            max_positions=self.max_positions,
-            request_timeout=job.run.request_timeout,
-            prefix_gating=job.run.prefix_gating,
-            decode=decode,
-            restartable=restartable,
-            control=self.control,
-        )
+    settings: EngineSettings
 
 
-def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, sampling: SamplingPlan | None = None,
-                logprobs: bool | None = None, steps=None, replicas: int = 1) -> EnginePlan:
-    """The engine set-up for `job` on `loaded`. `sampling`: the per-request sampler plan (default: the job's own
-    sampling); `logprobs`: whether any request wants logprobs (default: the job's setting); `steps`
-    (cbgen.control.plan.StepPlan): the step control, when the job needs one."""
+def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sampling: SamplingPlan,
+                steps: StepPlan | None = None, replicas: int = 1) -> EnginePlan:
+    """The engine set-up for `job` on `loaded`: `sampling` is the per-request sampler plan; `steps` the step
+    control, when the job needs one."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     text_config = loaded.model.config.get_text_config()
     max_positions = getattr(text_config, "max_position_embeddings", None)
-    sampling = sampling or SamplingPlan.build(job, set(), text_config.vocab_size)
     generation_config, eos = build_generation_config(job, loaded, sampling)
     attention = attention_choice(job, loaded)
     batching = dict(job.batching)
@@ -95,23 +87,23 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: Workload, samplin
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
     kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)
-    control = None
     if steps is not None:
         # the step control runs in Python between the forward pass and sampling: the synchronous loop it needs
         batching.setdefault("use_cuda_graph", False)
         batching.setdefault("use_async_batching", False)
-        if steps.capture:
-            logprobs = False  # it records the model's own; transformers' are those of the processed scores
-        control = steps.spec(text_config.vocab_size).build(loaded.tokenizer, steps.grammars)
-    cb_config = make_cb_config(batching, job, logprobs=logprobs, per_request=sampling.per_request)
+    cb_config = make_cb_config(batching, job, per_request=sampling.per_request)
     hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
-    spec = ManagerSpec(generation_config, cb_config, hints, attention,
-                       steps.spec(text_config.vocab_size) if steps is not None else None)
-    return EnginePlan(generation_config, eos, batching, window, kv_cache, spec, max_positions, control)
+    g = job.generation
+    settings = EngineSettings(
+        spec=ManagerSpec(generation_config, cb_config, hints, attention, steps), max_in_flight=window,
+        max_new_tokens=g.max_new_tokens, num_return_sequences=g.num_return_sequences, eos_token_ids=eos,
+        max_positions=max_positions, request_timeout=job.run.request_timeout, prefix_gating=job.run.prefix_gating)
+    return EnginePlan(generation_config, eos, batching, kv_cache, settings)
 
 
-def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan):
+def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan
+                            ) -> tuple[GenerationConfig, frozenset[int]]:
     """The GenerationConfig for the job, and its end-of-sequence ids. Starts from transformers' defaults, not the
     model's generation_config: a job's sampling is exactly what its configuration (and its rows, see
     cbgen.sampling) says. End-of-sequence tokens come from the model and tokenizer, plus --stop-token-id."""
@@ -130,7 +122,7 @@ def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingP
         pad_token_id=pad if pad is not None else (min(eos) if eos else None),
         **plan.generation_fields(),
     )
-    return config, eos
+    return config, frozenset(eos)
 
 
 def attention_choice(job: JobConfig, loaded: LoadedModel) -> str:
@@ -165,7 +157,7 @@ def kv_bytes_per_block(model_config, page_tokens: int, dtype_bytes: int) -> int:
     return text.num_hidden_layers * 2 * heads * head_dim * page_tokens * dtype_bytes
 
 
-def size_kv_cache(batching: dict[str, Any], loaded: LoadedModel, workload: Workload, window: int,
+def size_kv_cache(batching: dict[str, Any], loaded: LoadedModel, workload: WorkloadShape, window: int,
                   max_positions: int | None) -> dict[str, Any]:
     """Sets `batching["num_blocks"]` for the job unless the user sized the cache or it is on a GPU; returns how.
 
@@ -201,14 +193,13 @@ def size_kv_cache(batching: dict[str, Any], loaded: LoadedModel, workload: Workl
     return sizing | {"chosen_by": "cbgen", "reason": reason, "bytes": num_blocks * block_bytes}
 
 
-def make_cb_config(batching: dict[str, Any], job: JobConfig, *, logprobs: bool | None = None,
-                   per_request: bool = False):
-    """The ContinuousBatchingConfig: the batching fields plus the generation-side ones (logprobs when the job or a
-    row asks for them, per-request samplers when rows carry their own settings, the seed)."""
+def make_cb_config(batching: dict[str, Any], job: JobConfig, *, per_request: bool = False) -> ContinuousBatchingConfig:
+    """The ContinuousBatchingConfig: the batching fields plus the generation-side ones (per-request samplers when
+    rows carry their own settings, the seed). Logprobs are never transformers' (those of the processed scores):
+    cbgen's step control records the model's own."""
     from transformers.generation import ContinuousBatchingConfig
 
     fields = dict(batching)
-    fields["return_logprobs"] = job.generation.logprobs if logprobs is None else logprobs
     if per_request:
         fields["per_request_processors"] = True
     if job.generation.seed is not None:

@@ -16,11 +16,15 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
-from cbgen.engine.engine import EngineSettings, EngineStats
+from cbgen.config import JobConfig, ModelSection
+from cbgen.engine.engine import EngineStats
 from cbgen.errors import CbgenError
 from cbgen.records import Completion, Request
+
+if TYPE_CHECKING:
+    from cbgen.planning import JobPlan
 
 EXIT = "exit"
 
@@ -47,14 +51,13 @@ def gpu_groups(replicas: int, tp: int, visible: int) -> list[list[int]]:
     return [list(range(i * tp, (i + 1) * tp)) for i in range(replicas)]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ReplicaSpec:
-    """What one replica process needs to build the same engine as the main process planned."""
+    """What one replica process needs to build the engine the main process planned: the job's plan itself."""
 
     index: int
-    model: Any  # cbgen.config.ModelSection
-    settings: EngineSettings  # without its control and decode function (rebuilt in the replica)
-    control: Any  # cbgen.control.processor.ControlSpec or None
+    model: ModelSection
+    plan: JobPlan
     cpus: list[int] | None
     gpus: list[int] | None
 
@@ -91,10 +94,7 @@ def _serve(spec: ReplicaSpec, inbox, outbox, stop) -> None:
         from cbgen.model.load import load_model
 
         loaded = load_model(spec.model)
-        control = spec.control.build(loaded.tokenizer) if spec.control is not None else None
-        settings = dataclasses.replace(spec.settings, control=control,
-                                       decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
-        engine = Engine(loaded.model, settings)
+        engine = Engine.for_tokenizer(loaded.model, loaded.tokenizer, spec.plan.engine.settings)
     except Exception as e:  # noqa: BLE001 - told to the main process, which names the replica
         outbox.put(("failed", spec.index, f"{type(e).__name__}: {e}"[:500]))
         return
@@ -179,20 +179,20 @@ class ReplicaPool:
         self.stats.resolved_config = stats.resolved_config
 
 
-def pool_for(job, loaded, plan) -> ReplicaPool:
-    """The replicas of a job on this node, each building the engine `plan` describes."""
+def pool_for(job: JobConfig, device: str, plan: JobPlan) -> ReplicaPool:
+    """The replicas of a job on this node (on `device`), each building the engine of the job's `plan`."""
     count = job.run.data_parallel
     if job.model.tp_size > 1:
         raise CbgenError("--data-parallel with --tp is not supported yet: use one of them")
-    settings = dataclasses.replace(plan.engine_settings(job), control=None, decode=None)
-    if loaded.device == "cpu":
-        cpus, gpus = cpu_groups(count), [None] * count
+    cpus: list[list[int] | None]
+    gpus: list[list[int] | None]
+    if device == "cpu":
+        cpus, gpus = list(cpu_groups(count)), [None] * count
     else:
         import torch
 
-        cpus, gpus = [None] * count, gpu_groups(count, 1, torch.cuda.device_count())
-    return ReplicaPool([ReplicaSpec(i, job.model, settings, plan.spec.control, cpus[i], gpus[i])
-                        for i in range(count)])
+        cpus, gpus = [None] * count, list(gpu_groups(count, 1, torch.cuda.device_count()))
+    return ReplicaPool([ReplicaSpec(i, job.model, plan, cpus[i], gpus[i]) for i in range(count)])
 
 
 class _Dispatch:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, RowError, describe_type, first_line
@@ -21,6 +22,17 @@ from cbgen.records import RESERVED_NAMES, PromptRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+@dataclass(frozen=True)
+class IdChoice:
+    """Where a job's request ids come from: a field of the rows, or their position (column None)."""
+
+    column: str | None
+    chosen_by: str  # "--id-column", "the rows' own id field", "row number", ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"column": self.column, "chosen_by": self.chosen_by}
+
 
 PROMPT_FIELDS = ("prompt", "messages", "input_ids")
 ID_FIELD = "id"  # the field that names a row when --id-column does not
@@ -59,6 +71,11 @@ class Reader(ABC):
         self.notices[message] += 1
         if self.notices[message] == 1 and self.on_notice is not None:
             self.on_notice(message)
+
+    @property
+    def ids(self) -> IdChoice:
+        """Where this reader's ids come from."""
+        return IdChoice(self.id_column, self.id_choice)
 
     @property
     def name(self) -> str:

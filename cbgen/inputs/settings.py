@@ -20,6 +20,10 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 
 
+def _invalid(field: str, value: Any, want: str) -> RowError:
+    return RowError(f"{field!r} must be {want}, got {_show(value)}")
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
@@ -34,59 +38,73 @@ def _integer(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _temperature(value: Any) -> float | str:
+def _temperature(value: Any, field: str) -> float:
     v = _number(value)
-    return v if v is not None and v >= 0 else "a number >= 0 (0 = greedy)"
+    if v is None or v < 0:
+        raise _invalid(field, value, "a number >= 0 (0 = greedy)")
+    return v
 
 
-def _top_p(value: Any) -> float | str:
+def _top_p(value: Any, field: str) -> float:
     v = _number(value)
-    return v if v is not None and 0 < v <= 1 else "a number in (0, 1]"
+    if v is None or not 0 < v <= 1:
+        raise _invalid(field, value, "a number in (0, 1]")
+    return v
 
 
-def _top_k(value: Any) -> int | str:
+def _top_k(value: Any, field: str) -> int:
     v = _integer(value)
     if v == -1:  # vLLM's spelling of "no limit"
         return 0
-    return v if v is not None and v >= 0 else "an integer >= 0 (0 = no limit)"
+    if v is None or v < 0:
+        raise _invalid(field, value, "an integer >= 0 (0 = no limit)")
+    return v
 
 
-def _max_new_tokens(value: Any) -> int | str:
+def _max_new_tokens(value: Any, field: str) -> int:
     v = _integer(value)
-    return v if v is not None and v >= 1 else "a positive integer"
+    if v is None or v < 1:
+        raise _invalid(field, value, "a positive integer")
+    return v
 
 
-def _n(value: Any) -> int | str:
+def _n(value: Any, field: str) -> int:
     v = _integer(value)
-    return v if v is not None and 1 <= v <= MAX_N else f"an integer from 1 to {MAX_N}"
+    if v is None or not 1 <= v <= MAX_N:
+        raise _invalid(field, value, f"an integer from 1 to {MAX_N}")
+    return v
 
 
-def _stop(value: Any) -> tuple[str, ...] | str:
+def _stop(value: Any, field: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
-    want = (f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOP_STRINGS} "
-            "of them")
-    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
-        return want
-    if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items):
-        return want
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS \
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items):
+        raise _invalid(field, value, f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at "
+                                     f"most {MAX_STOP_STRINGS} of them")
     return tuple(dict.fromkeys(items))
 
 
-def _logprobs(value: Any) -> bool | str:
-    return value if isinstance(value, bool) else "true or false"
+def _logprobs(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(field, value, "true or false")
+    return value
 
 
-def _top_logprobs(value: Any) -> int | str:
+def _top_logprobs(value: Any, field: str) -> int:
     v = _integer(value)
-    return v if v is not None and 0 <= v <= MAX_TOP_LOGPROBS else f"an integer from 0 to {MAX_TOP_LOGPROBS}"
+    if v is None or not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise _invalid(field, value, f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+    return v
 
 
-def _seed(value: Any) -> int | str:
+def _seed(value: Any, field: str) -> int:
     v = _integer(value)
-    return v if v is not None else "an integer"
+    if v is None:
+        raise _invalid(field, value, "an integer")
+    return v
 
 
-def _response_format(value: Any, field: str = "response_format") -> Any:
+def _response_format(value: Any, field: str) -> Any:
     """A ResponseFormat, or None for text; its own message names the part that is wrong."""
     from cbgen.formats import FormatError, parse_response_format
 
@@ -96,7 +114,9 @@ def _response_format(value: Any, field: str = "response_format") -> Any:
         raise RowError(str(e)) from None
 
 
-CHECKS: dict[str, Callable[[Any], Any]] = {
+# Each check takes the value and the field name the row used, and returns the value normalised (None: the setting
+# says "none", as a response_format of type text does) or raises RowError naming the field and what it must be.
+CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "temperature": _temperature,
     "top_p": _top_p,
     "top_k": _top_k,
@@ -123,17 +143,12 @@ def parse_settings(values: Mapping[str, Any], names: Mapping[str, str] | None = 
     """
     out: dict[str, Any] = {}
     for key in keys:
-        check = CHECKS[key]
         value = values.get(key)
         if value is None:
             continue
-        field = (names or {}).get(key, key)
-        result = _response_format(value, field) if key == "response_format" else check(value)
-        if result is None:  # a setting that says "none" (a response_format of type text)
-            continue
-        if isinstance(result, str):  # a check returns what the value must be when it is wrong
-            raise RowError(f"{field!r} must be {result}, got {_show(value)}")
-        out[key] = result
+        result = CHECKS[key](value, (names or {}).get(key, key))
+        if result is not None:
+            out[key] = result
     return out
 
 

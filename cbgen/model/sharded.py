@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from cbgen.distributed import GGUF_CACHE, GGUF_READY
 from cbgen.errors import CbgenError
 from cbgen.model.cache import CACHE_HIT, CACHE_OFF, GgufCache, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.source import ModelSource
@@ -32,10 +33,10 @@ def load_sharded(source: ModelSource, cache_root: Path | None, tp, dtype: torch.
         cache = GgufCache(cache_root, gguf) if cache_root else None
         entry = model_entry(dtype)
         if cache is not None:
-            if tp.share(cache.find(entry) is None):  # rank 0 decides, so every rank takes the same path
+            if tp.share(GGUF_CACHE, cache.find(entry) is None):  # rank 0 decides, so every rank takes the same path
                 if tp.driver:
                     load_gguf(source, cache, dtype, device_map="cpu", **load_kwargs)
-                tp.barrier()
+                tp.share(GGUF_READY)
             folder = cache.find(entry)
             if folder is None:
                 raise CbgenError(f"--model {source.name}: the converted model could not be cached in "

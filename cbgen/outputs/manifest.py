@@ -108,7 +108,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "command": sys.argv,
         "shard": {"index": summary.shard[0], "count": summary.shard[1]} if summary.shard else None,
         "model": model,
-        "ids": summary.ids,
+        "ids": summary.ids.to_dict() if summary.ids else None,
         "attention": summary.attention,
         "config": job.to_dict(),
         "continuous_batching": batching,

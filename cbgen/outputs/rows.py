@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
 from cbgen.openai_batch import COMPLETIONS, Choice, OutputLine, stable_hex
+from cbgen.outputs.columns import OutputColumns, wants_logprobs
 from cbgen.records import Completion
+
+if TYPE_CHECKING:
+    from cbgen.chat.responses import Reply, ReplyParser
 
 
 class OutputRows:
-    """Turns a finished request's sequences into what the writer stores. `logprobs` and `top_logprobs` say whether
-    rows carry those fields (the job or some row asked for them)."""
+    """Turns a finished request's sequences into what the writer stores: rows with exactly the job's `columns`, or
+    OpenAI batch output lines. `replies` splits chat replies into reasoning, tool calls and content (when the model
+    has a response template); without a tokenizer (no model loaded: every request was refused) only error rows can
+    be made."""
 
-    def __init__(self, job: JobConfig, tokenizer, model_name: str, logprobs: bool, top_logprobs: bool = False,
-                 replies=None) -> None:
+    def __init__(self, job: JobConfig, columns: OutputColumns, tokenizer: Any, model_name: str,
+                 replies: ReplyParser | None = None) -> None:
         self.job = job
-        self.replies = replies  # cbgen.chat.responses.ReplyParser: chat replies split into reasoning, calls, content
+        self.columns = columns
+        self.replies = replies
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.logprobs = logprobs
-        self.top_logprobs = top_logprobs
         self._tokens: dict[int, str] = {}  # token id -> its text, for logprob listings
 
     def __call__(self, group: list[Completion]) -> list[dict[str, Any]]:
@@ -36,27 +41,23 @@ class OutputRows:
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
     def wants_logprobs(self, completion: Completion) -> bool:
-        settings = completion.request.record.settings
-        return self.job.generation.logprobs or bool(settings.get("logprobs")) or self.wanted_top(completion) > 0
-
-    def wanted_top(self, completion: Completion) -> int:
-        return completion.request.top_logprobs or 0
+        return wants_logprobs(self.job.generation, completion.request.record.settings)
 
     def top(self, completion: Completion) -> list[list[tuple[int, float]]] | None:
         """The k most likely tokens at each position, as the request asked for k; None when it did not."""
-        k = self.wanted_top(completion)
+        k = completion.request.top_logprobs
         if not k or completion.top_logprobs is None:
             return None
         return [list(zip(ids[:k], values[:k])) for ids, values in completion.top_logprobs]
 
-    def reply(self, completion: Completion):
+    def reply(self, completion: Completion) -> Reply | None:
         """The completion's reply split by the response template, when it applies (a chat request that offered
         tools, or any chat reply of a model that reasons); else None."""
         request = completion.request
         record = request.record
         plain_text = record.raw or (record.messages is None and self.job.input.raw_prompts)
-        if completion.finish_reason == "error" or record.endpoint == COMPLETIONS or plain_text \
-                or not self.replies.applies(record.tools):
+        if self.replies is None or completion.finish_reason == "error" or record.endpoint == COMPLETIONS \
+                or plain_text or not self.replies.applies(record.tools):
             return None
         call_id = stable_hex(record.id, str(completion.sample_index))
         return self.replies.parse(request.input_ids or [], completion.token_ids, record.tools, call_id)
@@ -78,20 +79,20 @@ class OutputRows:
             "finish_reason": completion.finish_reason,
             "error": completion.error,
         }
-        if self.logprobs:
+        if self.columns.logprobs:
             row["logprobs"] = (completion.logprobs or []) if self.wants_logprobs(completion) else None
-        if self.top_logprobs:
+        if self.columns.top_logprobs:
             top = self.top(completion)
             row["top_logprobs"] = [[{"token_id": t, "token": self.token(t), "logprob": v} for t, v in position]
                                    for position in top] if top is not None else None
-        if self.replies is not None:
+        if self.columns.replies:
             reply = self.reply(completion)
             if reply is not None:
                 row["text"] = reply.content
             row["reasoning"] = reply.reasoning if reply else None
             row["tool_calls"] = ([{"id": c["id"], **c["function"]} for c in reply.tool_calls]
                                  if reply and reply.tool_calls else None)
-        for name in self.job.input.keep_columns:
+        for name in self.columns.kept:
             row[name] = completion.request.record.kept.get(name)
         return row
 
@@ -104,7 +105,7 @@ class OutputRows:
         choices = []
         for completion in group:
             choice = Choice(self.text(completion), completion.token_ids, completion.finish_reason)
-            reply = self.reply(completion) if self.replies is not None else None
+            reply = self.reply(completion)
             if reply is not None:
                 choice.text, choice.reasoning, choice.tool_calls = reply.content, reply.reasoning, reply.tool_calls
             if self.wants_logprobs(completion) and completion.logprobs is not None:

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
+from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.writers import read_shards, shard_paths
 
 LOCK_FILE = ".cbgen.lock"
@@ -169,6 +170,8 @@ class StoredRun:
     fingerprint: dict[str, Any]
     job: dict[str, Any]
     ids: dict[str, Any] | None = None  # {"column": name or None, "chosen_by": ...}; None in format 1
+    # the rows' columns, recorded once the run has planned (None before that, and in directories of older cbgens)
+    columns: OutputColumns | None = None
 
     @property
     def detects_ids(self) -> bool:
@@ -176,7 +179,8 @@ class StoredRun:
         return self.format >= 2
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "fingerprint": self.fingerprint, "job": self.job, "ids": self.ids}
+        out = {"format": self.format, "fingerprint": self.fingerprint, "job": self.job, "ids": self.ids}
+        return out | ({"columns": self.columns.to_dict()} if self.columns is not None else {})
 
 
 def read_stored_run(directory: Path) -> StoredRun | None:
@@ -188,7 +192,42 @@ def read_stored_run(directory: Path) -> StoredRun | None:
     if not isinstance(version, int) or version > FORMAT:
         raise CbgenError(f"'{Path(directory) / FINGERPRINT_FILE}' was written by a newer cbgen (format {version}, this "
                          f"one reads up to {FORMAT}); upgrade cbgen, or choose another directory with -o")
-    return StoredRun(version, data.get("fingerprint", {}), data.get("job", {}), data.get("ids"))
+    columns = OutputColumns.from_dict(data["columns"]) if isinstance(data.get("columns"), dict) else None
+    return StoredRun(version, data.get("fingerprint", {}), data.get("job", {}), data.get("ids"), columns)
+
+
+def record_columns(directory: Path, columns: OutputColumns) -> None:
+    """Keeps the columns a run's rows have beside its fingerprint, once it has planned. A directory whose rows
+    were written with other columns is refused: its shards and the new ones could not be read as one table."""
+    directory = Path(directory)
+    stored = read_stored_run(directory)
+    if stored is None:
+        raise CbgenError(f"'{directory / FINGERPRINT_FILE}' disappeared while the run was starting")
+    if stored.columns == columns:
+        return
+    existing = stored_columns(directory, stored) if shard_paths(directory) else None
+    if existing is not None and existing != columns:
+        raise CbgenError(f"output directory '{directory}' holds rows with the columns {', '.join(existing.names)}; "
+                         f"this run's rows would have {', '.join(columns.names)}; pass --overwrite to start over, "
+                         "or choose another directory with -o")
+    data = read_json(directory / FINGERPRINT_FILE) or {}
+    write_json_atomic(directory / FINGERPRINT_FILE, data | {"columns": columns.to_dict()})
+
+
+def stored_columns(directory: Path, stored: StoredRun) -> OutputColumns:
+    """The columns of a directory's rows: as recorded, or read off its first shard when the run that wrote it
+    predates their record."""
+    if stored.columns is not None:
+        return stored.columns
+    kept = tuple(stored.job.get("input", {}).get("keep_columns") or ())
+    for _, path in shard_paths(directory):
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return OutputColumns.from_names(set(pq.read_schema(path).names), kept)
+        row = next(read_shards(directory, as_rows=False), None)
+        return OutputColumns.from_names(set(row or ()), kept)
+    return OutputColumns(kept=kept)
 
 
 def open_run_directory(

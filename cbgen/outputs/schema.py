@@ -7,6 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from cbgen.outputs.columns import OutputColumns
 from cbgen.records import BASE_FIELDS
 
 _BASE_TYPES: dict[str, pa.DataType] = {
@@ -28,22 +29,21 @@ TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("tok
 TOOL_CALLS_TYPE = pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))
 
 
-def arrow_schema(logprobs: bool, kept_schema: pa.Schema | None, kept_names: Sequence[str],
-                 top_logprobs: bool = False, replies: bool = False) -> pa.Schema | None:
-    """The Parquet schema of the output rows, or None while a kept column's type is still unknown.
+def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Schema | None:
+    """The Parquet schema of rows with `columns`, or None while a kept column's type is still unknown.
 
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
     column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
     """
     fields = [pa.field(name, _BASE_TYPES[name]) for name in BASE_FIELDS]
-    if logprobs:
+    if columns.logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
-    if top_logprobs:
+    if columns.top_logprobs:
         fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
-    if replies:
+    if columns.replies:
         fields.append(pa.field("reasoning", pa.string()))
         fields.append(pa.field("tool_calls", TOOL_CALLS_TYPE))
-    for name in kept_names:
+    for name in columns.kept:
         if kept_schema is None or kept_schema.get_field_index(name) < 0:
             return None
         fields.append(pa.field(name, kept_schema.field(name).type))

@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from cbgen.errors import CbgenError
 from cbgen.openai_batch import OutputLine
+from cbgen.outputs.columns import OutputColumns
 from cbgen.records import RESERVED_NAMES
 
 if TYPE_CHECKING:  # pyarrow is slow to import: JSONL jobs, `cbgen status` and `cbgen merge` of JSONL do without it
@@ -43,16 +44,14 @@ class ShardWriter(ABC):
         directory: Path,
         *,
         rows_per_shard: int = 10_000,
-        logprobs: bool = False,
-        top_logprobs: bool = False,
-        replies: bool = False,
-        kept_names: Sequence[str] = (),
+        columns: OutputColumns | None = None,
         kept_schema: pa.Schema | None = None,
         first_shard: int = 0,
     ) -> None:
         if rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be at least 1, got {rows_per_shard}")
-        clashes = sorted(RESERVED_NAMES.intersection(kept_names))
+        columns = columns or OutputColumns()
+        clashes = sorted(RESERVED_NAMES.intersection(columns.kept))
         if clashes:
             raise CbgenError(
                 f"kept column '{clashes[0]}' clashes with an output field of the same name; "
@@ -68,10 +67,7 @@ class ShardWriter(ABC):
                 f"output directory '{self.directory}' is not writable: {e.strerror or e}; choose another with -o"
             ) from e
         self.rows_per_shard = rows_per_shard
-        self.logprobs = logprobs
-        self.top_logprobs = top_logprobs
-        self.replies = replies  # rows carry `reasoning` and `tool_calls` (cbgen.chat.responses)
-        self.kept_names = tuple(kept_names)
+        self.columns = columns  # the rows' columns (JSONL rows carry them already; Parquet keeps exactly these)
         self.kept_schema = kept_schema
         self.rows_written = 0
         self._next_index = first_shard
@@ -223,8 +219,7 @@ class ParquetShardWriter(ShardWriter):
         from cbgen.outputs.schema import arrow_schema
 
         super().__init__(directory, **kwargs)
-        self.schema: pa.Schema | None = arrow_schema(self.logprobs, self.kept_schema, self.kept_names,
-                                                     self.top_logprobs, self.replies)
+        self.schema: pa.Schema | None = arrow_schema(self.columns, self.kept_schema)
         self._buffer: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = None
 
@@ -254,11 +249,11 @@ class ParquetShardWriter(ShardWriter):
         if not self._buffer:
             return
         if self.schema is None:
-            known = [f for f in self.kept_schema or [] if f.name in self.kept_names]
-            unknown = [n for n in self.kept_names if not any(f.name == n for f in known)]
+            kept = self.columns.kept
+            known = [f for f in self.kept_schema or [] if f.name in kept]
+            unknown = [n for n in kept if not any(f.name == n for f in known)]
             inferred = infer_kept_schema(self._buffer, unknown)
-            self.schema = arrow_schema(self.logprobs, pa.schema([*known, *inferred]), self.kept_names,
-                                       self.top_logprobs, self.replies)
+            self.schema = arrow_schema(self.columns, pa.schema([*known, *inferred]))
             assert self.schema is not None
         if self._writer is None:
             self._writer = pq.ParquetWriter(self._file, self.schema)
@@ -272,12 +267,12 @@ class ParquetShardWriter(ShardWriter):
         columns = []
         for field in self.schema:
             values = [row.get(field.name) for row in rows]
-            if field.name in self.kept_names and pa.types.is_string(field.type):
+            if field.name in self.columns.kept and pa.types.is_string(field.type):
                 values = [v if v is None or isinstance(v, str) else _json_text(v) for v in values]
             try:
                 columns.append(pa.array(values, type=field.type))
             except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-                if field.name not in self.kept_names:
+                if field.name not in self.columns.kept:
                     raise
                 raise CbgenError(
                     f"kept column '{field.name}' does not fit the type {field.type} of its first values while "
@@ -291,11 +286,9 @@ def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
     with one OpenAI Batch API output line per request, built by cbgen.openai_batch)."""
     writers: dict[str, type[ShardWriter]] = {"jsonl": JsonlShardWriter, "parquet": ParquetShardWriter,
                                              "openai": JsonlShardWriter}
-    if fmt == "openai":
-        if kwargs.get("kept_names"):
-            raise CbgenError("--keep-columns does not apply to --output-format openai: its lines have OpenAI's "
-                             "fixed shape, and their custom_id links each one to its input line")
-        kwargs = kwargs | {"logprobs": False, "top_logprobs": False, "replies": False}
+    if fmt == "openai" and (kwargs.get("columns") or OutputColumns()).kept:
+        raise CbgenError("--keep-columns does not apply to --output-format openai: its lines have OpenAI's "
+                         "fixed shape, and their custom_id links each one to its input line")
     if fmt not in writers:
         raise CbgenError(f"unknown output format '{fmt}'; use one of: {', '.join(writers)}")
     return writers[fmt](directory, **kwargs)

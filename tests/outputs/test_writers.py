@@ -17,6 +17,7 @@ from cbgen.outputs import (
     open_writer,
     read_shards,
 )
+from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.schema import arrow_schema
 from cbgen.records import BASE_FIELDS, RESERVED_NAMES
 
@@ -83,7 +84,8 @@ def test_round_trip_with_logprobs_and_kept_columns(tmp_path: Path, fmt: str) -> 
         )
         for i in range(12)
     ]
-    with open_writer(fmt, tmp_path, rows_per_shard=5, logprobs=True, kept_names=kept_names) as writer:
+    with open_writer(fmt, tmp_path, rows_per_shard=5,
+                     columns=OutputColumns(logprobs=True, kept=tuple(kept_names))) as writer:
         for row in rows:
             writer.write(row)
     back = list(read_shards(tmp_path))
@@ -95,7 +97,8 @@ def test_round_trip_with_logprobs_and_kept_columns(tmp_path: Path, fmt: str) -> 
 
 def test_parquet_schema_types(tmp_path: Path) -> None:
     kept_schema = pa.schema([("lang", pa.dictionary(pa.int8(), pa.string())), ("other", pa.int8())])
-    with ParquetShardWriter(tmp_path, logprobs=True, kept_names=["lang"], kept_schema=kept_schema) as writer:
+    with ParquetShardWriter(tmp_path, columns=OutputColumns(logprobs=True, kept=("lang",)),
+                            kept_schema=kept_schema) as writer:
         writer.write(make_row(0, logprobs=True, lang="fr"))
     schema = pq.read_schema(writer.shards[0])
     assert schema.names == [*BASE_FIELDS, "logprobs", "lang"]
@@ -109,9 +112,9 @@ def test_parquet_schema_types(tmp_path: Path) -> None:
 
 
 def test_arrow_schema() -> None:
-    assert "logprobs" not in arrow_schema(False, None, []).names
-    assert arrow_schema(True, None, ["x"]) is None  # kept column of unknown type: the writer infers it
-    schema = arrow_schema(False, pa.schema([("x", pa.float64())]), ["x"])
+    assert "logprobs" not in arrow_schema(OutputColumns(), None).names
+    assert arrow_schema(OutputColumns(logprobs=True, kept=("x",)), None) is None  # unknown type: the writer infers it
+    schema = arrow_schema(OutputColumns(kept=("x",)), pa.schema([("x", pa.float64())]))
     assert schema.names == [*BASE_FIELDS, "x"] and schema.field("x").type == pa.float64()
     assert RESERVED_NAMES == {*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls"}
 
@@ -128,7 +131,7 @@ def test_parquet_row_groups_are_bounded(tmp_path: Path) -> None:
 def test_parquet_kept_column_null_in_first_shard_then_strings(tmp_path: Path) -> None:
     rows = [make_row(i, note=None, n=None) for i in range(3)]
     rows += [make_row(i, note=f"note {i}", n=i) for i in range(3, 7)]
-    with ParquetShardWriter(tmp_path, rows_per_shard=3, kept_names=["note", "n"]) as writer:
+    with ParquetShardWriter(tmp_path, rows_per_shard=3, columns=OutputColumns(kept=("note", "n"))) as writer:
         for row in rows:
             writer.write(row)
     assert len(writer.shards) == 3
@@ -140,7 +143,7 @@ def test_parquet_kept_column_null_in_first_shard_then_strings(tmp_path: Path) ->
 
 
 def test_parquet_kept_column_type_change_is_a_cbgen_error(tmp_path: Path) -> None:
-    writer = ParquetShardWriter(tmp_path, rows_per_shard=2, kept_names=["n"])
+    writer = ParquetShardWriter(tmp_path, rows_per_shard=2, columns=OutputColumns(kept=("n",)))
     writer.write(make_row(0, n=1))
     writer.write(make_row(1, n=2))
     writer.write(make_row(2, n="three"))
@@ -237,7 +240,7 @@ def test_unknown_format_and_reserved_kept_name(tmp_path: Path) -> None:
     with pytest.raises(CbgenError, match="unknown output format 'csv'"):
         open_writer("csv", tmp_path)
     with pytest.raises(CbgenError, match="kept column 'text'"):
-        open_writer("jsonl", tmp_path, kept_names=["topic", "text"])
+        open_writer("jsonl", tmp_path, columns=OutputColumns(kept=("topic", "text")))
 
 
 def _disk_full(*args: object) -> None:

@@ -1,0 +1,79 @@
+"""Which columns a job's output rows have, decided once and kept with the job.
+
+Every row has the base fields (cbgen.records.BASE_FIELDS). Besides them, a job's rows have:
+
+    logprobs       when the job (--logprobs, --top-logprobs) or some row asks for logprobs
+    top_logprobs   when the job (--top-logprobs) or some row asks for alternatives per token
+    reasoning,     when the model's replies are split by a response template (a reasoning model, tools, or
+    tool_calls     --response-template)
+    kept columns   the input columns of --keep-columns, in their order
+
+The run decides this once it knows its input and model (cbgen.planning) and stores it in fingerprint.json, so a
+resume writes the same columns and `cbgen merge`, `merge --to-dataset` and `cbgen status` read them back instead of
+guessing from the job's flags. A request whose row did not ask for logprobs has them as null in a job where others
+did: `wants_logprobs` says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cbgen.records import BASE_FIELDS
+
+if TYPE_CHECKING:
+    from cbgen.config import GenerationSection, JobConfig
+
+REPLY_FIELDS = ("reasoning", "tool_calls")
+
+
+@dataclass(frozen=True)
+class OutputColumns:
+    logprobs: bool = False
+    top_logprobs: bool = False
+    replies: bool = False  # `reasoning` and `tool_calls`
+    kept: tuple[str, ...] = ()
+
+    @classmethod
+    def decide(cls, job: JobConfig, used: Set[str], replies: bool) -> OutputColumns:
+        """The columns of `job`, whose rows carry the settings `used` (cbgen.inputs.Reader.settings_present), with
+        replies split by a response template when `replies`."""
+        g = job.generation
+        top = bool(g.top_logprobs) or "top_logprobs" in used
+        return cls(logprobs=g.logprobs or top or "logprobs" in used, top_logprobs=top, replies=replies,
+                   kept=tuple(job.input.keep_columns))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every column, in the order rows have them."""
+        return (*BASE_FIELDS, *(("logprobs",) if self.logprobs else ()),
+                *(("top_logprobs",) if self.top_logprobs else ()), *(REPLY_FIELDS if self.replies else ()),
+                *self.kept)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "replies": self.replies,
+                "kept": list(self.kept)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OutputColumns:
+        return cls(bool(data.get("logprobs")), bool(data.get("top_logprobs")), bool(data.get("replies")),
+                   tuple(data.get("kept") or ()))
+
+    @classmethod
+    def from_names(cls, names: Set[str], kept: tuple[str, ...]) -> OutputColumns:
+        """The columns of rows written before cbgen stored them: read off a shard's column names."""
+        return cls("logprobs" in names, "top_logprobs" in names, "reasoning" in names,
+                   tuple(name for name in kept if name in names))
+
+
+def top_logprobs_of(generation: GenerationSection, settings: Mapping[str, Any]) -> int:
+    """How many alternatives per token a request with the row settings `settings` gets: its row's top_logprobs,
+    else the job's --top-logprobs, else none."""
+    return int(settings.get("top_logprobs", generation.top_logprobs or 0))
+
+
+def wants_logprobs(generation: GenerationSection, settings: Mapping[str, Any]) -> bool:
+    """Whether a request with the row settings `settings` gets the logprobs of its tokens: the job asks for them
+    (--logprobs), its row does, or it gets alternatives per token."""
+    return generation.logprobs or bool(settings.get("logprobs")) or top_logprobs_of(generation, settings) > 0
