@@ -48,6 +48,13 @@ class RunDirectory:
         return self.stored.fingerprint
 
     @property
+    def split(self) -> tuple[int, int]:
+        """Its (index, count) in a job split into shards; only asked of shard directories."""
+        if self.shard is None:
+            raise CbgenError(f"'{self.path}' is not a shard of a split job")
+        return self.shard
+
+    @property
     def columns(self) -> OutputColumns:
         """The columns of its rows, as the run recorded them (or as its first shard has them)."""
         return stored_columns(self.path, self.stored)
@@ -131,13 +138,8 @@ class DirectoryStatus:
 def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatus]:
     """Done / failed / remaining requests of every run directory under `base`."""
     directories = find_run_directories(base)
-    expected: Counter[int | None] | None = Counter()
-    try:
-        count = directories[0].shard[1] if directories[0].shard else None
-        for request_id in expected_ids(directories[0].stored, input_path):
-            expected[shard_of(request_id, count) if count else None] += 1
-    except CbgenError:
-        expected = None  # the input is gone or was stdin: remaining is unknown
+    count = directories[0].shard[1] if directories[0].shard else None
+    expected = _expected_counts(directories[0].stored, count, input_path)
     result = []
     for directory in directories:
         done = scan_done(directory.path)
@@ -148,13 +150,25 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
                                       expected[key] if expected is not None else None,
                                       is_running(directory.path), manifest.get("status"),
                                       directory.columns.names if known else None))
-    count = directories[0].shard[1] if directories[0].shard else None
-    started = {d.shard[0] for d in directories if d.shard}
-    for index in sorted(set(range(count or 0)) - started):
-        path = shard_directory(base, (index, count))
-        result.append(DirectoryStatus(path, (index, count), 0, 0, expected[index] if expected is not None else None,
-                                      False, "not started"))
+    if count:
+        started = {d.shard[0] for d in directories if d.shard}
+        for index in sorted(set(range(count)) - started):
+            path = shard_directory(base, (index, count))
+            result.append(DirectoryStatus(path, (index, count), 0, 0,
+                                          expected[index] if expected is not None else None, False, "not started"))
     return sorted(result, key=lambda r: r.shard or (0, 0))
+
+
+def _expected_counts(stored: StoredRun, count: int | None, input_path: str | None) -> Counter[int | None] | None:
+    """How many requests the input has for each shard (under None for an unsplit job); None when the input is gone
+    or was stdin, so that what remains is unknown."""
+    expected: Counter[int | None] = Counter()
+    try:
+        for request_id in expected_ids(stored, input_path):
+            expected[shard_of(request_id, count) if count else None] += 1
+    except CbgenError:
+        return None
+    return expected
 
 
 @dataclass
@@ -186,7 +200,7 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
     needs no merging, but can still be turned into a dataset."""
     base = Path(base)
     found = find_run_directories(base)
-    directories = sorted((d for d in found if d.shard is not None), key=lambda d: d.shard[0])
+    directories = sorted((d for d in found if d.shard is not None), key=lambda d: d.split[0])
     if not directories and to_dataset:
         return _whole_job_to_dataset(found[0], Path(output) if output else base / "merged", input_path)
     if not directories:
@@ -209,7 +223,7 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
 
 def check_shards(base: Path, directories: list[RunDirectory], input_path: str | None) -> MergeReport:
     """Which input ids the shards of one split job miss, repeat, or hold without the input having them."""
-    counts = {d.shard[1] for d in directories}
+    counts = {d.split[1] for d in directories}
     if len(counts) > 1:
         raise CbgenError(f"'{base}' mixes jobs split {sorted(counts)} ways; merge one split at a time")
     num_shards = counts.pop()
@@ -218,7 +232,7 @@ def check_shards(base: Path, directories: list[RunDirectory], input_path: str | 
         if {k: v for k, v in directory.fingerprint.items() if k != "shard"} != reference:
             raise CbgenError(f"'{directory.path}' was written by a different job than '{directories[0].path}'")
     report = MergeReport(output=None)
-    report.shards_not_started = sorted(set(range(num_shards)) - {d.shard[0] for d in directories})
+    report.shards_not_started = sorted(set(range(num_shards)) - {d.split[0] for d in directories})
     seen: Counter[str] = Counter()  # requests: a request's first sequence (or its one error row)
     for directory in directories:
         for row in read_shards(directory.path, columns=["id", "sample_index"]):

@@ -56,7 +56,7 @@ class TensorParallel:
     def _broadcast(self, message: tuple[str, Any]) -> tuple[str, Any]:
         import torch.distributed as dist
 
-        box = [message if self.driver else None]
+        box: list[Any] = [message if self.driver else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 

@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import describe_type, first_line
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # and "tool_call", set by tool_choice
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar larger than this is a mistake, not a format
@@ -199,7 +202,7 @@ def tool_call_format(tools: list[dict[str, Any]], name: str | None) -> ResponseF
 # Compact JSON: one fixed form of whitespace. With flexible whitespace a model that hesitates can wander through
 # whitespace for many steps (measured with random logits: mask fills of seconds), and compact records are what a
 # synthetic-data job wants anyway.
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def check_format(fmt: ResponseFormat) -> None:
@@ -214,7 +217,8 @@ def check_format(fmt: ResponseFormat) -> None:
 def grammar_text(fmt: ResponseFormat, response_template: dict | None = None) -> str:
     """llguidance's grammar for `fmt` (a required tool call needs the model's `response_template`, which says
     how it writes calls). Raises FormatError when it cannot be built."""
-    from llguidance import LLMatcher, gbnf_to_lark
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark  # `llguidance.gbnf_to_lark` is the module, not it
 
     try:
         if fmt.kind == "tool_call":

@@ -105,8 +105,8 @@ class Renderer:
     def _too_long(self, record: PromptRecord) -> str | None:
         """Why the record's text cannot fit the context, told from its length alone; or None. (Token ids are
         checked against the context before admission, cbgen.engine.admission.)"""
-        limit = self.max_chars
-        if limit is None or record.input_ids is not None:
+        limit, positions = self.max_chars, self.max_positions
+        if limit is None or positions is None or record.input_ids is not None:
             return None
         if record.messages is not None:
             length = sum(_text_length(m.get("content")) for m in record.messages)
@@ -114,8 +114,8 @@ class Renderer:
             length = len(record.prompt or "")
         if length <= limit:
             return None
-        return (f"prompt of {length:,} characters cannot fit the model's context of {self.max_positions:,} tokens "
-                f"(no token covers more than {limit // self.max_positions} characters); shorten the prompt")
+        return (f"prompt of {length:,} characters cannot fit the model's context of {positions:,} tokens "
+                f"(no token covers more than {limit // positions} characters); shorten the prompt")
 
     def _chat(self, messages: list[dict], record: PromptRecord | None = None) -> list[int]:
         kwargs = self.template_kwargs
@@ -169,11 +169,11 @@ def prefix_aware_order(requests: Iterable[Request], *, key_tokens: int, lookahea
 def _leaders_then_followers(buffer: list[Request], key_tokens: int, default_cap: int) -> list[Request]:
     groups: dict[object, list[Request]] = {}
     for position, request in enumerate(buffer):
-        key = prefix_key(request.input_ids, key_tokens)
+        key = prefix_key(request.ids, key_tokens)
         groups.setdefault(position if key is None else key, []).append(request)  # no prefix: a group of its own
     leaders, followers = [], []
     for members in groups.values():
-        members.sort(key=lambda r: r.input_ids)
+        members.sort(key=lambda r: r.ids)
         leaders.append(members[0])
         followers.extend(members[1:])
     leaders.sort(key=lambda r: -(r.max_new_tokens or default_cap))  # stable: input order among equal caps

@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cbgen.formats import ResponseFormat
 
 
 @dataclass(slots=True)
@@ -45,8 +48,15 @@ class Request:
     sampling: dict = field(default_factory=dict)  # per-request sampler settings (add_request's processor kwargs)
     stop: tuple[str, ...] = ()  # strings that end its sequences
     n: int | None = None  # its own number of sequences; None: the job's
-    response_format: Any = None  # cbgen.formats.ResponseFormat its sequences follow, or None
+    response_format: ResponseFormat | None = None  # the format its sequences follow
     top_logprobs: int = 0  # how many alternatives per token it wants (0: none)
+
+    @property
+    def ids(self) -> list[int]:
+        """Its token ids: only asked of a request that can run (one without an error)."""
+        if self.input_ids is None:
+            raise ValueError(f"request {self.record.id!r} has no token ids ({self.error or 'not rendered'})")
+        return self.input_ids
 
 
 @dataclass(slots=True)

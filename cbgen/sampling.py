@@ -11,6 +11,7 @@ as greedy decoding. When no row sets any of them, nothing changes: the job's sam
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ class SamplingPlan:
     stages: frozenset[str] = frozenset()  # per-request stages built; empty: the job's sampling for every request
 
     @classmethod
-    def build(cls, job: JobConfig, used: set[str], vocab_size: int) -> SamplingPlan:
+    def build(cls, job: JobConfig, used: Set[str], vocab_size: int) -> SamplingPlan:
         """The plan for a job whose rows use the settings `used` (see Reader.settings_present)."""
         g = job.generation
         plan = cls(job.do_sample, g.temperature, g.top_p, g.top_k, vocab_size)
@@ -52,8 +53,8 @@ class SamplingPlan:
         if not self.per_request:
             if not self.do_sample:
                 return {"do_sample": False}
-            fields = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
-                                        ("top_k", self.top_k)) if v}
+            fields: dict[str, float | int | None] = {k: v for k, v in (
+                ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k)) if v}
             fields.setdefault("top_k", None)  # transformers' default top_k=50 would silently truncate sampling
             return {"do_sample": True, **fields}
         return {"do_sample": True, **{name: _BUILD[name] if name in self.stages else None for name in _BUILD}}

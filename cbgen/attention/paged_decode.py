@@ -136,8 +136,8 @@ class LayerCache:
             span = slice(q_start, q_start + q_length)
             return key[:, :, span], value[:, :, span]
         rows = self.read_index[k_start : k_start + k_length]
-        return tuple(cached.index_select(0, rows).transpose(0, 1).unsqueeze(0)
-                     for cached in (self.k_cache, self.v_cache))
+        return (self.k_cache.index_select(0, rows).transpose(0, 1).unsqueeze(0),
+                self.v_cache.index_select(0, rows).transpose(0, 1).unsqueeze(0))
 
 
 def layer_cache(cache: Any, layer_idx: int, kwargs: dict[str, Any], k_end: int, new_tokens: int) -> LayerCache | None:
@@ -178,8 +178,8 @@ def read_requests(layer: LayerCache, k_starts: list[int], k_lengths: list[int], 
     if span is not None:
         # SDPA reads the range of blocks where their pages lie: no copy
         low, high, stride, rows = span
-        return PageRead(*(view[low * stride : high * stride + 1 : stride] for view in by_page),
-                        None if rows is None else rows.to(device), "in place")
+        keys, values = (view[low * stride : high * stride + 1 : stride] for view in by_page)
+        return PageRead(keys, values, None if rows is None else rows.to(device), "in place")
     # else one gather of whole pages' rows, into the layout SDPA reads fastest
     pages = pages.to(device)
     return PageRead(by_page[0].index_select(0, pages), by_page[1].index_select(0, pages), None, "pages")

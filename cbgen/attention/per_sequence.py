@@ -175,7 +175,7 @@ def _handles(
 
 
 def per_sequence_sdpa_forward(
-    module: torch.nn.Module,
+    module: Any,  # the model's attention module (its layer_idx, num_key_value_groups, ...)
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -293,13 +293,13 @@ def _decode_mask(k_lengths: list[int], read: PageRead, longest: int, window: int
     lengths = torch.tensor(k_lengths)
     if read.rows is not None:
         lengths = torch.full((read.keys.shape[0],), longest).index_copy_(0, read.rows.cpu(), lengths)
-    window_binds = window is not None and longest > window
-    if bool((lengths == longest).all()) and not window_binds:
+    binding = window if window is not None and longest > window else None  # the window cuts off keys
+    if bool((lengths == longest).all()) and binding is None:
         return None
     positions = torch.arange(longest)[None, :]
     keep = positions < lengths[:, None]
-    if window_binds:
-        keep &= positions >= lengths[:, None] - window
+    if binding is not None:
+        keep &= positions >= lengths[:, None] - binding
     return keep[:, None, None, :].to(device)  # shared by every head
 
 

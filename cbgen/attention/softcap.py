@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ def softcap_fix_needed(model: torch.nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) in ("eager", PAGED_EAGER)
 
 
-def capped_paged_eager_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def capped_paged_eager_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, scaling: float, **kwargs):
     """transformers' `eager_paged_attention_forward`, with the `softcap` its caller passes applied."""
     softcap = kwargs.get("softcap")

@@ -113,7 +113,7 @@ class LlamaCpp:
         logits = self.lib.llama_get_logits_ith(self.ctx, row)
         return int(np.ctypeslib.as_array(logits, shape=(self.vocab,)).argmax())
 
-    def run(self, prompts: list[list[int]], caps: list[int], eos: set[int]) -> Run:
+    def run(self, prompts: list[list[int]], caps: list[int], eos: frozenset[int]) -> Run:
         lib, batch = self.lib, self.batch
         lib.llama_memory_clear(self.memory, True)
         waiting = deque(_Sequence(i, p, c) for i, (p, c) in enumerate(zip(prompts, caps)))

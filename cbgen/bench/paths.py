@@ -22,6 +22,7 @@ import torch
 from cbgen.bench.workloads import BenchWorkload
 from cbgen.config import JobConfig, page_size
 from cbgen.engine.engine import Engine
+from cbgen.errors import CbgenError
 from cbgen.inputs.base import IdChoice
 from cbgen.model.load import LoadedModel
 from cbgen.planning import JobPlan
@@ -133,8 +134,8 @@ class Bench:
         if grammars is not None:
             path += "-json-schema"
             extra["grammar_compile_s"] = round(grammars.compile_seconds, 4)
-            decode = self.loaded.tokenizer.decode
-            extra["stopped_json"] = sum(_is_json(decode(t, skip_special_tokens=True)) for t in stopped)
+            text = self.loaded.tokenizer.batch_decode(stopped, skip_special_tokens=True)
+            extra["stopped_json"] = sum(_is_json(t) for t in text)
             extra["stopped"] = len(stopped)
         return Measurement(workload.name, path, seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated, extra)
@@ -194,8 +195,9 @@ class Bench:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
             with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
-                                     max_new_tokens=max(caps))
+                # transformers types generate's self as a protocol a PreTrainedModel does not match, for mypy
+                out = model.generate(input_ids=ids, attention_mask=mask,  # type: ignore[misc]
+                                     generation_config=generation_config, max_new_tokens=max(caps))
             generated += sum(_useful(row, eos, cap) for row, cap in zip(out[:, width:].tolist(), caps))
         seconds = time.perf_counter() - start
         return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
@@ -265,12 +267,12 @@ def run_suite(
     static_batch_sizes: Sequence[int] = (8, 16, 32),
     batching: dict[str, Any] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
-    llamacpp_model=None,
+    llamacpp_model: Path | None = None,
     llamacpp_parallel: int = 64,
 ) -> list[Measurement]:
     """`llamacpp_model`: the GGUF file the `llamacpp` path runs (cbgen.bench.llamacpp.find_gguf)."""
     bench = Bench(loaded, batching)
-    results = []
+    results: list[Measurement] = []
     for workload in workloads:
         # first-call costs (kernel selection for this workload's shapes, allocator growth) are paid before measuring,
         # so that no path pays them for the others
@@ -285,6 +287,8 @@ def run_suite(
             elif path == "cbgen-onednn":
                 measured = bench.cbgen_onednn(workload, [m for m in results if m.workload == workload.name])
             elif path == "llamacpp":
+                if llamacpp_model is None:
+                    raise CbgenError("the llamacpp path needs the GGUF file llama.cpp runs (--llamacpp-model)")
                 reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
                 measured = [bench.llamacpp(workload, llamacpp_model, llamacpp_parallel, reference)]
             else:

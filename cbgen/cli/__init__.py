@@ -6,13 +6,14 @@ import logging
 import os
 import sys
 import traceback
+from typing import Any
 
 # cbgen shows its own progress; other libraries' bars (the GGUF dequantizer's) would break its display. tqdm reads
 # this when it is imported, so it is set before anything imports it; TQDM_DISABLE=0 in the environment brings them back.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import click  # noqa: E402
 import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
 
 from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run  # noqa: E402
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line  # noqa: E402
@@ -35,22 +36,21 @@ app.command("bench")(bench_cmd.bench)
 app.add_typer(config_cmd.app, name="config")
 
 
-def command() -> click.Command:
+def command() -> TyperGroup:
     """The app as a click command, with every help text shown as written: typer reads help as Rich markup, where
     `[ids]` or `[default: 256]` would be taken for style tags and vanish. Only the epilogs use markup on purpose."""
     from rich.markup import escape
 
-    def literal(cmd: click.Command) -> None:
-        cmd.help = escape(cmd.help) if cmd.help else cmd.help
-        for param in cmd.params:
-            if isinstance(param, click.Option) and param.help:
+    def literal(cmd: Any) -> None:
+        if cmd.help:
+            cmd.help = escape(cmd.help)
+        for param in cmd.params:  # options, and typer's arguments, which carry a help text too
+            if getattr(param, "help", None):
                 param.help = escape(param.help)
-            elif getattr(param, "help", None):
-                param.help = escape(param.help)  # typer's arguments carry a help text too
         for sub in getattr(cmd, "commands", {}).values():
             literal(sub)
 
-    root = typer.main.get_command(app)
+    root = typer.main.get_group(app)
     literal(root)
     return root
 

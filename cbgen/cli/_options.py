@@ -138,7 +138,8 @@ def _parameter(option: JobOption) -> inspect.Parameter:
     if option.metavar:
         kwargs["metavar"] = option.metavar
     value_type = Literal[option.values] if option.values else option.type
-    annotation = Annotated[Optional[value_type], typer.Option(*option.flags, **kwargs)]  # noqa: UP045 (typer)
+    # a type built at run time, for typer to read: the type checker cannot follow it
+    annotation = Annotated[Optional[value_type], typer.Option(*option.flags, **kwargs)]  # type: ignore[valid-type]  # noqa: UP045, E501
     return inspect.Parameter(option.param_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
@@ -161,7 +162,8 @@ def job_options(command):
                 overrides[(option.section, option.key)] = (_normalise(option, value), option.flags[0].split("/")[0])
         return command(overrides=overrides, **kwargs)
 
-    wrapper.__signature__ = inspect.Signature(own + [_parameter(o) for o in JOB_OPTIONS])
+    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # typer reads the signature
+        own + [_parameter(o) for o in JOB_OPTIONS])
     return wrapper
 
 

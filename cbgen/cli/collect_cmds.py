@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -31,15 +32,15 @@ def status(
     Exit code 0 when every request is done, 1 when some are not (or failed), 2 for a directory that holds no job.
     With --json: {"directory", "complete", "done", "failed", "remaining", "columns", "directories": [{"directory",
     "shard", "done", "failed", "remaining", "state", "columns"}, ...]}; remaining is null when the input cannot be
-    read, columns (those of the rows) while no run has planned.
+    read, and columns (the rows' columns) until a run has planned.
 
     Example: cbgen status out/ --json | jq .remaining
     """
     from cbgen.collect import job_status
 
-    rows = job_status(directory, input_path)
+    rows = job_status(Path(directory), input_path)
     remaining = [r.remaining for r in rows]
-    total_remaining = None if None in remaining else sum(remaining)
+    total_remaining = None if any(r is None for r in remaining) else sum(r or 0 for r in remaining)
     incomplete = any(r.remaining != 0 or r.failed for r in rows)
     columns = next((r.columns for r in rows if r.columns is not None), None)
     if as_json:
@@ -84,7 +85,7 @@ def merge(
     """
     from cbgen.collect import merge_shards
 
-    report = merge_shards(directory, output, input_path, to_dataset=to_dataset)
+    report = merge_shards(Path(directory), Path(output) if output else None, input_path, to_dataset=to_dataset)
     if as_json:
         typer.echo(json.dumps(report.to_dict()))
         raise typer.Exit(ExitCode.OK if report.complete else ExitCode.SOME_FAILED)

@@ -12,6 +12,7 @@ from rich.progress import (
     Progress,
     ProgressColumn,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -71,7 +72,7 @@ class RichProgress:
             console=console,
             transient=False,
         )
-        self.task = None
+        self.task: TaskID | None = None
 
     def stage(self, message: str) -> None:
         self.console.log(message)
@@ -83,7 +84,8 @@ class RichProgress:
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
-        self.progress.advance(self.task, sequences)
+        if self.task is not None:
+            self.progress.advance(self.task, sequences)
 
     def finish(self) -> None:
         if self.task is not None:

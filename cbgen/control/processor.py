@@ -81,7 +81,7 @@ class StepControl:
         self._rows: list[_Sequence] = []  # this step's rows, in the order of the logits
         self._raw: torch.Tensor | None = None  # this step's log-softmax of the raw logits
         self._bitmask: torch.Tensor | None = None
-        self._fill = None
+        self._fill: Any = None  # llguidance's LLExecutor, made on first use
 
     def processors(self) -> tuple[Mask, Choose]:
         return Mask(self), Choose(self)
@@ -153,7 +153,8 @@ class StepControl:
             self._raw = torch.log_softmax(scores[: len(rows)].float(), dim=-1)
         masked = [i for i, sequence in enumerate(rows) if sequence.matcher is not None]
         if masked:
-            blocked = _blocked(self._bitmask[: len(rows)], scores.size(1)).to(scores.device, non_blocking=True)
+            bitmask = self._bitmask_for(len(rows))[: len(rows)]  # filled by `prepare`
+            blocked = _blocked(bitmask, scores.size(1)).to(scores.device, non_blocking=True)
             if len(masked) == len(rows):
                 scores[: len(rows)].masked_fill_(blocked, float("-inf"))
             else:

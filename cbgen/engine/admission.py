@@ -37,11 +37,11 @@ class Limits:
         cap = request.max_new_tokens or self.max_new_tokens
         if self.max_positions is None:
             return cap
-        return max(1, min(cap, self.max_positions - len(request.input_ids)))
+        return max(1, min(cap, self.max_positions - len(request.ids)))
 
     def never_fits(self, request: Request) -> str | None:
         """Why `request` can never run, or None. Must hold for any schedule, or the manager's loop would die."""
-        length = len(request.input_ids)
+        length = len(request.ids)
         if self.max_positions is not None and length >= self.max_positions:
             return (f"prompt of {length} tokens does not fit the model's context of {self.max_positions} tokens; "
                     "shorten the prompt")
@@ -99,6 +99,8 @@ class PrefixGate:
     def lead(self, request: Request, key: str) -> None:
         """`request`, placed as a LEADER, is in the engine under `key`."""
         prefix = self._prefix(request)
+        if prefix is None:  # a request with nothing to share is never a leader
+            return
         self._leaders[key] = prefix
         self._computing.add(prefix)
 
@@ -116,4 +118,4 @@ class PrefixGate:
         self.ready.extend(followers)
 
     def _prefix(self, request: Request) -> tuple[int, ...] | None:
-        return prefix_key(request.input_ids, self.key_tokens) if self.enabled else None
+        return prefix_key(request.ids, self.key_tokens) if self.enabled else None

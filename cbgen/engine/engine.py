@@ -105,6 +105,7 @@ class Engine:
         self.restartable = restartable
         self._manager: Any = None
         self._prefix_sharing = False
+        self._page_size = 0  # the manager's, once it has started
         self._counter = 0
 
     @classmethod
@@ -147,7 +148,7 @@ class Engine:
     # the loop
 
     def _loop(self, source: Iterator[Request], stop: threading.Event) -> Iterator[list[Completion]]:
-        gate = PrefixGate(self.limits.page_size, max_parked=4 * self.settings.max_in_flight,
+        gate = PrefixGate(self._page_size, max_parked=4 * self.settings.max_in_flight,
                           enabled=self.settings.prefix_gating and self._prefix_sharing)
         in_flight: dict[str, _InFlight] = {}
         feed = _Feed(source)
@@ -212,6 +213,7 @@ class Engine:
 
     def _record(self, facts: CacheFacts) -> None:
         self.limits.num_blocks, self.limits.page_size = facts.num_blocks, facts.page_size
+        self._page_size = facts.page_size
         self._prefix_sharing = facts.prefix_sharing
         self.stats.num_blocks = facts.num_blocks
         self.stats.resolved_config = facts.resolved_config
@@ -269,6 +271,8 @@ class Engine:
             first = list(entry.ids)[:1] if self._prefix_sharing else list(entry.ids)
             entry.later = [i for i in entry.ids if i not in first]
         if request.stop:
+            if self.decode is None:
+                raise CbgenError("a request has stop strings, but the engine was given no way to decode tokens")
             entry.stop = StopStrings(request.stop, self.decode)
         for manager_id in first:
             if not self._add(entry, manager_id, streaming=lead or bool(entry.later)):
@@ -326,15 +330,17 @@ class Engine:
                stopped: tuple[int, str] | None) -> Completion:
         """A sequence that has ended, with what the step control recorded of it (its own logprobs, top logprobs,
         whether its format was complete)."""
-        record = self.control.take(result.request_id) if self.control is not None else None
+        control = self.control
+        record = control.take(result.request_id) if control is not None else None
         logprobs = top = None
-        if record is not None and self.control.capture:
+        if control is not None and record is not None and control.capture:
             logprobs, top = record.logprobs[: len(tokens)], record.top[: len(tokens)] or None
         if stopped is not None:
             cut, text = stopped
             completion = Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
                                     "stop", None, text, top_logprobs=top[:cut] if top else top)
-            if record is not None and record.grammar and not self.control.accepts(entry.request, text):
+            if control is not None and record is not None and record.grammar \
+                    and not control.accepts(entry.request, text):
                 completion.finish_reason = "error"
                 completion.error = ("a stop string ended the sequence before its response_format was complete: "
                                     f"{entry.request.stop!r}")
@@ -354,6 +360,8 @@ class Engine:
         """Cancels requests that have run longer than --request-timeout. The manager returns nothing for a
         cancelled request, so cbgen records the failure itself."""
         now, timeout = time.monotonic(), self.settings.request_timeout
+        if timeout is None:
+            return
         for key, entry in list(in_flight.items()):
             if now - entry.started <= timeout:
                 continue

@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,17 @@ def shard_job(job: JobConfig, index: int, output_dir: Path, input_path: str) -> 
     return shard
 
 
-def run_on_ray(job: JobConfig, say) -> int:
+def run_on_ray(job: JobConfig, say: Callable[[str], None]) -> int:
     """Runs every shard as a Ray task and merges them; returns the exit code (`say`: one line to the user)."""
-    count = _checked(job)
+    count, given_input = _checked(job)
     try:
         import ray
     except ImportError:
         raise CbgenError("--executor ray needs Ray: pip install 'cbgen[ray]'") from None
     base = Path(job.output.dir).expanduser().resolve()
     base.mkdir(parents=True, exist_ok=True)
-    local_input = Path(job.input.path).expanduser()
-    input_path = str(local_input.resolve()) if local_input.exists() else job.input.path
+    local_input = Path(given_input).expanduser()
+    input_path = str(local_input.resolve()) if local_input.exists() else given_input
     marker = base / f".cbgen-ray-{uuid.uuid4().hex}"
     marker.write_text("cbgen --executor ray: tasks check that they see this directory\n")
     try:
@@ -77,9 +78,10 @@ def run_on_ray(job: JobConfig, say) -> int:
             f"{ray.cluster_resources().get('CPU', 0):.0f} CPUs, {ray.cluster_resources().get('GPU', 0):.0f} GPUs; "
             f"{count} shards")
         # max_calls=1: a worker process serves one shard and exits, giving its memory (the model) back
-        task = ray.remote(num_cpus=job.run.ray_num_cpus if job.run.ray_num_cpus is not None else 1,
-                          num_gpus=job.run.ray_num_gpus or 0, max_calls=1, max_retries=RETRIES,
-                          retry_exceptions=[ShardStopped])(run_shard)
+        task = ray.remote(  # type: ignore[call-overload]  # Ray's types say retry_exceptions is a bool; a list is
+            num_cpus=job.run.ray_num_cpus if job.run.ray_num_cpus is not None else 1,  # documented and works
+            num_gpus=job.run.ray_num_gpus or 0, max_calls=1, max_retries=RETRIES,
+            retry_exceptions=[ShardStopped])(run_shard)
         pending = {task.remote(shard_job(job, i, base, input_path), str(marker)): i for i in range(count)}
         failures = _wait(ray, pending, base, input_path, say)
     finally:
@@ -87,20 +89,22 @@ def run_on_ray(job: JobConfig, say) -> int:
     return _merge(base, input_path, failures, say)
 
 
-def _checked(job: JobConfig) -> int:
-    count = job.run.num_shards
+def _checked(job: JobConfig) -> tuple[int, str]:
+    """The number of shards and the input file, once the job is known to be one Ray can run."""
+    count, path = job.run.num_shards, job.input.path
     if count is None:
         raise CbgenError("--executor ray needs --num-shards N: each shard is one Ray task")
     if job.run.shard_index is not None:
         raise CbgenError("--executor ray runs every shard itself: drop --shard-index")
-    if job.input.path in (None, "-"):
+    if path is None or path == "-":
         raise CbgenError("--executor ray needs an input file the tasks can read, not standard input")
     if job.model.tp_size > 1:
         raise CbgenError("--executor ray does not start tensor-parallel shards; use --tp 1 (or one GPU per task)")
-    return count
+    return count, path
 
 
-def _wait(ray, pending: dict, base: Path, input_path: str, say) -> dict[int, str]:
+def _wait(ray: Any, pending: dict[Any, int], base: Path, input_path: str, say: Callable[[str], None]
+          ) -> dict[int, str]:
     """Waits for the tasks, telling the combined progress; returns the shards that failed, with why."""
     from cbgen.collect import job_status
 
@@ -132,7 +136,7 @@ def _wait(ray, pending: dict, base: Path, input_path: str, say) -> dict[int, str
     return failures
 
 
-def _merge(base: Path, input_path: str, failures: dict[int, str], say) -> int:
+def _merge(base: Path, input_path: str, failures: dict[int, str], say: Callable[[str], None]) -> int:
     from cbgen.collect import merge_shards
 
     if failures:

@@ -155,7 +155,7 @@ class Reader(ABC):
             elif kind == "input_ids" and isinstance(value, list):
                 record.input_ids = check_input_ids(field, value)
             else:
-                want = _EXPECTED.get(kind, "a string, a list of messages or a list of token ids")
+                want = _EXPECTED.get(kind or "", "a string, a list of messages or a list of token ids")
                 raise RowError(f"{field!r} must be {want}, got {describe_type(value)}")
             record.settings = parse_settings(row)
         except RowError as e:

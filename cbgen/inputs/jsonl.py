@@ -10,9 +10,9 @@ from __future__ import annotations
 import gzip
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, NamedTuple, Protocol
 
 from cbgen.config.sections import MAX_LINE_BYTES
 from cbgen.errors import CbgenError, describe_type
@@ -28,7 +28,11 @@ class TooLong(NamedTuple):
     size: int
 
 
-def bounded_lines(f: IO[bytes], limit: int) -> Iterator[bytes | TooLong]:
+class _LineSource(Protocol):
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def bounded_lines(f: _LineSource, limit: int) -> Iterator[bytes | TooLong]:
     """The lines of a binary stream, each at most `limit` bytes (besides its newline) held at once; a longer line
     comes as TooLong(its size)."""
     while line := f.readline(limit + 1):
@@ -59,7 +63,7 @@ class JsonlReader(Reader):
         self.path = None if path is None else Path(path)
         self.max_line_bytes = max_line_bytes
         self._scanned: tuple[int, set[str]] | None = None  # (lines, settings named), see _scan
-        self._stdin_head: list[tuple[int, bytes]] = []  # stdin lines read ahead, replayed by _lines
+        self._stdin_head: list[tuple[int, bytes | TooLong]] = []  # stdin lines read ahead, replayed by _lines
         if self.path is not None:
             with self._open() as f:  # fail now, not mid-job, on a missing, unreadable or non-gzip file
                 f.read(1)
@@ -83,7 +87,7 @@ class JsonlReader(Reader):
         finally:
             lines.close()
 
-    def _open(self) -> IO[bytes]:
+    def _open(self) -> IO[bytes] | gzip.GzipFile:
         assert self.path is not None
         try:
             if self.path.name.lower().endswith(".gz"):
@@ -104,7 +108,7 @@ class JsonlReader(Reader):
         except (gzip.BadGzipFile, EOFError):
             raise CbgenError(f"input file '{self.name}' is not a valid gzip file") from None
 
-    def _lines(self) -> Iterator[tuple[int, bytes | TooLong]]:
+    def _lines(self) -> Generator[tuple[int, bytes | TooLong]]:
         """Yield `(line_number, line)` for the non-blank lines, counting from 1 over all physical lines."""
         if self.path is None:
             head, self._stdin_head = self._stdin_head, []
@@ -149,7 +153,7 @@ class JsonlReader(Reader):
 
     def _ids(self) -> Iterator[tuple[int, Any]]:
         for n, row, _ in self.objects():
-            if row is not None:  # unreadable rows become error records when the rows are read
+            if row is not None and self.id_column is not None:  # unreadable rows: error records when read
                 yield n, row.get(self.id_column)
 
     def _where(self, position: int, first: int) -> tuple[str, str]:
@@ -175,7 +179,7 @@ class JsonlReader(Reader):
         """One pass over the file for both the line count and the settings named in it, done once per reader."""
         if self._scanned is None:
             keys = {name: f'"{name}"'.encode() for name in self.settings_keys}
-            lines, found = 0, set()
+            lines, found = 0, set[str]()
             for _, line in self._lines():
                 lines += 1
                 if len(found) < len(keys) and not isinstance(line, TooLong):

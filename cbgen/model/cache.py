@@ -255,7 +255,7 @@ def model_entry(dtype: torch.dtype) -> str:
 def load_gguf(source: ModelSource, cache: GgufCache | None, dtype: torch.dtype, **load_kwargs):
     from transformers import AutoModelForCausalLM
 
-    gguf = Path(source.location) / source.gguf_file
+    gguf = source.gguf_path
     tokenizer, tokenizer_status = gguf_tokenizer(gguf, cache)
     entry = model_entry(dtype)
     model, failure = load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(

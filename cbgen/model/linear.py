@@ -61,7 +61,7 @@ def use_onednn_linear(model: torch.nn.Module) -> int:
             continue
         with torch.no_grad():
             module._cbgen_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
-        module.forward = types.MethodType(_forward, module)
+        vars(module)["forward"] = types.MethodType(_forward, module)  # this module's own forward
         count += 1
     return count
 
@@ -88,7 +88,7 @@ def onednn_linear(model: torch.nn.Module) -> Iterator[int]:
             if forward is None:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = forward
+                vars(module)["forward"] = forward
 
 
 def _chunked_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,9 @@ def _bitwise_same(weight: torch.Tensor) -> bool:
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    """The model's output projection (transformers' models have one), or None."""
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    return output_embeddings() if callable(output_embeddings) else None
 
 
 def chunk_vocab_projection(model: torch.nn.Module) -> bool:
@@ -131,7 +133,7 @@ def chunk_vocab_projection(model: torch.nn.Module) -> bool:
         return False
     if not _bitwise_same(weight.detach()):
         return False
-    head.forward = types.MethodType(_chunked_forward, head)
+    vars(head)["forward"] = types.MethodType(_chunked_forward, head)
     head._cbgen_chunked = True
     return True
 

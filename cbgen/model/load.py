@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,12 @@ from cbgen.config.cpu import cpu_row
 from cbgen.errors import CbgenError, debug_enabled, first_line
 from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM builds: a model that generates (for the type checker; no such class runs)."""
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +86,8 @@ def _supports_flash(source: ModelSource, trust_remote_code: bool) -> bool:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
+    model: CausalLM
+    tokenizer: PreTrainedTokenizerBase
     source: ModelSource
     device: str
     dtype: torch.dtype
@@ -94,7 +101,7 @@ class LoadedModel:
         return self.source.random_weights
 
 
-def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, device: str, attn: str):
+def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, device: str, attn: str | None):
     """A model of the source's shape with random weights (seeded), and the embedded SmolLM2 tokenizer."""
     from transformers import AutoModelForCausalLM
 
@@ -154,7 +161,7 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
         elif source.random_weights:
             model, tokenizer, cache = _load_random(source, cache_root, dtype, device, attn)
         elif source.gguf_file:
-            gguf = Path(source.location) / source.gguf_file
+            gguf = source.gguf_path
             model, tokenizer, cache = load_gguf(source, GgufCache(cache_root, gguf) if cache_root else None, dtype,
                                                  attn_implementation=attn, device_map=device, **kwargs)
         else:

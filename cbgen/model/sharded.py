@@ -29,7 +29,7 @@ def load_sharded(source: ModelSource, cache_root: Path | None, tp, dtype: torch.
     status = None
     location, extra = source.location, dict(load_kwargs)
     if source.gguf_file:
-        gguf = Path(source.location) / source.gguf_file
+        gguf = source.gguf_path
         cache = GgufCache(cache_root, gguf) if cache_root else None
         entry = model_entry(dtype)
         if cache is not None:
@@ -52,11 +52,12 @@ def load_sharded(source: ModelSource, cache_root: Path | None, tp, dtype: torch.
     config = AutoConfig.from_pretrained(location, **{k: v for k, v in extra.items() if k == "gguf_file"},
                                         trust_remote_code=load_kwargs.get("trust_remote_code", False))
     plan = attention_plan(config, tp.size)
-    distributed = DistributedConfig(tp_size=tp.size, **({"tp_plan": plan} if plan else {}))
+    distributed = DistributedConfig(tp_size=tp.size, tp_plan=plan) if plan else DistributedConfig(tp_size=tp.size)
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, distributed_config=distributed, **extra)
     if plan:
         # the paged cache splits the KV heads whenever the plan names k_proj/v_proj, whatever their style
-        model.tp_plan = {k: v for k, v in model.tp_plan.items() if v != "replicate"}
+        # (tp_plan has a setter, which the type checker does not see)
+        model.tp_plan = {k: v for k, v in model.tp_plan.items() if v != "replicate"}  # type: ignore[misc]
     return model, tokenizer, status
 
 

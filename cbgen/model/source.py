@@ -75,6 +75,13 @@ class ModelSource:
     gguf_file: str | None = None
     random_weights: bool = False
 
+    @property
+    def gguf_path(self) -> Path:
+        """The GGUF file: only asked of a GGUF source."""
+        if self.gguf_file is None:
+            raise ValueError(f"{self.name} is not a GGUF file")
+        return Path(self.location) / self.gguf_file
+
     def identity(self) -> dict[str, Any]:
         """What makes a model the same model for a resume: a GGUF file's name and size, a folder's config.json
         hash, a random-weights shape (and its config file's hash), a hub id's name."""
@@ -83,10 +90,10 @@ class ModelSource:
             config = {"config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path.is_file() else {}
             return {"random_weights": self.location} | config
         if self.gguf_file:
-            return {"gguf": self.gguf_file, "bytes": (Path(self.location) / self.gguf_file).stat().st_size}
-        config = Path(self.location) / "config.json"
-        if config.is_file():
-            return {"folder_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+            return {"gguf": self.gguf_file, "bytes": self.gguf_path.stat().st_size}
+        folder_config = Path(self.location) / "config.json"
+        if folder_config.is_file():
+            return {"folder_config_sha256": hashlib.sha256(folder_config.read_bytes()).hexdigest()}
         return {"hub_id": self.location}
 
 

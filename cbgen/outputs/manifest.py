@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 _SAMPLE = 1 << 20  # bytes hashed at each end of an input file to recognise it
 
 
-def input_identity(path: str) -> dict[str, Any]:
+def input_identity(path: str | None) -> dict[str, Any]:
     """What makes an input the same input: its size and the hash of its first and last MiB (not its path, so a
     moved file still resumes; not its mtime, which copies and checkouts change). Stdin has no identity."""
-    if path == "-":
+    if path is None or path == "-":
         return {"source": "stdin"}
     target = Path(path)
     if not target.exists():
@@ -93,7 +93,7 @@ def _cpu_defaults(loaded: LoadedModel | None) -> dict[str, Any] | None:
 
 def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | None, batching: dict) -> Path:
     """Writes run.json beside the shards."""
-    model = {"name": summary.model}
+    model: dict[str, Any] = {"name": summary.model}
     if loaded is not None:
         from cbgen.model.linear import linear_kind
 

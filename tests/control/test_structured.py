@@ -72,14 +72,19 @@ def test_regex_choice_and_objects(tiny_model_dir, prompts, tmp_path, flags, chec
             assert isinstance(json.loads(row["text"]), dict)
 
 
-def test_a_grammar_file(tiny_model_dir, prompts, tmp_path):
-    grammar = tmp_path / "g.lark"
-    grammar.write_text('start: "SKU-" DIGIT DIGIT ("A" | "B")\nDIGIT: /[0-9]/\n')
+@pytest.mark.parametrize(("name", "text"), [
+    ("g.lark", 'start: "SKU-" DIGIT DIGIT ("A" | "B")\nDIGIT: /[0-9]/\n'),
+    ("g.gbnf", 'root ::= "SKU-" digit digit ("A" | "B")\ndigit ::= [0-9]\n'),  # llama.cpp's dialect, read too
+])
+def test_a_grammar_file(tiny_model_dir, prompts, tmp_path, name, text):
+    grammar = tmp_path / name
+    grammar.write_text(text)
     assert run(tiny_model_dir, prompts, tmp_path / "out", "--grammar", grammar, "--max-new-tokens", 20) == 0
     for row in rows(tmp_path / "out").values():
         assert row["finish_reason"] == "stop" and re.fullmatch(r"SKU-[0-9]{2}[AB]", row["text"]), row
 
 
+@pytest.mark.slow
 def test_rows_carry_their_own_formats_and_bad_ones_are_error_records(tiny_model_dir, tmp_path):
     schema_a = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD}}
     data = [
@@ -107,6 +112,7 @@ def test_rows_carry_their_own_formats_and_bad_ones_are_error_records(tiny_model_
     assert all(written[k]["error"].startswith(f"{path}:") for k in ("bad-schema", "bad-type", "bad-regex"))
 
 
+@pytest.mark.slow
 def test_several_samples_each_follow_the_format(tiny_model_dir, prompts, tmp_path):
     assert run(tiny_model_dir, prompts, tmp_path / "out", "--json-schema", json.dumps(RECORD), "-n", 3,
                "--temperature", 1.0, "--seed", 1, "--max-new-tokens", 40) == 0
@@ -126,6 +132,7 @@ def test_a_stop_string_that_cuts_a_format_short_is_an_honest_error(tiny_model_di
         assert "a stop string ended the sequence before its response_format was complete" in row["error"]
 
 
+@pytest.mark.slow
 def test_a_constrained_job_resumes(tiny_model_dir, prompts, tmp_path):
     out = tmp_path / "out"
     args = ["--json-schema", json.dumps(RECORD), "--max-new-tokens", 40, "--rows-per-shard", 1]
@@ -139,6 +146,7 @@ def test_a_constrained_job_resumes(tiny_model_dir, prompts, tmp_path):
     assert again == first  # greedy: the resumed half is what the first run wrote
 
 
+@pytest.mark.slow
 def test_many_distinct_schemas_compile_once_each(tiny_model_dir, tmp_path):
     data = []
     for i in range(100):
