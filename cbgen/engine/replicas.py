@@ -248,9 +248,9 @@ class _Dispatch:
             if self.processes[i].is_alive():
                 continue
             self.live.discard(i)
+            self._note_exit(i)
             if ending:
                 continue
-            self.pool.lost.setdefault(i, f"exited with code {self.processes[i].exitcode}")
             for request in self.held[i].values():
                 if request.record.id in self.retried:
                     yield rejection(request, f"lost with replica {i} after a first retry", request.n or 1)
@@ -270,4 +270,12 @@ class _Dispatch:
                 self.inboxes[i].put(EXIT)
             self.parked.clear()
         if self.finished:
-            self.live = {i for i in self.live if self.processes[i].is_alive() or not outbox.empty()}
+            for i in [i for i in self.live if not self.processes[i].is_alive() and outbox.empty()]:
+                self.live.discard(i)
+                self._note_exit(i)
+
+    def _note_exit(self, index: int) -> None:
+        """A replica process has ended: lost, when it did not exit as told (killed, crashed), whatever it held."""
+        code = self.processes[index].exitcode
+        if code != 0:
+            self.pool.lost.setdefault(index, f"exited with code {code}")

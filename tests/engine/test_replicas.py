@@ -19,6 +19,8 @@ from cbgen.errors import CbgenError
 from cbgen.outputs import read_shards
 from tests.helpers import write_jsonl
 
+pytestmark = pytest.mark.slow  # every test starts replica processes
+
 
 def tokens(out: Path) -> dict[tuple[str, int], list[int]]:
     rows = list(read_shards(out))
@@ -65,10 +67,18 @@ def start(tiny_model_dir, prompts, out, *extra) -> subprocess.Popen:
 
 
 def wait_for_rows(job: subprocess.Popen, out: Path, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
+    deadline = time.monotonic() + timeout
     while not list(out.glob("part-*.jsonl")):
-        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-2000:]
-        time.sleep(0.1)
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
+        time.sleep(0.05)
+
+
+def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
+    """The processes among `pids` still alive once they have all exited, or `timeout` has passed."""
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def test_a_killed_replica_has_its_requests_run_by_the_other(tiny_model_dir, prompts, tmp_path):
@@ -93,8 +103,7 @@ def test_sigterm_stops_every_replica_and_the_job_resumes(tiny_model_dir, prompts
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 75, err[-3000:]
-    time.sleep(0.5)
-    assert replicas and not [pid for pid in replicas if Path(f"/proc/{pid}").exists()]  # every replica stopped
+    assert replicas and not wait_gone(replicas)  # every replica stopped
     done_before = len(tokens(out))
     assert 0 < done_before < 16
     rerun = start(tiny_model_dir, prompts, out)
@@ -119,7 +128,4 @@ def test_replicas_of_a_killed_job_exit_too(tiny_model_dir, prompts, tmp_path):
     replicas = replica_pids(job.pid)
     job.kill()  # kill -9 of the main process: nobody is left to give the replicas work
     job.communicate(timeout=60)
-    deadline = time.time() + 60
-    while [pid for pid in replicas if Path(f"/proc/{pid}").exists()] and time.time() < deadline:
-        time.sleep(0.5)
-    assert replicas and not [pid for pid in replicas if Path(f"/proc/{pid}").exists()]
+    assert replicas and not wait_gone(replicas)
