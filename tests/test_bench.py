@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from cbgen.bench.paths import same_share
 from cbgen.cli import run_cli
 from cbgen.engine.admission import Placement, PrefixGate
 from cbgen.records import PromptRecord, Request
@@ -42,6 +45,7 @@ def test_gate_is_bounded():
     assert gate.full
 
 
+@pytest.mark.slow
 def test_gated_and_ungated_runs_give_the_same_tokens(tiny_model_dir, tmp_path):
     """The gate changes when requests are admitted, never what they generate (fp32, greedy)."""
     from tests.helpers import write_jsonl
@@ -60,6 +64,7 @@ def test_gated_and_ungated_runs_give_the_same_tokens(tiny_model_dir, tmp_path):
     assert outputs["--prefix-gating"] == outputs["--no-prefix-gating"]
 
 
+@pytest.mark.slow
 def test_bench_runs_and_writes_table_json_and_chart(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "shared-prefix,mixed",
@@ -71,13 +76,20 @@ def test_bench_runs_and_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
     for workload in ("shared-prefix", "mixed"):
         for path in ("cbgen", "cbgen-ordered", "generate_batch", "static-2", "static-4"):
             assert (workload, path) in paths
-    cbgen_rows = [r for r in data["rows"] if r["path"] == "cbgen"]
-    assert all(r["time_vs_cbgen"] == 1.0 and r["generated_tokens"] > 0 for r in cbgen_rows)
+    cbgen_seconds = {r["workload"]: r["seconds"] for r in data["rows"] if r["path"] == "cbgen"}
+    for row in data["rows"]:  # seconds are rounded to 0.01 in bench.json; the rates and ratios are not
+        assert row["generated_tokens"] > 0 and row["seconds"] > 0
+        low, high = row["seconds"] - 0.005, row["seconds"] + 0.005
+        reference = cbgen_seconds[row["workload"]]
+        assert low / (reference + 0.005) - 0.01 <= row["time_vs_cbgen"] <= high / max(reference - 0.005, 1e-9) + 0.01
+        tokens = row["prompt_tokens"] + row["generated_tokens"]
+        assert tokens / high - 0.1 <= row["total_tok_s"] <= tokens / max(low, 1e-9) + 0.1
     assert data["meta"]["matmul_flops"] > 0 and data["meta"]["parameters"] > 0
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "time vs cbgen" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_structured_workload_runs_cbgen_with_and_without_its_schema(tiny_model_dir, tmp_path):
     out = tmp_path / "bench"
     code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "structured",
@@ -88,12 +100,13 @@ def test_structured_workload_runs_cbgen_with_and_without_its_schema(tiny_model_d
     constrained = rows["cbgen-json-schema"]
     assert constrained["generated_tokens"] > 0 and constrained["grammar_compile_s"] > 0
     assert constrained["time_vs_cbgen"] > 0 and constrained["token_time_vs_cbgen"] > 0
-    assert 0 <= constrained["stopped_json"] == constrained["stopped"] <= 4  # every answer that ended is JSON
+    assert constrained["stopped_json"] == constrained["stopped"]  # every answer that ended is JSON
     assert "grammar_compile_s" not in rows["cbgen"]
     # the free-text run is capped, request by request, at the constrained answers' lengths
     assert 0 < rows["cbgen"]["generated_tokens"] <= constrained["generated_tokens"]
 
 
+@pytest.mark.slow
 def test_onednn_path_runs_beside_cbgen_and_compares_its_tokens(tiny_model_dir, tmp_path):
     out = tmp_path / "bench"
     code = run_cli(["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu", "--size", "tiny",
@@ -106,10 +119,36 @@ def test_onednn_path_runs_beside_cbgen_and_compares_its_tokens(tiny_model_dir, t
     for (_, path), row in rows.items():
         assert row["generated_tokens"] > 0
         assert ("same_tokens_as_cbgen" in row) == path.startswith("cbgen-onednn")
-    assert 0 <= rows["fixed", "cbgen-onednn"]["same_tokens_as_cbgen"] <= 1
+    # a share of the fixed workload's 4 requests; oneDNN sums in another order, so a near-tie of the random model
+    # may flip a greedy token: the exact value is checked with known tokens below
+    assert rows["fixed", "cbgen-onednn"]["same_tokens_as_cbgen"] in (0.0, 0.25, 0.5, 0.75, 1.0)
     assert rows["fixed", "cbgen-onednn"]["time_vs_cbgen"] > 0
 
 
+def test_same_share_counts_requests_whose_tokens_all_agree():
+    assert same_share([[1, 2], [3], [4, 5]], [[1, 2], [3], [4, 5]]) == 1.0
+    assert same_share([[1, 2], [3], [4, 6]], [[1, 2], [3], [4, 5]]) == 0.667
+    assert same_share([[1], [3, 9]], [[1, 2], [3]]) == 0.0  # a token more or less is a difference
+    assert same_share([], []) == 0.0
+
+
+def test_a_constrained_workload_stops_in_valid_json(tiny_model_dir):
+    """In process, with a schema short enough for the random model: every answer ends, and every one is JSON of
+    the schema, counted by the bench as the CLI reports it."""
+    from cbgen.bench import Bench, BenchWorkload
+    from cbgen.config import ModelSection
+    from cbgen.model.load import load_model
+
+    loaded = load_model(ModelSection(model=str(tiny_model_dir), dtype="float32"))
+    prompts = [list(loaded.tokenizer(f"Answer {i}:")["input_ids"]) for i in range(4)]
+    schema = {"enum": ["yes", "no"]}
+    free, constrained = Bench(loaded).structured(BenchWorkload("yes-no", prompts, 8, schema=schema))
+    assert (constrained.extra["stopped"], constrained.extra["stopped_json"]) == (4, 4)
+    assert all(len(tokens) <= 8 for tokens in constrained.extra["tokens"])
+    assert free.generated_tokens <= constrained.generated_tokens  # capped at the constrained answers' lengths
+
+
+@pytest.mark.slow
 def test_onednn_path_is_skipped_with_its_reason_off_float32(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     code = run_cli(["bench", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--device", "cpu", "--size", "tiny",

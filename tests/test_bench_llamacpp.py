@@ -9,6 +9,8 @@ import ctypes
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from cbgen.bench import build_workloads
 from cbgen.bench.llamacpp import LlamaCpp, find_gguf
 from cbgen.cli import run_cli
@@ -117,6 +119,7 @@ def test_missing_gguf_is_named(tmp_path, monkeypatch):
     assert "--llamacpp-model" in find_gguf(None, embedded=False, dtype="float32")[1]
 
 
+@pytest.mark.slow
 def test_bench_skips_llamacpp_with_its_reason(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CBGEN_LLAMACPP_DIR", str(tmp_path / "none"))
     out = tmp_path / "bench"

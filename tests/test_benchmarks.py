@@ -33,6 +33,7 @@ def cbgen_imports(source: str) -> set[tuple[str, str | None]]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_benchmark_script_starts(script):
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)

@@ -78,6 +78,7 @@ def test_merge_of_a_split_job_keeps_every_column(tiny_model_dir, prompts, tmp_pa
     assert_same_rows(merged, originals)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", [None, 2])
 @pytest.mark.parametrize("asked", sorted(ASKED))
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -93,6 +94,7 @@ def test_merge_to_dataset_keeps_every_column(tiny_model_dir, prompts, tmp_path, 
     assert_same_rows(list(dataset), originals)
 
 
+@pytest.mark.slow
 def test_merge_of_openai_lines_keeps_them_whole(tiny_model_dir, tmp_path):
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 3, "logprobs": True,

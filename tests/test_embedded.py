@@ -27,9 +27,12 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 MAX_NEW = 16
 
 
+CBGEN = Path(sys.executable).parent / "cbgen"  # the console script `pip install` made, beside this interpreter
+
+
 def cbgen_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cbgen", "run", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+    assert CBGEN.is_file(), f"the installed command {CBGEN} is missing: pip install -e ."
+    return subprocess.run([str(CBGEN), "run", *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +137,8 @@ def test_personas_example_writes_records_that_validate(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "personas"
-    done = subprocess.run([sys.executable, "-m", "cbgen", "run", "examples/personas.jsonl", "--config",
-                           "examples/personas.yaml", "-o", str(out)], capture_output=True, text=True, timeout=600,
-                          cwd=root)
+    done = subprocess.run([str(CBGEN), "run", "examples/personas.jsonl", "--config", "examples/personas.yaml", "-o",
+                           str(out)], capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr
     schema = json.loads((root / "examples/person.schema.json").read_text())
     rows = list(read_shards(out))

@@ -24,6 +24,8 @@ from cbgen.cli import run_cli
 from cbgen.inputs import open_reader
 from cbgen.outputs import read_shards
 
+pytestmark = pytest.mark.slow  # hundreds of generated inputs, and jobs on them
+
 EXAMPLES = int(os.environ.get("CBGEN_FUZZ_EXAMPLES", "0"))
 FAST = settings(max_examples=EXAMPLES or 150, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW = settings(max_examples=EXAMPLES or 5, deadline=None, suppress_health_check=list(HealthCheck))

@@ -32,10 +32,37 @@ def test_a_row_nested_100000_deep_is_one_error_record(tiny_model_dir, tmp_path):
     assert rows["1"]["finish_reason"] == "error" and rows["1"]["error"].startswith(f"{path}:2: unreadable JSON")
 
 
-def test_a_60_mb_line_is_refused_without_being_read_whole(tiny_model_dir, tmp_path):
+class LargestRead:
+    """Wraps a binary file and remembers the longest piece one read returned."""
+
+    def __init__(self, f):
+        self.f, self.largest = f, 0
+
+    def readline(self, size=-1):
+        line = self.f.readline(size)
+        self.largest = max(self.largest, len(line))
+        return line
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_60_mb_line_is_refused_without_being_read_whole(tiny_model_dir, tmp_path, monkeypatch):
     huge = json.dumps({"prompt": "lorem ipsum " * 5_000_000})  # 60 MB
     path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], huge, GOOD[1]])
+    from cbgen.inputs.jsonl import JsonlReader
+
+    opened: list[LargestRead] = []
+    real_open = JsonlReader._open
+    monkeypatch.setattr(JsonlReader, "_open", lambda self: opened.append(LargestRead(real_open(self))) or opened[-1])
     assert run(tiny_model_dir, path, tmp_path / "out") == 1
+    assert opened and max(f.largest for f in opened) <= (32 << 20) + 1  # never more than the limit in one piece
     rows = rows_by_id(tmp_path / "out")
     assert rows["0"]["error"] is None and rows["2"]["error"] is None
     assert rows["1"]["error"] == (f"{path}:2: the line is {len(huge) + 1:,} bytes long, more than --max-line-bytes "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -57,34 +56,43 @@ def reference(tiny_model_dir, prompts, tmp_path) -> dict[str, list[int]]:
     return by_id(out)
 
 
+def shards(out: Path) -> int:
+    return len(list(out.glob("part-*.jsonl")))
+
+
+def wait_until(condition, process: subprocess.Popen, timeout: float = 120) -> bool:
+    """Waits for `condition()`; False when the process ended first (it then had nothing left to do)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, "the job made no progress in time"
+        time.sleep(0.02)
+    return True
+
+
 def wait_for_shard(out: Path, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while not list(out.glob("part-*.jsonl")):
+    while not shards(out):
         assert time.monotonic() < deadline, "no shard was committed in time"
         time.sleep(0.05)
 
 
-def test_kill_9_at_random_moments_then_resume_exactly_once(tiny_model_dir, prompts, tmp_path, reference):
+@pytest.mark.slow
+def test_kill_9_at_each_stage_then_resume_exactly_once(tiny_model_dir, prompts, tmp_path, reference):
+    """kill -9 once the run directory exists but before any shard (while the model loads), then three times as soon
+    as a run has committed a shard more than the runs before it; a fifth run finishes the job."""
     out = tmp_path / "out"
     args = job_args(tiny_model_dir, prompts, out, "--commit-interval", 0.05)
-    rng = random.Random(20261129)
-    kills = 0
-    for attempt in range(12):
+    moments = [lambda before: (out / "fingerprint.json").exists()] + [lambda before: shards(out) > before] * 3
+    for moment in moments:
+        before = shards(out)
         process = start(args)
-        if attempt < 4:
-            if attempt:
-                wait_for_shard(out)  # once shards exist, kill while more are being written
-            time.sleep(rng.uniform(0.0, 1.5))
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
-                kills += 1
-        code = process.wait(timeout=120)
-        if code == 0:
-            break
-        assert code == -signal.SIGKILL, process.stderr.read()
-    else:
-        pytest.fail("the job never finished")
-    assert kills >= 3
+        assert wait_until(lambda m=moment, b=before: m(b), process), process.stderr.read()
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL
+    assert 0 < shards(out) < len(reference) / 3  # killed part-way: rows of 3 per shard, 48 rows
+    assert cbgen(*args) == 0
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["counts"]["resumed_requests"] > 0  # the last run really resumed
     assert manifest["counts"]["requests"] == len(reference)
@@ -92,6 +100,7 @@ def test_kill_9_at_random_moments_then_resume_exactly_once(tiny_model_dir, promp
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_and_resumes(tiny_model_dir, prompts, tmp_path, reference):
     out = tmp_path / "out"
     args = job_args(tiny_model_dir, prompts, out, "--commit-interval", 0.05, "--max-new-tokens", 48)
@@ -127,6 +136,7 @@ def test_lock_message(tiny_model_dir, prompts, tmp_path, capsys):
     assert f"output directory '{out}' is in use by cbgen pid {os.getpid()}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_different_job_in_the_same_directory_is_refused(tiny_model_dir, prompts, tmp_path, capsys, reference):
     out = tmp_path / "out"
     assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 0
@@ -139,6 +149,7 @@ def test_a_different_job_in_the_same_directory_is_refused(tiny_model_dir, prompt
     assert all(len(tokens) <= 5 for tokens in by_id(out).values())
 
 
+@pytest.mark.slow
 def test_a_finished_job_reruns_without_loading_the_model(tiny_model_dir, prompts, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 0
@@ -206,6 +217,7 @@ def test_request_timeout_is_recorded(tiny_model_dir, tmp_path):
     assert all(r["finish_reason"] == "error" and "timed out after 0.001 s" in r["error"] for r in rows)
 
 
+@pytest.mark.slow
 def test_disk_full_leaves_no_corrupt_shard_and_resumes(tiny_model_dir, prompts, tmp_path, monkeypatch, capsys,
                                                        reference):
     out = tmp_path / "out"
@@ -227,6 +239,7 @@ def test_disk_full_leaves_no_corrupt_shard_and_resumes(tiny_model_dir, prompts, 
     assert by_id(out) == reference
 
 
+@pytest.mark.slow
 def test_slurm_array_sharding_and_merge(tiny_model_dir, prompts, tmp_path, monkeypatch, capsys, reference):
     out = tmp_path / "out"
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")

@@ -130,7 +130,7 @@ def test_greedy_request_in_a_sampling_job_gives_the_greedy_tokens(batch_run, tin
     assert sampled_job == greedy
 
 
-def test_resume_status_and_merge_read_openai_lines(batch_run, tiny_model_dir, tmp_path):
+def test_resume_status_and_merge_read_openai_lines(batch_run, tiny_model_dir, tmp_path, monkeypatch, capsys):
     _, out, lines = batch_run
     rows = list(read_shards(out))  # as cbgen rows: one per choice, one per failed request
     assert sorted((r["id"], r["sample_index"]) for r in rows if r["id"] == "cmpl-n2") == [("cmpl-n2", 0),
@@ -138,10 +138,23 @@ def test_resume_status_and_merge_read_openai_lines(batch_run, tiny_model_dir, tm
     assert sum(r["finish_reason"] == "error" for r in rows) == 4
     # a rerun finds everything done and does not load the model
     path = write_jsonl(tmp_path / "batch.jsonl", BATCH)
+    monkeypatch.setattr("cbgen.model.load.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert run(tiny_model_dir, path, "-o", out, "--output-format", "openai", "--seed", 3) == 1
     assert json.loads((out / "run.json").read_text())["counts"]["requests"] == len(lines)
+    # status counts the lines' requests, done and failed
+    capsys.readouterr()
+    assert run_cli(["status", str(out), "--json"]) == 1  # some requests failed
+    status = json.loads(capsys.readouterr().out)
+    assert (status["done"], status["failed"], status["remaining"]) == (len(lines), 4, 0)
+    # and --to-dataset (a job that was not split) takes the lines as they are
+    assert run_cli(["merge", str(out), "--to-dataset", "-o", str(tmp_path / "ds")]) == 0
+    import datasets
+
+    dataset = datasets.load_from_disk(str(tmp_path / "ds"))
+    assert sorted(dataset["custom_id"]) == sorted(entry["custom_id"] for entry in lines)
 
 
+@pytest.mark.slow
 def test_openai_lines_split_and_merge(tiny_model_dir, tmp_path):
     path = write_jsonl(tmp_path / "batch.jsonl", [
         line(f"q{i}", CHAT, {"messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 3})

@@ -96,6 +96,7 @@ def test_rows_sample_with_their_own_settings_and_greedy_rows_stay_greedy(tiny_mo
     assert manifest["continuous_batching"]["per_request_processors"] is True
 
 
+@pytest.mark.slow
 def test_stop_strings_cut_the_text_and_end_the_request_early(tiny_model_dir, tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[2]}])
     assert run(tiny_model_dir, path, "-o", tmp_path / "full", "--id-column", "id", "--max-new-tokens", 40) == 0

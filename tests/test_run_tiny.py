@@ -185,6 +185,7 @@ def test_extra_stop_token_ends_the_sequence(tiny_model_dir, tmp_path):
     assert stopped["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 def test_attention_choice_is_recorded(tiny_model_dir, chat_file, tmp_path):
     """Default on CPU: cbgen's per-sequence attention; --attn-implementation sdpa: transformers' stock path.
     Both give the same greedy tokens in fp32."""

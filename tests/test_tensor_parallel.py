@@ -15,6 +15,8 @@ from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
 from tests.helpers import torchrun_cbgen, write_jsonl
 
+pytestmark = pytest.mark.slow  # every test starts torchrun
+
 
 @pytest.fixture(scope="module")
 def odd_heads_model(tiny_model_dir, tmp_path_factory):
@@ -120,7 +122,6 @@ def torchrun_failing(tmp_path, where: str, *args) -> tuple[subprocess.CompletedP
     return done, time.monotonic() - started
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("where", "message"), [
     ("input", "rank 0 failed before 'load': input file '{missing}' does not exist"),
     ("gguf", "rank 0 failed before 'gguf-ready': injected failure at gguf"),
@@ -138,7 +139,6 @@ def test_followers_exit_promptly_with_rank_0s_message(tiny_model_dir, prompts, t
     assert seconds < 120, f"{seconds:.0f} s"
 
 
-@pytest.mark.slow
 def test_followers_go_home_when_rank_0_needs_no_model(tiny_model_dir, tmp_path):
     """Every row is an error record: rank 0 writes them without loading a model, and tells the followers so."""
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "prompt": ""}, {"id": "b", "prompt": 3}])

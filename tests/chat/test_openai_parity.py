@@ -50,6 +50,7 @@ def answers(out) -> dict[str, dict]:
     return lines
 
 
+@pytest.mark.slow
 def test_a_bad_first_line_does_not_hide_an_openai_file(tiny_model_dir, tmp_path, capsys):
     rows = [{"method": "POST", "url": "/v1/chat/completions", "body": {"messages": ASK, "max_tokens": 4}},
             line("good", {"messages": ASK, "max_tokens": 4}),
@@ -81,6 +82,7 @@ def test_an_empty_file_gives_an_empty_output(tiny_model_dir, tmp_path):
     assert not answers(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_required_and_named_tool_calls(tool_model_dir, tmp_path):
     path = write_jsonl(tmp_path / "b.jsonl", [
         line("required", {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}),

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cbgen.cli import run_cli
 from tests.chat.test_openai_parity import ASK, WEATHER, line
 from tests.helpers import torchrun_cbgen, write_jsonl
+
+pytestmark = pytest.mark.slow  # torchrun
 
 
 def test_required_call_under_tp_matches_one_process(tool_model_dir, tmp_path):

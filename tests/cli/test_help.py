@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import click
 import pytest
 import typer
 
@@ -16,9 +15,9 @@ COMMANDS = [["run"], ["status"], ["merge"], ["bench"], ["config", "show"], ["con
 
 def source_texts(path: list[str]) -> list[str]:
     """The command's help and its parameters' help texts, as written in the source (before any escaping)."""
-    command: click.Command = typer.main.get_command(app)
+    command = typer.main.get_group(app)
     for name in path:
-        command = command.commands[name]  # type: ignore[attr-defined]
+        command = command.commands[name]
     return [command.help or ""] + [getattr(p, "help", None) or "" for p in command.params]
 
 

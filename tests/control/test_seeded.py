@@ -41,6 +41,7 @@ def test_the_same_in_any_batch_and_order(tiny_model_dir, tmp_path, reference):
     assert tokens(tmp_path / "one") == reference
 
 
+@pytest.mark.slow
 def test_the_same_after_a_resume_and_across_shards(tiny_model_dir, tmp_path, reference):
     path = write_jsonl(tmp_path / "p.jsonl", ROWS)
     out = tmp_path / "out"
@@ -58,6 +59,7 @@ def test_the_same_after_a_resume_and_across_shards(tiny_model_dir, tmp_path, ref
     assert merged == reference
 
 
+@pytest.mark.slow
 def test_a_rows_own_seed(tiny_model_dir, tmp_path, reference):
     rows = [dict(row, seed=11) for row in ROWS]  # the job's seed, given per row instead
     path = write_jsonl(tmp_path / "p.jsonl", rows)

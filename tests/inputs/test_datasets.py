@@ -78,6 +78,7 @@ def test_split_on_a_plain_file_is_refused(tmp_path):
         open_reader(path, split="train")
 
 
+@pytest.mark.slow
 def test_merge_to_dataset(tiny_model_dir, saved_dict, tmp_path):
     out = tmp_path / "out"
     for shard in (0, 1):

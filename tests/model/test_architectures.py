@@ -65,6 +65,7 @@ def per_sequence_calls(monkeypatch) -> list[int]:
     return computed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_default_attention_matches_generate(name, tiny_model_dir, tmp_path, per_sequence_calls):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -83,6 +84,7 @@ def test_onednn_block_puts_every_layer_back_as_it_was():
         assert uses_onednn_linear(model)
 
 
+@pytest.mark.slow
 def test_engine_gives_model_generate_tokens_with_onednn_linear():
     model = tiny_llama()
     use_onednn_linear(model)

@@ -109,6 +109,7 @@ def test_random_shapes_match_the_public_models(name):
     assert config.vocab_size >= 49152 and config.eos_token_id == 2
 
 
+@pytest.mark.slow
 def test_random_shape_loads_with_the_embedded_tokenizer(tmp_path_factory):
     cache_dir = tmp_path_factory.getbasetemp() / "model-cache"
     loaded = model_load.load_model(ModelSection(model="smollm2-135m", dtype="float32", cache_dir=str(cache_dir)))

@@ -110,6 +110,7 @@ def entry_folder(cache_dir: Path, gguf: Path, entry: str) -> Path:
     return model_cache.GgufCache(cache_dir, gguf).folder / entry
 
 
+@pytest.mark.slow
 def test_miss_then_hit_gives_the_same_model(tiny_gguf, tmp_path):
     cold = load(tiny_gguf, tmp_path)
     assert cold.cache == model_cache.CACHE_WRITTEN
@@ -233,6 +234,7 @@ def test_file_digest_is_memoised_by_size_and_mtime(tmp_path):
     assert model_cache.file_digest(data, memo) == hashlib.sha256(b"two").hexdigest()
 
 
+@pytest.mark.slow
 def test_cached_tokenizer_describes_its_added_tokens(tmp_path):
     """The cached tokenizer of the embedded GGUF carries `added_tokens_decoder` (without it transformers parses the
     whole tokenizer.json in Python on every load), and it is still the GGUF's own tokenizer; an entry written
