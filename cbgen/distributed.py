@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 LOAD, GGUF_CACHE, GGUF_READY, PLAN = "load", "gguf-cache", "gguf-ready", "plan"
 _FINAL = PLAN  # after it, the followers serve the manager and wait for no message of ours
@@ -46,7 +49,7 @@ class RankZeroStopped(CbgenError):
 class TensorParallel:
     size: int
     rank: int
-    group: Any  # cbgen's own gloo group
+    group: ProcessGroup  # cbgen's own gloo group
     _ended: bool = field(default=False, repr=False)  # rank 0: the followers wait for no more messages
 
     @property

@@ -27,15 +27,20 @@ transformers versions it was checked against (support.VALIDATED_TRANSFORMERS).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cbgen.attention.pass_memo import remembered
 from cbgen.attention.support import FULL_ATTENTION
 
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
 
-def _allocator(cache: Any, layer_idx: int) -> Any:
+
+def _allocator(cache: Any, layer_idx: int) -> FullAttentionCacheAllocator | None:
     allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
     if allocator is None or getattr(allocator, "layer_type", None) != FULL_ATTENTION:
         return None
@@ -117,7 +122,7 @@ def padded_positions(k_starts: list[int], k_lengths: list[int], longest: int) ->
 class LayerCache:
     """A full-attention layer's views of the paged cache and this step's read and write indices."""
 
-    allocator: Any
+    allocator: FullAttentionCacheAllocator
     read_index: torch.Tensor  # the stock packed read-back: each request's past then new tokens, request by request
     write_index: torch.Tensor  # where each new token goes
     k_cache: torch.Tensor  # [slots, kv_heads, dim]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from cbgen.control.grammars import Grammars
 from cbgen.formats import ResponseFormat
 from cbgen.sequences import sample_index
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher
 
 GRAMMAR_KWARG = "response_format"  # the format's key (ResponseFormat.key), as a request's processor kwarg
 SEED_KWARG = "sample_seed"  # the request's seed (cbgen derives it from the job's or row's seed and the input id)
@@ -49,7 +52,7 @@ class SequenceRecord:
 @dataclass
 class _Sequence:
     record: SequenceRecord
-    matcher: Any = None
+    matcher: LLMatcher | None = None
     seed: int | None = None
     sample_index: int = 0
     position: int = 0  # of the token this step draws: how many the sequence has generated before it
@@ -81,7 +84,7 @@ class StepControl:
         self._rows: list[_Sequence] = []  # this step's rows, in the order of the logits
         self._raw: torch.Tensor | None = None  # this step's log-softmax of the raw logits
         self._bitmask: torch.Tensor | None = None
-        self._fill: Any = None  # llguidance's LLExecutor, made on first use
+        self._fill: LLExecutor | None = None  # made on first use
 
     def processors(self) -> tuple[Mask, Choose]:
         return Mask(self), Choose(self)

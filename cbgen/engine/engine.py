@@ -31,6 +31,8 @@ from cbgen.records import Completion, Request
 from cbgen.sequences import request_key, sequence_ids
 
 if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
     from cbgen.control.grammars import Grammars
     from cbgen.control.processor import StepControl
 
@@ -103,10 +105,17 @@ class Engine:
         self.control = control
         self.decode = decode
         self.restartable = restartable
-        self._manager: Any = None
+        self._manager: ContinuousBatchingManager | None = None
         self._prefix_sharing = False
         self._page_size = 0  # the manager's, once it has started
         self._counter = 0
+
+    @property
+    def manager(self) -> ContinuousBatchingManager:
+        """The manager the loop drives (there is one from the first admission to the end of the run)."""
+        if self._manager is None:
+            raise RuntimeError("the engine has no manager running")
+        return self._manager
 
     @classmethod
     def for_tokenizer(cls, model: Any, tokenizer: Any, settings: EngineSettings, *, grammars: Grammars | None = None,
@@ -161,7 +170,7 @@ class Engine:
                 if picked is None:
                     break
                 request, lead = picked
-                if not self._manager.is_running():  # died on an earlier request: never feed a dead loop
+                if not self.manager.is_running():  # died on an earlier request: never feed a dead loop
                     yield from self._recover(in_flight, gate)
                 yield from self._admit(request, lead, in_flight, gate)
             if feed.exhausted and not in_flight and not gate.waiting:
@@ -191,9 +200,9 @@ class Engine:
 
     def _collect(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """Waits briefly for one result and yields the request it completes, if any."""
-        result = self._manager.get_result(timeout=0.05)
+        result = self.manager.get_result(timeout=0.05)
         if result is None:
-            if not self._manager.is_running():
+            if not self.manager.is_running():
                 yield from self._recover(in_flight, gate)
             return
         key = request_key(result.request_id)
@@ -220,7 +229,7 @@ class Engine:
 
     def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:
         """Stops the manager at once and yields the requests that had finished all their sequences."""
-        manager, self._manager = self._manager, None
+        manager, self._manager = self.manager, None
         for result in stop_manager(manager, hard=True):
             # a hard stop fails what was running: those requests are left for a resume, not reported as failed
             if result.is_finished() and result.error is None and (group := self._complete(result, in_flight)):
@@ -231,10 +240,10 @@ class Engine:
 
     def _recover(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """The manager's loop has died: take what it finished, fail the rest with its error, start a fresh one."""
-        for result in drain(self._manager):
+        for result in drain(self.manager):
             if result.is_finished() and (group := self._complete(result, in_flight)) is not None:
                 yield group
-        error = loop_error(self._manager)
+        error = loop_error(self.manager)
         if not self.restartable:
             raise CbgenError(f"{error}; under tensor parallelism the job stops here (run it again to resume)")
         log.warning("%s; restarting it (%d requests in flight failed)", error, len(in_flight))
@@ -243,7 +252,7 @@ class Engine:
             yield in_flight.pop(key).close_with_error(error)
         if self.control is not None:
             self.control.forget_all()
-        manager, self._manager = self._manager, None
+        manager, self._manager = self.manager, None
         for _ in stop_manager(manager):
             pass
         self.stats.restarts += 1
@@ -286,7 +295,7 @@ class Engine:
 
     def _add(self, entry: _InFlight, manager_id: str, streaming: bool) -> bool:
         request = entry.request
-        accepted = self._manager.add_request(request.input_ids, request_id=manager_id,
+        accepted = self.manager.add_request(request.ids, request_id=manager_id,
                                              max_new_tokens=entry.max_new_tokens,
                                              streaming=streaming or entry.stop is not None, **request.sampling)
         return accepted is not None
@@ -318,7 +327,7 @@ class Engine:
         if stopped is None and not result.is_finished():
             return None  # a streamed step
         if stopped is not None and not result.is_finished():
-            self._manager.cancel_request(result.request_id)
+            self.manager.cancel_request(result.request_id)
         completion = self._ended(entry, sample_index, result, tokens, stopped)
         entry.done[sample_index] = completion
         if len(entry.done) < entry.n:
@@ -367,7 +376,7 @@ class Engine:
                 continue
             for manager_id, sample in entry.ids.items():
                 if sample not in entry.done and manager_id not in entry.later:
-                    self._manager.cancel_request(manager_id)
+                    self.manager.cancel_request(manager_id)
                 if self.control is not None:
                     self.control.take(manager_id)
             gate.prefix_computed(key)  # or not: its followers go ahead and compute it themselves

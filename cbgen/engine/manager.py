@@ -13,11 +13,15 @@ from cbgen.attention import per_sequence_attention
 from cbgen.attention.softcap import softcapped_paged_eager
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, PreTrainedTokenizerBase
     from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    from transformers.generation.continuous_batching.requests import GenerationOutput
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     from cbgen.control.plan import StepPlan
+    from cbgen.control.processor import StepControl
+    from cbgen.model.load import CausalLM
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class CacheFacts:
 
 
 @contextmanager
-def attention_scope(model, attention: str) -> Iterator[str]:
+def attention_scope(model: CausalLM, attention: str) -> Iterator[str]:
     """The attention the manager runs with, around its whole life (its thread looks the function up every step):
     cbgen's per-sequence attention where asked and applicable, and soft-capping where the model needs it. Yields
     what runs: "per-sequence", "stock", or "stock, soft-capped"."""
@@ -54,7 +58,8 @@ def attention_scope(model, attention: str) -> Iterator[str]:
         yield "per-sequence" if per_sequence else "stock, soft-capped" if capped else "stock"
 
 
-def start_manager(model, spec: ManagerSpec, control=None) -> tuple[Any, CacheFacts]:
+def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | None = None
+                  ) -> tuple[ContinuousBatchingManager, CacheFacts]:
     """A started manager, its cache built by a warm-up so that its real size is known before the first admission.
     `control` (cbgen.control.processor.StepControl) joins its logits processors first."""
     manager = model.init_continuous_batching(generation_config=copy.deepcopy(spec.generation_config),
@@ -78,7 +83,7 @@ def start_manager(model, spec: ManagerSpec, control=None) -> tuple[Any, CacheFac
     return manager, facts
 
 
-def stop_manager(manager, *, hard: bool = False) -> Iterator[Any]:
+def stop_manager(manager: ContinuousBatchingManager, *, hard: bool = False) -> Iterator[GenerationOutput]:
     """Stops and destroys `manager`, yielding the results it still holds. A hard stop fails what was running."""
     try:
         manager.stop(block=True, timeout=20 if hard else 30, hard_stop=hard)
@@ -87,19 +92,19 @@ def stop_manager(manager, *, hard: bool = False) -> Iterator[Any]:
         manager.destroy()
 
 
-def drain(manager) -> Iterator[Any]:
+def drain(manager: ContinuousBatchingManager) -> Iterator[GenerationOutput]:
     """The results waiting in the manager's queue, without waiting for more."""
     while (result := manager.get_result(timeout=0)) is not None:
         yield result
 
 
-def loop_error(manager) -> str:
+def loop_error(manager: ContinuousBatchingManager) -> str:
     """Why a manager's generation loop stopped, as a message for the requests it took down."""
     fatal = getattr(manager.background_thread_status, "fatal_error", None)
     return f"the generation loop stopped: {fatal}" if fatal else "the generation loop stopped unexpectedly"
 
 
-def serve(model, tokenizer, spec: ManagerSpec) -> None:
+def serve(model: CausalLM, tokenizer: PreTrainedTokenizerBase, spec: ManagerSpec) -> None:
     """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
     control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
     control = spec.control.control(tokenizer) if spec.control is not None else None
