@@ -9,7 +9,7 @@ DEBUG_VARIABLE = "CBGEN_DEBUG"
 
 
 class ExitCode(IntEnum):
-    """Process exit codes (also listed in `cbgen run --help` and the README)."""
+    """Process exit codes (also listed in `cbgen run --help` and docs/output.md)."""
 
     OK = 0  # every request succeeded
     SOME_FAILED = 1  # the run finished, some requests failed; they are in the output with their error

@@ -1,6 +1,7 @@
 """`cbgen bench`'s llamacpp path: skipped with its reason when llama.cpp or the GGUF is missing, and its scheduler
 (slots, prompt chunks, stops) driven against a stand-in for llama.cpp's C API that predicts `last token + 1`. The real
-library is built by benchmarks/build_llamacpp.sh, which CI does not run (15-25 minutes); its figures are in the README.
+library is built by benchmarks/build_llamacpp.sh, which CI does not run (15-25 minutes); its figures are in
+docs/performance.md.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def merged_ids(out: Path) -> list[str]:
 
 
 def test_the_example_runs_a_two_shard_job_that_merges(cluster, tiny_model_dir, tmp_path):
-    """examples/ray.sh as the README shows it, on the tiny model."""
+    """examples/ray.sh as docs/long-jobs.md shows it, on the tiny model."""
     ids = [f"q{i}" for i in range(12)]
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": f"Say {i}."} for i in ids])
     root = Path(__file__).resolve().parents[1]

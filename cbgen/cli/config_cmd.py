@@ -35,3 +35,15 @@ def init(
         raise CbgenError(f"'{target}' already exists; pass --force to replace it")
     target.write_text(config_template(), encoding="utf-8")
     typer.echo(f"wrote {target}; edit it, then: cbgen run --config {target} PROMPTS.jsonl")
+
+
+@app.command("reference")
+def reference():
+    """Print the reference of every job setting (each YAML key, its flag, what it takes, its default and what it
+    means) as Markdown: the page docs/reference.md is this output.
+
+    Example: cbgen config reference > docs/reference.md
+    """
+    from cbgen.cli.reference import reference_markdown
+
+    typer.echo(reference_markdown(), nl=False)

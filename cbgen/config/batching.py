@@ -27,12 +27,12 @@ BATCHING_FIELDS: dict[str, BatchingField] = {
         "requests it keeps in flight; on GPU, from free memory."),
     "max_batch_tokens": BatchingField(
         int | None, None, "Token budget of one forward pass; longer prompts are prefilled in chunks. Default: on CPU, "
-        "from the CPU-kind table (README, 'Defaults by CPU'); on GPU, from free memory."),
+        "from the CPU-kind table (docs/model.md, 'Defaults by CPU'); on GPU, from free memory."),
     "max_memory_percent": BatchingField(
         float | None, None, "Size the KV cache as this share (0-1] of free device memory instead (on CPU: of system "
         "RAM, which is rarely what you want)."),
     "max_requests_per_batch": BatchingField(
-        int | None, None, "Most requests in one forward pass. Default: on CPU, from the CPU-kind table (README, "
+        int | None, None, "Most requests in one forward pass. Default: on CPU, from the CPU-kind table (docs/model.md, "
         "'Defaults by CPU'; smaller with the stock attention); on GPU, from the workload."),
     "max_blocks_per_request": BatchingField(
         int | None, None, "Width of the block table of the flash decode fast path (GPU); 0 turns that path off. "

@@ -60,16 +60,16 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
 }
 
 
-def _describe(tp: Any) -> str:
-    """A short, human name for a type annotation."""
+def describe_annotation(tp: Any) -> str:
+    """A short, human name for a type annotation ("integer", "one of: jsonl, parquet", "a list of texts")."""
     origin = get_origin(tp)
     if origin is Literal:
         return "one of: " + ", ".join(str(a) for a in get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        parts = [_describe(a) for a in get_args(tp) if a is not type(None)]
+        parts = [describe_annotation(a) for a in get_args(tp) if a is not type(None)]
         return " or ".join(parts)
     if origin is list:
-        return f"a list of {_describe(get_args(tp)[0])}s"
+        return f"a list of {describe_annotation(get_args(tp)[0])}s"
     if origin is tuple:
         return "a pair of booleans"
     return {int: "integer", float: "number", bool: "true/false", str: "text"}.get(tp, getattr(tp, "__name__", str(tp)))
@@ -152,7 +152,7 @@ def check_value(section: str, key: str, value: Any, where: str) -> Any:
         value = _coerce(value, tp)
     except ValueError:
         check = _CHECKS.get(f"{section}.{key}")
-        expected = check[1] if check else _describe(tp)
+        expected = check[1] if check else describe_annotation(tp)
         raise CbgenError(f"{where} must be {expected} (got {value!r})") from None
     check = _CHECKS.get(f"{section}.{key}")
     if check and value is not None and not check[0](value):

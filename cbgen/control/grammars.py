@@ -1,9 +1,9 @@
 """Compiling structured-output formats into token-level grammars, with llguidance.
 
-llguidance was chosen by measuring it beside xgrammar on a 2-core AMD EPYC with the embedded tokenizer (README,
-"Structured outputs"): a new schema compiles in milliseconds, so rows with a hundred distinct schemas cost nothing
-noticeable, and a mask for 64 sequences fills in about a millisecond. Each format compiles once per job; matchers
-(one per sequence) are cheap.
+llguidance was chosen by measuring it beside xgrammar on a 2-core AMD EPYC with the embedded tokenizer
+(docs/performance.md, "Structured outputs"): a new schema compiles in milliseconds, so rows with a hundred distinct
+schemas cost nothing noticeable, and a mask for 64 sequences fills in about a millisecond. Each format compiles once
+per job; matchers (one per sequence) are cheap.
 """
 
 from __future__ import annotations

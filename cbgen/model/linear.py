@@ -14,8 +14,8 @@ torch computes a float32 `nn.Linear` on CPU with MKL's sgemm. On a 2-core AMD EP
 on the vocabulary projection of a 64-sequence decode step (64 x 576 x 49,152) where oneDNN, given the weights
 prepacked once into its own layout, reached 101; the MLP projections gained 1.2-1.5x at 1,024 rows. Whole jobs of
 the embedded SmolLM2-135M ran 0.98-1.22x as fast: in one `cbgen bench` run of five workloads (path cbgen-onednn,
-README "Against llama.cpp on an AVX2 CPU") 0.98x on the fixed 64 x (128 + 64) one, 1.06-1.11x on the others, with
-the same greedy tokens for all 360 requests.
+docs/performance.md, "Against llama.cpp on an AVX2 CPU") 0.98x on the fixed 64 x (128 + 64) one, 1.06-1.11x on the
+others, with the same greedy tokens for all 360 requests.
 
 Two properties differ from the default, which is why it is not: the prepacked weights are a second copy (the
 parameters stay, for tied embeddings and saving), and the sums run in another order than MKL's, so logits differ in

@@ -51,7 +51,7 @@ def input_identity(path: str | None) -> dict[str, Any]:
 
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
-    resume may change them; bf16 greedy tokens can still drift with batch composition (see the README)."""
+    resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""
     g, i = job.generation, job.input
     return {
         "model": source.identity(),
