@@ -3,15 +3,17 @@ shards of a job split across Slurm array tasks)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cbgen.config import InputSection
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
-from cbgen.inputs import open_reader
+from cbgen.inputs import open_input
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.rundir import (
     FINGERPRINT_FILE,
@@ -91,16 +93,18 @@ def is_running(path: Path) -> bool:
 
 def expected_ids(stored: StoredRun, input_path: str | None = None) -> Iterator[str]:
     """The ids a job's input yields, read with the job's own input settings (and its way of choosing ids)."""
-    i = stored.job["input"]
-    source = input_path or i["path"]
+    settings = stored_input(stored)
+    source = input_path or settings.path
     if source in (None, "-"):
         raise CbgenError("the job read its prompts from stdin, so cbgen cannot list them; pass --input FILE")
-    reader = open_reader(source, prompt_column=i["prompt_column"], id_column=i["id_column"],
-                         input_format=i.get("format", "auto"), split=i.get("split"), subset=i.get("subset"),
-                         detect_id=stored.detects_ids, **({"max_line_bytes": i["max_line_bytes"]}
-                                                         if "max_line_bytes" in i else {}))
-    for record in reader:
+    for record in open_input(settings, path=source, detect_id=stored.detects_ids):
         yield record.id
+
+
+def stored_input(stored: StoredRun) -> InputSection:
+    """The input settings a run directory's job was run with (those an older cbgen did not know take defaults)."""
+    known = {f.name for f in dataclasses.fields(InputSection)}
+    return InputSection(**{k: v for k, v in stored.job.get("input", {}).items() if k in known})
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from cbgen.config import JobConfig, page_size
 from cbgen.errors import CbgenError, ExitCode
-from cbgen.inputs import Reader, open_reader
+from cbgen.inputs import Reader, open_input
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import job_fingerprint, write_manifest
@@ -103,7 +103,7 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     out_dir = shard_directory(Path(job.output.dir), sharding)
     stored = read_stored_run(out_dir) if out_dir.is_dir() and not job.output.overwrite else None
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
-    reader = open_input(job, detect_id=stored is None or stored.detects_ids)
+    reader = open_input(job.input, detect_id=stored is None or stored.detects_ids)
     source = resolve_source(job.model.model)
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
@@ -115,22 +115,16 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
         return _Run(job, reader, source, sharding, done, summary, progress, stop, started, tp).execute()
 
 
-def open_input(job: JobConfig, *, detect_id: bool = True) -> Reader:
-    """The reader for the job's input, with the job's input settings."""
-    i = job.input
-    if i.path is None:
-        raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
-    return open_reader(i.path, prompt_column=i.prompt_column, id_column=i.id_column, keep_columns=i.keep_columns,
-                       input_format=i.format, split=i.split, subset=i.subset, detect_id=detect_id,
-                       max_line_bytes=i.max_line_bytes)
-
-
 def stored_job(job: JobConfig) -> dict:
     """The configuration kept beside the fingerprint, with the input's absolute path, so that `cbgen status` and
     `cbgen merge` find it from any directory."""
     stored = job.to_dict()
     if job.input.path is not None and Path(job.input.path).exists():
         stored["input"]["path"] = str(Path(job.input.path).resolve())
+    for key in ("template", "system"):  # @FILE templates, found from any directory too
+        value = stored["input"].get(key)
+        if isinstance(value, str) and value.startswith("@") and Path(value[1:]).expanduser().exists():
+            stored["input"][key] = "@" + str(Path(value[1:]).expanduser().resolve())
     return stored
 
 

@@ -84,6 +84,8 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("input", "keep_columns", ("--keep-columns",), list[str], PANEL_INPUT, metavar="A,B"),
     JobOption("input", "raw_prompts", ("--raw-prompts/--chat-prompts",), bool, PANEL_INPUT),
     JobOption("input", "max_line_bytes", ("--max-line-bytes",), int, PANEL_INPUT, metavar="BYTES"),
+    JobOption("input", "template", ("--template",), str, PANEL_INPUT, metavar="TEXT|@FILE"),
+    JobOption("input", "system", ("--system",), str, PANEL_INPUT, metavar="TEXT|@FILE"),
     JobOption("generation", "max_new_tokens", ("--max-new-tokens",), int, PANEL_GENERATION),
     JobOption("generation", "do_sample", ("--do-sample/--greedy",), bool, PANEL_GENERATION),
     JobOption("generation", "temperature", ("--temperature", "-t"), float, PANEL_GENERATION),

@@ -95,6 +95,15 @@ class InputSection:
     max_line_bytes: int = setting(
         MAX_LINE_BYTES, "Longest JSONL line read, in bytes; a longer one becomes that row's error record without "
         "being read into memory. The default holds a prompt for a million-token context.")
+    template: str | None = setting(
+        None, "Make each row's prompt from its columns: a Jinja2 template (TEXT, or @FILE) rendered with the row's "
+        "fields as variables ({{ topic }}, {{ doc.title }}, loops); its result is the user turn, or the whole prompt "
+        "with --raw-prompts. Rows then need no prompt field. A row lacking a variable becomes an error record.")
+    system: str | None = setting(
+        None, "A system turn before the prompt, itself a template over the row's columns (TEXT, or @FILE).")
+    messages: list[dict] = setting(
+        [], "Turns between the system turn and the template's user turn, each {role, content} with content a "
+        "template over the row's columns: few-shot examples (YAML only).")
 
 
 @dataclass

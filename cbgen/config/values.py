@@ -49,6 +49,8 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "input.split": (lambda v: v.strip() != "", "a split name such as train"),
     "input.subset": (lambda v: v.strip() != "", "a configuration name"),
     "input.max_line_bytes": (lambda v: v >= 1024, "a number of bytes, at least 1024"),
+    "input.template": (lambda v: v.strip() not in ("", "@"), "a template (text), or @FILE"),
+    "input.system": (lambda v: v.strip() not in ("", "@"), "a template (text), or @FILE"),
     "output.rows_per_shard": (lambda v: v >= 1, "a positive integer"),
     "run.max_in_flight": (lambda v: v >= 1, "a positive integer"),
     "run.request_timeout": (lambda v: v > 0, "a positive number of seconds"),

@@ -6,30 +6,51 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import Reader
 from cbgen.inputs.checks import ROW_NUMBER
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 
-__all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_reader"]
+if TYPE_CHECKING:
+    from cbgen.config import InputSection
+    from cbgen.templates import PromptTemplate
+
+__all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_input", "open_reader"]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", ".arrow")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub dataset id, when no such local path exists
 
 
+def open_input(settings: InputSection, *, path: str | None = None, detect_id: bool = True) -> Reader:
+    """The reader of a job's input, with the job's input settings (its templates included); `path` overrides the
+    settings' own (an input that has moved since the run)."""
+    source = path or settings.path
+    if source is None:
+        raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
+    from cbgen.templates import PromptTemplate
+
+    return open_reader(source, prompt_column=settings.prompt_column, id_column=settings.id_column,
+                       keep_columns=settings.keep_columns, input_format=settings.format, split=settings.split,
+                       subset=settings.subset, detect_id=detect_id, max_line_bytes=settings.max_line_bytes,
+                       template=PromptTemplate.from_input(settings))
+
+
 def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                 keep_columns: Sequence[str] = (), input_format: str = "auto", split: str | None = None,
-                subset: str | None = None, detect_id: bool = True, max_line_bytes: int = MAX_LINE_BYTES) -> Reader:
+                subset: str | None = None, detect_id: bool = True, max_line_bytes: int = MAX_LINE_BYTES,
+                template: PromptTemplate | None = None) -> Reader:
     """Open the reader that fits `path` ("-" is JSONL on stdin) and `input_format`, checking up front what can be
-    checked. `detect_id`: without `id_column`, rows carrying an `id` field are known by it (see Reader).
+    checked. `detect_id`: without `id_column`, rows carrying an `id` field are known by it (see Reader). With
+    `template`, each row's prompt is made from its columns.
 
     Raises `CbgenError` for a missing, unreadable or unsupported file, a schema without the needed columns, or a
     kept column that would clash with an output column.
     """
     options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns),
-               "detect_id": detect_id}
+               "detect_id": detect_id, "template": template}
     local = Path(path)
     fmt, why = input_format, f"--input-format {input_format}"
     if fmt == "auto":
@@ -45,9 +66,9 @@ def _open(path: str | Path, fmt: str, options: dict, split: str | None, subset: 
     if fmt == "openai":
         from cbgen.inputs.openai import OpenAIBatchReader
 
-        if prompt_column or id_column:
-            raise CbgenError("--prompt-column and --id-column do not apply to an OpenAI batch file: its lines carry "
-                             "body.messages or body.prompt, and custom_id")
+        if prompt_column or id_column or options["template"] is not None:
+            raise CbgenError("--prompt-column, --id-column and templates do not apply to an OpenAI batch file: its "
+                             "lines carry body.messages or body.prompt, and custom_id")
         return OpenAIBatchReader(None if str(path) == "-" else path, keep_columns=keep_columns,
                                  max_line_bytes=max_line_bytes)
     if fmt == "dataset":

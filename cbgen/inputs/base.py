@@ -23,6 +23,8 @@ from cbgen.records import RESERVED_NAMES, PromptRecord
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from cbgen.templates import PromptTemplate
+
 @dataclass(frozen=True)
 class IdChoice:
     """Where a job's request ids come from: a field of the rows, or their position (column None)."""
@@ -46,7 +48,7 @@ class Reader(ABC):
     """
 
     def __init__(self, name: str, *, prompt_column: str | None, id_column: str | None,
-                 keep_columns: Sequence[str], detect_id: bool = True) -> None:
+                 keep_columns: Sequence[str], detect_id: bool = True, template: PromptTemplate | None = None) -> None:
         reserved = [c for c in keep_columns if c in RESERVED_NAMES]
         if reserved:
             raise CbgenError(f"--keep-columns {reserved[0]!r} is a reserved output name; rename the column in "
@@ -61,6 +63,10 @@ class Reader(ABC):
         self.id_column = None if id_column == ROW_NUMBER else id_column
         self.id_choice = "--id-column" if self.id_column else "row number"  # how the id column was chosen
         self.keep_columns = tuple(dict.fromkeys(keep_columns))
+        if template is not None and prompt_column is not None:
+            raise CbgenError("--prompt-column does not apply with --template: the template makes each row's prompt "
+                             "from its columns; drop one of them")
+        self.template = template  # the job's prompt templates: the prompt is made from the row's columns
 
     def _detect_id_column(self, fields: Sequence[str]) -> None:
         """Takes the rows' `id` field as their id when no id column was given and the rows carry one."""
@@ -141,6 +147,10 @@ class Reader(ABC):
         try:
             if self.id_column is not None:
                 record.id = check_id(row.get(self.id_column), self.id_column)
+            if self.template is not None:
+                self._templated(record, row)
+                record.settings = parse_settings(row)
+                return record
             field, value = self._find_prompt(row)
             if isinstance(value, list) and not value:
                 raise RowError(f"{field!r} is an empty list")
@@ -161,6 +171,19 @@ class Reader(ABC):
         except RowError as e:
             record.error = str(e)
         return record
+
+    def _templated(self, record: PromptRecord, row: dict[str, Any]) -> None:
+        """The record's prompt made from the row's columns by the job's templates."""
+        assert self.template is not None
+        rendered = self.template.render(row)
+        if isinstance(rendered, str):
+            if not rendered.strip():
+                raise RowError("the template renders this row to an empty prompt")
+            record.prompt = rendered
+        else:
+            if not any(turn["content"].strip() for turn in rendered):
+                raise RowError("the templates render this row to empty turns")
+            record.messages = rendered
 
     def settings_present(self) -> set[str] | None:
         """Which row settings appear anywhere in the input, found cheaply before generation (the engine's samplers
@@ -192,7 +215,13 @@ class ColumnarReader(Reader):
         """The columns to read from a source with columns `names`, or a CbgenError naming the missing one and the
         columns there are. `where` names the source in messages ("'data.parquet'", "dataset 'x'")."""
         shown = ", ".join(names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "")
-        if self.prompt_column is not None:
+        if self.template is not None:
+            missing = sorted(v for v in self.template.variables if v not in names)
+            if missing:
+                raise CbgenError(f"{where} has no column {missing[0]!r}, which the templates read; its columns are: "
+                                 f"{shown}")
+            prompt_columns = sorted(self.template.variables)
+        elif self.prompt_column is not None:
             if self.prompt_column not in names:
                 raise CbgenError(f"{where} has no column '{self.prompt_column}' (--prompt-column); its columns are: "
                                  f"{shown}")

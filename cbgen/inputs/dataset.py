@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, first_line
 from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
+
+if TYPE_CHECKING:
+    from cbgen.templates import PromptTemplate
 
 BATCH_SIZE = 1000
 
@@ -72,9 +75,10 @@ class DatasetReader(ColumnarReader):
 
     def __init__(self, source: str, *, split: str | None = None, subset: str | None = None,
                  prompt_column: str | None = None, id_column: str | None = None,
-                 keep_columns: Sequence[str] = (), detect_id: bool = True) -> None:
+                 keep_columns: Sequence[str] = (), detect_id: bool = True,
+                 template: PromptTemplate | None = None) -> None:
         super().__init__(source, prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
-                         detect_id=detect_id)
+                         detect_id=detect_id, template=template)
         dataset = load(source, split=split, subset=subset)
         names = list(dataset.column_names)
         self._detect_id_column([ID_FIELD] if ID_FIELD in names else [])

@@ -12,12 +12,15 @@ import json
 import sys
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, NamedTuple, Protocol
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from cbgen.config.sections import MAX_LINE_BYTES
 from cbgen.errors import CbgenError, describe_type
 from cbgen.inputs.base import Reader
 from cbgen.inputs.settings import ROW_SETTINGS
+
+if TYPE_CHECKING:
+    from cbgen.templates import PromptTemplate
 
 _CHUNK = 1 << 20
 
@@ -57,9 +60,9 @@ class JsonlReader(Reader):
 
     def __init__(self, path: str | Path | None, *, prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,
-                 max_line_bytes: int = MAX_LINE_BYTES) -> None:
+                 max_line_bytes: int = MAX_LINE_BYTES, template: PromptTemplate | None = None) -> None:
         super().__init__("<stdin>" if path is None else str(path), prompt_column=prompt_column,
-                         id_column=id_column, keep_columns=keep_columns, detect_id=detect_id)
+                         id_column=id_column, keep_columns=keep_columns, detect_id=detect_id, template=template)
         self.path = None if path is None else Path(path)
         self.max_line_bytes = max_line_bytes
         self._scanned: tuple[int, set[str]] | None = None  # (lines, settings named), see _scan

@@ -6,7 +6,7 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +15,9 @@ from cbgen.errors import CbgenError, first_line
 from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
+if TYPE_CHECKING:
+    from cbgen.templates import PromptTemplate
+
 BATCH_SIZE = 1024
 
 
@@ -22,9 +25,10 @@ class ParquetReader(ColumnarReader):
     """Reads only the needed columns, 1024 rows at a time; the columns are checked against every file's schema."""
 
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
-                 keep_columns: Sequence[str] = (), detect_id: bool = True) -> None:
+                 keep_columns: Sequence[str] = (), detect_id: bool = True,
+                 template: PromptTemplate | None = None) -> None:
         super().__init__(str(path), prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
-                         detect_id=detect_id)
+                         detect_id=detect_id, template=template)
         local = Path(path)
         self.files = sorted(str(f) for f in local.glob("*.parquet")) if local.is_dir() else [str(path)]
         if not self.files:

@@ -52,7 +52,10 @@ def input_identity(path: str | None) -> dict[str, Any]:
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
     resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""
+    from cbgen.templates import PromptTemplate
+
     g, i = job.generation, job.input
+    template = PromptTemplate.from_input(i)
     return {
         "model": source.identity(),
         "dtype": job.model.dtype,
@@ -62,6 +65,7 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
         "id_column": i.id_column,
         "keep_columns": list(i.keep_columns),
         "raw_prompts": i.raw_prompts,
+        "templates": template.to_dict() if template is not None else None,  # their text: a changed one is a new job
         "input_format": i.format,
         "split": i.split,
         "subset": i.subset,
