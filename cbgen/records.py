@@ -93,4 +93,5 @@ BASE_FIELDS: tuple[str, ...] = (
     "error",  # None unless finish_reason is "error"
 )
 # Names the output rows use for their own fields: a kept input column may not take one of them.
-RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls"))
+RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls",
+                                            "parsed"))

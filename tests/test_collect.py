@@ -16,6 +16,8 @@ ASKED = {
     "job": (["--logprobs", "--top-logprobs", "2"], {"logprobs", "top_logprobs"}),
     "row": ([], {"logprobs", "top_logprobs"}),  # only one row asks, with its own top_logprobs
     "replies": (["--response-template", "think"], {"reasoning", "tool_calls"}),
+    "json": (["--json-schema", json.dumps({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+                                           "required": ["answer"], "additionalProperties": False})], {"parsed"}),
 }
 
 

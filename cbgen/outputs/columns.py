@@ -6,6 +6,8 @@ Every row has the base fields (cbgen.records.BASE_FIELDS). Besides them, a job's
     top_logprobs   when the job (--top-logprobs) or some row asks for alternatives per token
     reasoning,     when the model's replies are split by a response template (a reasoning model, tools, or
     tool_calls     --response-template)
+    parsed         when the job (--json-schema, --json-object) or some row asks for JSON: the answer as data
+                   (cbgen.outputs.parsed), typed by the job's schema where one schema holds for every row
     kept columns   the input columns of --keep-columns, in their order
 
 The run decides this once it knows its input and model (cbgen.planning) and stores it in fingerprint.json, so a
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from cbgen.config import GenerationSection, JobConfig
 
 REPLY_FIELDS = ("reasoning", "tool_calls")
+JSON_KINDS = ("json_schema", "json_object")  # the formats whose answers are data
 
 
 @dataclass(frozen=True)
@@ -34,37 +37,46 @@ class OutputColumns:
     top_logprobs: bool = False
     replies: bool = False  # `reasoning` and `tool_calls`
     kept: tuple[str, ...] = ()
+    parsed: bool = False
+    parsed_schema: str | None = None  # the one JSON schema every row follows (its text), which types `parsed`
 
     @classmethod
     def decide(cls, job: JobConfig, used: Set[str], replies: bool) -> OutputColumns:
         """The columns of `job`, whose rows carry the settings `used` (cbgen.inputs.Reader.settings_present), with
         replies split by a response template when `replies`."""
+        from cbgen.formats import job_format
+
         g = job.generation
         top = bool(g.top_logprobs) or "top_logprobs" in used
+        fmt = job_format(g)  # checked before any model loads (cbgen.config.build)
+        rows_choose = "response_format" in used
+        one_schema = fmt is not None and fmt.kind == "json_schema" and not rows_choose
         return cls(logprobs=g.logprobs or top or "logprobs" in used, top_logprobs=top, replies=replies,
-                   kept=tuple(job.input.keep_columns))
+                   kept=tuple(job.input.keep_columns),
+                   parsed=rows_choose or (fmt is not None and fmt.kind in JSON_KINDS),
+                   parsed_schema=fmt.spec if one_schema and fmt is not None else None)
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every column, in the order rows have them."""
         return (*BASE_FIELDS, *(("logprobs",) if self.logprobs else ()),
                 *(("top_logprobs",) if self.top_logprobs else ()), *(REPLY_FIELDS if self.replies else ()),
-                *self.kept)
+                *(("parsed",) if self.parsed else ()), *self.kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "replies": self.replies,
-                "kept": list(self.kept)}
+                "kept": list(self.kept), "parsed": self.parsed, "parsed_schema": self.parsed_schema}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OutputColumns:
         return cls(bool(data.get("logprobs")), bool(data.get("top_logprobs")), bool(data.get("replies")),
-                   tuple(data.get("kept") or ()))
+                   tuple(data.get("kept") or ()), bool(data.get("parsed")), data.get("parsed_schema"))
 
     @classmethod
     def from_names(cls, names: Set[str], kept: tuple[str, ...]) -> OutputColumns:
         """The columns of rows written before cbgen stored them: read off a shard's column names."""
         return cls("logprobs" in names, "top_logprobs" in names, "reasoning" in names,
-                   tuple(name for name in kept if name in names))
+                   tuple(name for name in kept if name in names), "parsed" in names)
 
 
 def top_logprobs_of(generation: GenerationSection, settings: Mapping[str, Any]) -> int:

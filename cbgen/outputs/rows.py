@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
 from cbgen.openai_batch import COMPLETIONS, Choice, OutputLine, stable_hex
-from cbgen.outputs.columns import OutputColumns, wants_logprobs
+from cbgen.outputs.columns import JSON_KINDS, OutputColumns, wants_logprobs
 from cbgen.records import Completion
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import Reply, ReplyParser
+
+
+def parsed(completion: Completion, text: str | None) -> Any:
+    """The JSON value of an answer that had to be JSON and is complete; None when it was cut or failed, or the
+    request asked for no JSON."""
+    fmt = completion.request.response_format
+    if fmt is None or fmt.kind not in JSON_KINDS or completion.finish_reason != "stop" or text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # a stop string cut it: then it is an error record already, but never claim it parsed
+        return None
 
 
 class OutputRows:
@@ -92,6 +105,8 @@ class OutputRows:
             row["reasoning"] = reply.reasoning if reply else None
             row["tool_calls"] = ([{"id": c["id"], **c["function"]} for c in reply.tool_calls]
                                  if reply and reply.tool_calls else None)
+        if self.columns.parsed:
+            row["parsed"] = parsed(completion, row["text"])
         for name in self.columns.kept:
             row[name] = completion.request.record.kept.get(name)
         return row

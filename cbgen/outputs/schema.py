@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from cbgen.outputs.columns import OutputColumns
+from cbgen.outputs.parsed import ParsedType
 from cbgen.records import BASE_FIELDS
 
 _BASE_TYPES: dict[str, pa.DataType] = {
@@ -43,11 +45,18 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
     if columns.replies:
         fields.append(pa.field("reasoning", pa.string()))
         fields.append(pa.field("tool_calls", TOOL_CALLS_TYPE))
+    if columns.parsed:
+        fields.append(pa.field("parsed", parsed_type(columns).type))
     for name in columns.kept:
         if kept_schema is None or kept_schema.get_field_index(name) < 0:
             return None
         fields.append(pa.field(name, kept_schema.field(name).type))
     return pa.schema(fields)
+
+
+def parsed_type(columns: OutputColumns) -> ParsedType:
+    """The Arrow type of the `parsed` column (and its conversion), from the job's one schema or as JSON text."""
+    return ParsedType.of(json.loads(columns.parsed_schema) if columns.parsed_schema else None)
 
 
 def infer_kept_schema(rows: Iterable[Mapping[str, Any]], kept_names: Sequence[str]) -> pa.Schema:

@@ -263,10 +263,15 @@ class ParquetShardWriter(ShardWriter):
     def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
         import pyarrow as pa
 
+        from cbgen.outputs.schema import parsed_type
+
         assert self.schema is not None
         columns = []
         for field in self.schema:
             values = [row.get(field.name) for row in rows]
+            if field.name == "parsed":
+                convert = parsed_type(self.columns).convert
+                values = [convert(v) for v in values]
             if field.name in self.columns.kept and pa.types.is_string(field.type):
                 values = [v if v is None or isinstance(v, str) else _json_text(v) for v in values]
             try:
