@@ -35,6 +35,7 @@ from cbgen.outputs.rundir import (
     DoneIndex,
     open_run_directory,
     read_json,
+    end_redo,
     read_stored_run,
     record_columns,
 )
@@ -108,7 +109,7 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
     lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job(job),
-                                    reader.ids.to_dict(), job.output.overwrite)
+                                    reader.ids.to_dict(), job.output.overwrite, job.run.redo)
     with lock:
         summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding, ids=reader.ids)
         summary.add_done(done)
@@ -195,6 +196,8 @@ class _Run:
 
     def _nothing_left(self) -> RunSummary:
         self.progress.stage("nothing left to do")
+        if self.job.run.redo:
+            end_redo(self.summary.output_dir)
         path = self.summary.output_dir / MANIFEST_FILE
         manifest = read_json(path)
         if manifest is None:
@@ -322,4 +325,6 @@ class _Run:
             summary.attention = engine.stats.attention if engine.stats.started else None
             summary.kv_cache.update(num_blocks=engine.stats.num_blocks)
         summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
+        if self.job.run.redo and summary.status == Status.COMPLETE:
+            end_redo(summary.output_dir)
         write_manifest(summary, self.job, loaded, dict(engine.stats.resolved_config) if engine else {})

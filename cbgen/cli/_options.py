@@ -131,6 +131,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("run", "ray_num_cpus", ("--ray-num-cpus",), float, PANEL_RUN, metavar="N"),
     JobOption("run", "ray_num_gpus", ("--ray-num-gpus",), float, PANEL_RUN, metavar="N"),
     JobOption("run", "prefix_gating", ("--prefix-gating/--no-prefix-gating",), bool, PANEL_RUN),
+    JobOption("run", "redo", ("--redo",), list[str], PANEL_RUN, metavar="failed,length"),
     JobOption("run", "shard_index", ("--shard-index",), int, PANEL_RUN),
 ]
 
@@ -146,7 +147,7 @@ def _parameter(option: JobOption) -> inspect.Parameter:
 
 
 def _normalise(option: JobOption, value: Any) -> Any:
-    if option.key == "keep_columns":
+    if option.key in ("keep_columns", "redo"):  # comma-separated, or repeated
         return [name.strip() for item in value for name in item.split(",") if name.strip()]
     return value
 

@@ -79,6 +79,8 @@ def check_combinations(job: JobConfig) -> None:
         flags = ", ".join(f"--{s.replace('_', '-')}" for s in sampling)
         raise CbgenError(f"greedy decoding ignores {flags}: drop --greedy (do_sample: false) or drop {flags}")
     r = job.run
+    if r.redo and job.output.overwrite:
+        raise CbgenError("--redo regenerates part of an earlier run, and --overwrite deletes it: give one")
     # a flag alone may be completed from the environment (cbgen.sharding.resolve_sharding); both must agree
     if r.num_shards is not None and r.shard_index is not None and r.shard_index >= r.num_shards:
         raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")

@@ -191,6 +191,11 @@ class RunSection:
     shard_index: int | None = setting(
         None, "Which part this job runs, from 0. Default: JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
         "Slurm array task (SLURM_ARRAY_TASK_ID minus SLURM_ARRAY_TASK_MIN).")
+    redo: list[Literal["failed", "length"]] = setting(
+        [], "In an existing output directory, generate again only the requests whose record is an error (failed) or "
+        "was cut by the token cap (length), with the job's current generation settings (which may differ from the "
+        "first run's; the others must match, as for a resume). Comma-separated or repeated. Each id stays in the "
+        "shards exactly once, with its latest answer; run.json keeps the history.")
     prefix_gating: bool = setting(
         True, "Admit the first request of each shared prompt prefix, and the others once it has computed the "
         "prefix, so they reuse its KV cache instead of all computing it at once.")

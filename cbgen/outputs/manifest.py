@@ -16,7 +16,7 @@ from cbgen.config import JobConfig
 from cbgen.files import write_json_atomic
 from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
-from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE
+from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE, redo_history
 from cbgen.summary import RunSummary
 
 if TYPE_CHECKING:
@@ -128,6 +128,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "timings": summary.timings,
         "throughput": summary.throughput(),
         "shards": summary.shards,
+        "redos": redo_history(summary.output_dir),  # --redo: which ran, when, with what settings, how much
     }
     path = summary.output_dir / MANIFEST_FILE
     write_json_atomic(path, manifest)

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -214,6 +215,20 @@ def record_columns(directory: Path, columns: OutputColumns) -> None:
     write_json_atomic(directory / FINGERPRINT_FILE, data | {"columns": columns.to_dict()})
 
 
+def end_redo(directory: Path) -> None:
+    """The redo of the locked `directory` has written every request: its history says it is finished."""
+    from cbgen.outputs.redo import finish_redo
+
+    data = read_json(Path(directory) / FINGERPRINT_FILE) or {}
+    if data.get("redos"):
+        write_json_atomic(Path(directory) / FINGERPRINT_FILE, finish_redo(data))
+
+
+def redo_history(directory: Path) -> list[dict[str, Any]]:
+    """The redos run in a directory, oldest first (for run.json)."""
+    return list((read_json(Path(directory) / FINGERPRINT_FILE) or {}).get("redos") or [])
+
+
 def stored_columns(directory: Path, stored: StoredRun) -> OutputColumns:
     """The columns of a directory's rows: as recorded, or read off its first shard when the run that wrote it
     predates their record."""
@@ -231,14 +246,17 @@ def stored_columns(directory: Path, stored: StoredRun) -> OutputColumns:
 
 
 def open_run_directory(
-    directory: Path, fingerprint: dict[str, Any], job: dict[str, Any], ids: dict[str, Any], overwrite: bool
+    directory: Path, fingerprint: dict[str, Any], job: dict[str, Any], ids: dict[str, Any], overwrite: bool,
+    redo: Sequence[str] = (),
 ) -> tuple[DirectoryLock, DoneIndex]:
     """Locks `directory` and returns what it already holds, after checking it belongs to the same job.
 
     FINGERPRINT_FILE keeps the fingerprint (compared on every resume), the job's configuration and where its ids
     come from (for `cbgen status` and `cbgen merge`). A directory with results of a different job is refused unless
     `overwrite`; so is one with shards but no fingerprint (not written by cbgen). A directory written in an older
-    format is brought to this one once it is known to hold the same job.
+    format is brought to this one once it is known to hold the same job. With `redo` (--redo), the generation
+    settings may differ from the stored ones, and the requests to redo are taken out of the shards first
+    (cbgen.outputs.redo).
     """
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
@@ -254,6 +272,9 @@ def open_run_directory(
             clear_results(directory)
         current = StoredRun(FORMAT, fingerprint, job, ids)
         stored = read_stored_run(directory)
+        if redo and stored is None:
+            raise CbgenError(f"--redo generates part of an earlier run again, and '{directory}' holds none; run the "
+                             "job without --redo first")
         if stored is None:
             if shard_paths(directory):
                 raise CbgenError(
@@ -263,6 +284,8 @@ def open_run_directory(
             write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict())
             return lock, DoneIndex()
         differences = compare_fingerprints(stored.fingerprint, fingerprint)
+        if redo:  # a redo runs with the job's current generation settings
+            differences = [d for d in differences if not d.startswith("generation.")]
         if differences:
             raise CbgenError(
                 f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
@@ -271,6 +294,11 @@ def open_run_directory(
             )
         if stored.format < FORMAT:
             write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict() | {"upgraded_from": stored.format})
+        if redo:
+            from cbgen.outputs.redo import start_redo
+
+            data = read_json(directory / FINGERPRINT_FILE) or {}
+            write_json_atomic(directory / FINGERPRINT_FILE, start_redo(directory, data, fingerprint, redo))
         return lock, scan_done(directory)
     except BaseException:
         lock.release()

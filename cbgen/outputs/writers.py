@@ -11,7 +11,7 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
@@ -313,21 +313,60 @@ def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_row
     `columns` limits what is read from Parquet shards (JSONL rows are always read whole). OpenAI batch output lines
     come back as the cbgen rows they stand for (see `OutputLine.rows`), unless `as_rows` is False."""
     for _, path in shard_paths(directory):
-        if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        row = json.loads(line)
-                        if as_rows and OutputLine.matches(row):
-                            yield from OutputLine.from_dict(row).rows()
-                        else:
-                            yield row
-        else:
-            import pyarrow.parquet as pq
+        yield from read_shard(path, columns, as_rows=as_rows)
 
-            parquet = pq.ParquetFile(path)
-            for batch in parquet.iter_batches(batch_size=ParquetShardWriter.ROW_GROUP, columns=columns):
-                yield from batch.to_pylist()
+
+def read_shard(path: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True) -> Iterator[dict[str, Any]]:
+    """The rows of one shard (see `read_shards`)."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    if as_rows and OutputLine.matches(row):
+                        yield from OutputLine.from_dict(row).rows()
+                    else:
+                        yield row
+    else:
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=ParquetShardWriter.ROW_GROUP, columns=columns):
+            yield from batch.to_pylist()
+
+
+def rewrite_shard(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Keeps only the rows of a committed shard (the lines, for OpenAI batch output) that `keep` accepts: the shard is
+    written anew under a temporary name and renamed over itself, so a reader sees the old one or the new one whole;
+    a shard left empty is removed. Returns how many rows it dropped."""
+    temp = path.with_name(f".{path.name}.rewrite.tmp")
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if keep(json.loads(line))]
+        dropped = len(lines) - len(kept)
+        if dropped and kept:
+            with open(temp, "w", encoding="utf-8") as out:
+                out.writelines(kept)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        mask = pa.array([keep(row) for row in table.to_pylist()], type=pa.bool_())
+        dropped = len(table) - sum(mask.to_pylist())
+        if dropped and dropped < len(table):
+            pq.write_table(table.filter(mask), temp)
+    if dropped == 0:
+        return 0
+    if temp.exists():
+        with open(temp, "rb") as written:  # its bytes on disk before the rename makes it the shard
+            os.fsync(written.fileno())
+        os.replace(temp, path)
+    else:
+        path.unlink()
+    _fsync_directory(path.parent)
+    return dropped
 
 
 def _json_default(value: Any) -> Any:

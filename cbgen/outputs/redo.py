@@ -1,0 +1,68 @@
+"""`--redo failed,length`: regenerate, in an existing output directory, only the requests whose record is an error,
+or was cut by the token cap, with the job's current generation settings.
+
+A redo takes those requests' rows out of the committed shards (each shard rewritten whole and renamed over itself),
+then the run goes on as a resume: the requests now missing are generated again, with the new settings, and written
+once. So every id is in the shards exactly once throughout, with its latest answer, and a redo killed at any point
+is finished by running the same command again: a redo whose settings match an unfinished one in the history resumes
+it instead of starting another. The history (`redos` in fingerprint.json, copied into run.json) says which redo
+ran, when, with what generation settings, and how many requests and rows it took out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cbgen.outputs.writers import read_shards, rewrite_shard, shard_paths
+
+REDO_KINDS = {"failed": "error", "length": "length"}  # what --redo names -> the finish_reason it takes
+
+
+def requests_to_redo(directory: Path, kinds: Sequence[str]) -> set[str]:
+    """The ids of the requests with a sequence whose finish_reason is one of `kinds` (--redo's names)."""
+    reasons = {REDO_KINDS[kind] for kind in kinds}
+    return {row["id"] for row in read_shards(directory, columns=["id", "finish_reason"])
+            if row["finish_reason"] in reasons}
+
+
+def take_out(directory: Path, ids: set[str]) -> int:
+    """Takes every row of the requests `ids` out of the committed shards; returns how many rows left."""
+    def keep(row: dict[str, Any]) -> bool:
+        return row.get("custom_id", row.get("id")) not in ids  # OpenAI output lines carry custom_id
+
+    return sum(rewrite_shard(path, keep) for _, path in shard_paths(directory))
+
+
+def start_redo(directory: Path, data: dict[str, Any], fingerprint: dict[str, Any], kinds: Sequence[str]
+               ) -> dict[str, Any]:
+    """The first half of a redo on the locked `directory`, whose fingerprint.json holds `data`: unless it resumes
+    an unfinished redo with the same generation settings, it takes the requests to redo out of the shards. Returns
+    what fingerprint.json must hold now (the new generation settings, the redo in the history)."""
+    history: list[dict[str, Any]] = list(data.get("redos") or [])
+    last = history[-1] if history else None
+    generation = fingerprint.get("generation", {})
+    if last is not None and not last.get("finished") and last.get("generation") == generation \
+            and last.get("redo") == sorted(kinds):
+        return data  # the same redo, stopped part-way: the run resumes it
+    ids = requests_to_redo(directory, kinds)
+    rows = take_out(directory, ids)
+    history.append({"redo": sorted(kinds), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "generation": generation, "changed": _changed(data.get("fingerprint", {}).get("generation", {}),
+                                                                  generation),
+                    "requests": len(ids), "rows": rows, "finished": False})
+    return data | {"fingerprint": fingerprint, "redos": history}
+
+
+def finish_redo(data: dict[str, Any]) -> dict[str, Any]:
+    """fingerprint.json's contents `data` with the last redo marked finished (its run has every request written)."""
+    history = list(data.get("redos") or [])
+    if history and not history[-1].get("finished"):
+        history[-1] = history[-1] | {"finished": True, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return data | {"redos": history}
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    return {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
