@@ -33,9 +33,9 @@ from cbgen.outputs.manifest import job_fingerprint, write_manifest
 from cbgen.outputs.rundir import (
     MANIFEST_FILE,
     DoneIndex,
+    end_redo,
     open_run_directory,
     read_json,
-    end_redo,
     read_stored_run,
     record_columns,
 )
