@@ -4,6 +4,7 @@ shards of a job split across Slurm array tasks)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,9 @@ from cbgen.config import InputSection
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
 from cbgen.inputs import open_input
+from cbgen.outputs.card import write_card
 from cbgen.outputs.columns import OutputColumns
+from cbgen.outputs.order import rows_in_order
 from cbgen.outputs.rundir import (
     FINGERPRINT_FILE,
     LOCK_FILE,
@@ -26,7 +29,8 @@ from cbgen.outputs.rundir import (
     scan_done,
     stored_columns,
 )
-from cbgen.outputs.writers import open_writer, read_shards
+from cbgen.outputs.shards import read_shards, shard_paths
+from cbgen.outputs.writers import open_writer
 from cbgen.sharding import parse_shard_directory, shard_directory, shard_of
 
 if TYPE_CHECKING:
@@ -210,7 +214,8 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
     if not directories:
         raise CbgenError(f"'{base}' holds no shard-*-of-* directories: only a job run with --num-shards (or as a "
                          "Slurm array) needs merging")
-    report = check_shards(base, directories, input_path)
+    positions = {request_id: i for i, request_id in enumerate(expected_ids(directories[0].stored, input_path))}
+    report = check_shards(base, directories, positions)
     if not report.complete:
         return report
     target = Path(output) if output else base / "merged"
@@ -218,15 +223,16 @@ def merge_shards(base: Path, output: Path | None = None, input_path: str | None 
         raise CbgenError(f"merge target '{target}' is not empty; remove it or choose another with -o")
     job = directories[0].job
     if to_dataset:
-        report.rows = save_dataset(directories, target, job)
+        report.rows = save_dataset(directories, target, job, positions)
     else:
-        report.rows = _copy_rows(directories, target, job)
+        report.rows = _copy_rows(directories, target, job, positions)
     report.output = target
     return report
 
 
-def check_shards(base: Path, directories: list[RunDirectory], input_path: str | None) -> MergeReport:
-    """Which input ids the shards of one split job miss, repeat, or hold without the input having them."""
+def check_shards(base: Path, directories: list[RunDirectory], positions: dict[str, int]) -> MergeReport:
+    """Which input ids (`positions`: each with its place in the input) the shards of one split job miss, repeat, or
+    hold without the input having them."""
     counts = {d.split[1] for d in directories}
     if len(counts) > 1:
         raise CbgenError(f"'{base}' mixes jobs split {sorted(counts)} ways; merge one split at a time")
@@ -241,7 +247,7 @@ def check_shards(base: Path, directories: list[RunDirectory], input_path: str | 
     for directory in directories:
         for row in read_shards(directory.path, columns=["id", "sample_index"]):
             seen[row["id"]] += row["sample_index"] == 0
-    for request_id in expected_ids(directories[0].stored, input_path):
+    for request_id in positions:
         times = seen.pop(request_id, 0)
         if times == 0:
             report.missing.setdefault(shard_of(request_id, num_shards), []).append(request_id)
@@ -251,22 +257,29 @@ def check_shards(base: Path, directories: list[RunDirectory], input_path: str | 
     return report
 
 
-def _copy_rows(directories: list[RunDirectory], target: Path, job: dict[str, Any]) -> int:
-    """Writes the shards' rows, in shard order, as shards of the job's own format in `target`, with the columns the
-    job's rows have; returns how many."""
+def _copy_rows(directories: list[RunDirectory], target: Path, job: dict[str, Any], positions: dict[str, int]) -> int:
+    """Writes the shards' rows, in input order, as shards of the job's own format in `target`, with the columns the
+    job's rows have, and the dataset card; returns how many."""
     rows = 0
     columns = shared_columns(directories)
     writer = open_writer(job["output"]["format"], target, rows_per_shard=job["output"]["rows_per_shard"],
                          columns=columns, kept_schema=_kept_schema([d.path for d in directories], columns))
     with writer:
-        for directory in directories:
-            for row in read_shards(directory.path, as_rows=False):  # OpenAI lines are copied as they are
-                writer.write(row)
-                rows += 1
+        for row in rows_in_order([d.path for d in directories], positions):  # OpenAI lines are copied as they are
+            writer.write(row)
+            rows += 1
     write_json_atomic(target / MANIFEST_FILE, {"merged_from": [str(d.path) for d in directories], "rows": rows,
                                                "shards": [p.name for p in writer.shards], "job": job,
                                                "columns": columns.to_dict()})
+    write_card(target, shards=[p.name for p in writer.shards], columns=columns, job=job, model=_model(directories),
+               counts={"rows": rows}, command=sys.argv, in_order=True, merged_from=len(directories))
     return rows
+
+
+def _model(directories: list[RunDirectory]) -> str | None:
+    """The name the runs gave their model (run.json)."""
+    manifest = read_json(directories[0].path / MANIFEST_FILE) or {}
+    return (manifest.get("model") or {}).get("name")
 
 
 def shared_columns(directories: list[RunDirectory]) -> OutputColumns:
@@ -282,8 +295,6 @@ def shared_columns(directories: list[RunDirectory]) -> OutputColumns:
 
 def _kept_schema(directories: list[Path], columns: OutputColumns) -> pa.Schema | None:
     """The kept columns' Arrow types, from the first Parquet shard (None for JSONL: the writer infers them)."""
-    from cbgen.outputs.writers import shard_paths
-
     first = next((p for d in directories for _, p in shard_paths(d)), None)
     if first is None or first.suffix != ".parquet" or not columns.kept:
         return None
@@ -303,12 +314,17 @@ def _whole_job_to_dataset(directory: RunDirectory, target: Path, input_path: str
     if target.exists() and any(target.iterdir()):
         raise CbgenError(f"dataset target '{target}' is not empty; remove it or choose another with -o")
     report = MergeReport(output=target)
-    report.rows = save_dataset([directory], target, directory.job)
+    try:
+        positions = {request_id: i for i, request_id in enumerate(expected_ids(directory.stored, input_path))}
+    except CbgenError:
+        positions = {}  # stdin: the rows as they are
+    report.rows = save_dataset([directory], target, directory.job, positions)
     return report
 
 
-def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, Any]) -> int:
-    """Writes every row of `directories`' shards, in order, as a dataset saved with `save_to_disk` at `target`;
+def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, Any], positions: dict[str, int]
+                 ) -> int:
+    """Writes every row of `directories`' shards, in input order, as a dataset saved with `save_to_disk` at `target`;
     returns the number of rows. Rows stream through an Arrow file, so memory stays bounded. Column types are
     cbgen's output schema (token_ids: int32 lists, logprobs: float32 lists); kept columns keep the input's types
     (Parquet) or take the types of their first values (JSONL), and OpenAI lines take the types of their values."""
@@ -317,17 +333,19 @@ def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, A
     import datasets
     import pyarrow as pa
 
-    from cbgen.outputs.schema import arrow_schema, infer_kept_schema
+    from cbgen.outputs.schema import arrow_schema, for_arrow, infer_kept_schema
 
     datasets.disable_progress_bars()
 
     paths = [d.path for d in directories]
+    features, columns = None, None
+
+    first = next((p for d in paths for _, p in shard_paths(d)), None)
+    jsonl = first is not None and first.suffix == ".jsonl"
 
     def rows() -> Iterator[dict[str, Any]]:
-        for path in paths:
-            yield from read_shards(path, as_rows=False)
+        yield from for_arrow(rows_in_order(paths, positions), columns, jsonl)
 
-    features = None
     if job["output"]["format"] != "openai":
         import itertools
 
@@ -346,6 +364,9 @@ def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, A
         count = dataset.num_rows
     write_json_atomic(target / "cbgen_merge.json", {"merged_from": [str(p) for p in paths], "rows": count,
                                                     "job": job})
+    write_card(target, shards=sorted(p.name for p in target.glob("*.arrow")), columns=columns, job=job,
+               model=_model(directories), counts={"rows": count}, command=sys.argv, in_order=True,
+               merged_from=len(directories), saved_to_disk=True)
     return count
 
 

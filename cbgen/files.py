@@ -32,3 +32,23 @@ def read_json_or_none(path: Path) -> Any:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable, not only the shard's bytes."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes `text` (UTF-8) at `path` under a temporary name first, then renames it into place."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        temp.write_text(text, encoding="utf-8")
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)

@@ -39,7 +39,6 @@ from cbgen.outputs.rundir import (
     read_stored_run,
     record_columns,
 )
-from cbgen.outputs.writers import shard_paths
 from cbgen.progress import NullProgress, ProgressSink, plural
 from cbgen.prompts import LOOKAHEAD
 from cbgen.records import Completion, PromptRecord, Request
@@ -198,6 +197,7 @@ class _Run:
         self.progress.stage("nothing left to do")
         if self.job.run.redo:
             end_redo(self.summary.output_dir)
+        self._settle(complete=True)
         path = self.summary.output_dir / MANIFEST_FILE
         manifest = read_json(path)
         if manifest is None:
@@ -220,6 +220,27 @@ class _Run:
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
         self._write(refused, OutputRows(self.job, columns, None, self.source.name), total)
         self._finish(None, None, None, None)
+
+    def _settle(self, complete: bool) -> None:
+        """The directory as a dataset: its rows in input order once every request is written, and its card."""
+        from cbgen.outputs.dataset import settle
+
+        if complete:
+            self.progress.stage("putting the rows in input order")
+        positions = self._input_positions() if complete else None
+        self.summary.shards = settle(self.summary.output_dir, self.job, model=self.source.name,
+                                     counts=self.summary.counts(), positions=positions,
+                                     kept_schema=self.reader.kept_schema)
+
+    def _input_positions(self) -> dict[str, int] | None:
+        """Each of this run's ids with its position in the input; None for stdin, which cannot be read again."""
+        if self.job.input.path == "-":
+            return None
+        positions: dict[str, int] = {}
+        for record in self.reader:
+            if self.sharding is None or shard_of(record.id, self.sharding[1]) == self.sharding[0]:
+                positions.setdefault(record.id, len(positions))
+        return positions
 
     def _load_model(self) -> LoadedModel:
         tp = self.tp
@@ -317,7 +338,7 @@ class _Run:
         summary = self.summary
         summary.input_notices = dict(self.reader.notices)
         self.progress.finish()
-        summary.shards = [p.name for _, p in shard_paths(summary.output_dir)]
+        self._settle(complete=summary.status == Status.COMPLETE)
         if plan is not None and plan.steps is not None:
             summary.record_step_control(plan.steps, grammars)
         if engine is not None:

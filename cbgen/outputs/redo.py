@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.outputs.writers import read_shards, rewrite_shard, shard_paths
+from cbgen.outputs.shards import read_shards, rewrite_shard, row_key, shard_paths
 
 REDO_KINDS = {"failed": "error", "length": "length"}  # what --redo names -> the finish_reason it takes
 
@@ -30,10 +30,7 @@ def requests_to_redo(directory: Path, kinds: Sequence[str]) -> set[str]:
 
 def take_out(directory: Path, ids: set[str]) -> int:
     """Takes every row of the requests `ids` out of the committed shards; returns how many rows left."""
-    def keep(row: dict[str, Any]) -> bool:
-        return row.get("custom_id", row.get("id")) not in ids  # OpenAI output lines carry custom_id
-
-    return sum(rewrite_shard(path, keep) for _, path in shard_paths(directory))
+    return sum(rewrite_shard(path, lambda row: row_key(row) not in ids) for _, path in shard_paths(directory))
 
 
 def start_redo(directory: Path, data: dict[str, Any], fingerprint: dict[str, Any], kinds: Sequence[str]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
@@ -12,6 +13,13 @@ from cbgen.records import Completion
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import Reply, ReplyParser
+
+
+def parquet_parsed(columns: OutputColumns) -> Callable[[Any], Any]:
+    """How a JSON value becomes what a Parquet shard's `parsed` column holds (cbgen.outputs.parsed)."""
+    from cbgen.outputs.schema import parsed_type
+
+    return parsed_type(columns).convert
 
 
 def parsed(completion: Completion, text: str | None) -> Any:
@@ -40,6 +48,9 @@ class OutputRows:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self._tokens: dict[int, str] = {}  # token id -> its text, for logprob listings
+        # Parquet stores `parsed` in the Arrow type of the job's schema (JSON text where none holds): made here, so
+        # that stored rows copied elsewhere (merge, input order) are never converted twice
+        self._to_arrow = parquet_parsed(columns) if job.output.format == "parquet" and columns.parsed else None
 
     def __call__(self, group: list[Completion]) -> list[dict[str, Any]]:
         if self.job.output.format == "openai":
@@ -106,7 +117,8 @@ class OutputRows:
             row["tool_calls"] = ([{"id": c["id"], **c["function"]} for c in reply.tool_calls]
                                  if reply and reply.tool_calls else None)
         if self.columns.parsed:
-            row["parsed"] = parsed(completion, row["text"])
+            value = parsed(completion, row["text"])
+            row["parsed"] = self._to_arrow(value) if self._to_arrow is not None else value
         for name in self.columns.kept:
             row[name] = completion.request.record.kept.get(name)
         return row

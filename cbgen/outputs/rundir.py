@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import IO, Any
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
 from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.writers import read_shards, shard_paths
+from cbgen.outputs.shards import ORDER_STAGING, read_shards, shard_paths
 
 LOCK_FILE = ".cbgen.lock"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -133,9 +134,14 @@ def scan_done(directory: Path) -> DoneIndex:
 
 
 def remove_temporary_files(directory: Path) -> None:
-    """Drops what a killed run was still writing: hidden `.part-*.tmp` shards and `.*.tmp` JSON files."""
+    """Drops what a killed run was still writing (hidden `.part-*.tmp` shards and `.*.tmp` JSON files), and finishes
+    a reorder into input order that it had committed (cbgen.outputs.order), or drops one it had not."""
+    from cbgen.outputs.order import finish_reorder
+
     for path in Path(directory).glob(".*.tmp"):
         path.unlink(missing_ok=True)
+    finish_reorder(directory)
+    shutil.rmtree(Path(directory) / ORDER_STAGING, ignore_errors=True)
 
 
 def clear_results(directory: Path) -> None:

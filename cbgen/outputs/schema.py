@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -57,6 +57,18 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
 def parsed_type(columns: OutputColumns) -> ParsedType:
     """The Arrow type of the `parsed` column (and its conversion), from the job's one schema or as JSON text."""
     return ParsedType.of(json.loads(columns.parsed_schema) if columns.parsed_schema else None)
+
+
+def for_arrow(rows: Iterable[dict[str, Any]], columns: OutputColumns | None, jsonl: bool
+              ) -> Iterator[dict[str, Any]]:
+    """Stored rows made ready for cbgen's Arrow schema: JSONL shards hold `parsed` as the JSON value itself, which
+    becomes its column's Arrow value (Parquet shards hold that already)."""
+    if columns is None or not columns.parsed or not jsonl:
+        yield from rows
+        return
+    convert = parsed_type(columns).convert
+    for row in rows:
+        yield row | {"parsed": convert(row.get("parsed"))}
 
 
 def infer_kept_schema(rows: Iterable[Mapping[str, Any]], kept_names: Sequence[str]) -> pa.Schema:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from cbgen.errors import CbgenError
-from cbgen.openai_batch import OutputLine
+from cbgen.files import fsync_directory
 from cbgen.outputs.columns import OutputColumns
 from cbgen.records import RESERVED_NAMES
 
@@ -25,7 +24,6 @@ if TYPE_CHECKING:  # pyarrow is slow to import: JSONL jobs, `cbgen status` and `
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-_SHARD_RE = re.compile(r"^part-(\d+)\.(jsonl|parquet)$")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -155,7 +153,7 @@ class ShardWriter(ABC):
             self._file.close()
             os.replace(self._temp_path(), final)
             try:
-                _fsync_directory(self.directory)
+                fsync_directory(self.directory)
             except BaseException:
                 final.unlink(missing_ok=True)  # not reported as committed, so not left behind either
                 raise
@@ -263,15 +261,10 @@ class ParquetShardWriter(ShardWriter):
     def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
         import pyarrow as pa
 
-        from cbgen.outputs.schema import parsed_type
-
         assert self.schema is not None
         columns = []
         for field in self.schema:
             values = [row.get(field.name) for row in rows]
-            if field.name == "parsed":
-                convert = parsed_type(self.columns).convert
-                values = [convert(v) for v in values]
             if field.name in self.columns.kept and pa.types.is_string(field.type):
                 values = [v if v is None or isinstance(v, str) else _json_text(v) for v in values]
             try:
@@ -299,76 +292,6 @@ def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
     return writers[fmt](directory, **kwargs)
 
 
-def shard_paths(directory: Path) -> list[tuple[int, Path]]:
-    """The committed shards in `directory` as (number, path), in order; temporary shards are not listed."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _SHARD_RE.match(p.name)))
-
-
-def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True
-                ) -> Iterator[dict[str, Any]]:
-    """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
-    `columns` limits what is read from Parquet shards (JSONL rows are always read whole). OpenAI batch output lines
-    come back as the cbgen rows they stand for (see `OutputLine.rows`), unless `as_rows` is False."""
-    for _, path in shard_paths(directory):
-        yield from read_shard(path, columns, as_rows=as_rows)
-
-
-def read_shard(path: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True) -> Iterator[dict[str, Any]]:
-    """The rows of one shard (see `read_shards`)."""
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    if as_rows and OutputLine.matches(row):
-                        yield from OutputLine.from_dict(row).rows()
-                    else:
-                        yield row
-    else:
-        import pyarrow.parquet as pq
-
-        parquet = pq.ParquetFile(path)
-        for batch in parquet.iter_batches(batch_size=ParquetShardWriter.ROW_GROUP, columns=columns):
-            yield from batch.to_pylist()
-
-
-def rewrite_shard(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
-    """Keeps only the rows of a committed shard (the lines, for OpenAI batch output) that `keep` accepts: the shard is
-    written anew under a temporary name and renamed over itself, so a reader sees the old one or the new one whole;
-    a shard left empty is removed. Returns how many rows it dropped."""
-    temp = path.with_name(f".{path.name}.rewrite.tmp")
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-        kept = [line for line in lines if keep(json.loads(line))]
-        dropped = len(lines) - len(kept)
-        if dropped and kept:
-            with open(temp, "w", encoding="utf-8") as out:
-                out.writelines(kept)
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        mask = pa.array([keep(row) for row in table.to_pylist()], type=pa.bool_())
-        dropped = len(table) - sum(mask.to_pylist())
-        if dropped and dropped < len(table):
-            pq.write_table(table.filter(mask), temp)
-    if dropped == 0:
-        return 0
-    if temp.exists():
-        with open(temp, "rb") as written:  # its bytes on disk before the rename makes it the shard
-            os.fsync(written.fileno())
-        os.replace(temp, path)
-    else:
-        path.unlink()
-    _fsync_directory(path.parent)
-    return dropped
-
-
 def _json_default(value: Any) -> Any:
     """Values JSON has no type for (dates and times from Parquet input, say) are written as text."""
     if hasattr(value, "isoformat"):
@@ -380,12 +303,3 @@ def _json_default(value: Any) -> Any:
 
 def _json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=_json_default)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable, not only the shard's bytes."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

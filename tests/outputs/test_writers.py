@@ -116,7 +116,7 @@ def test_arrow_schema() -> None:
     assert arrow_schema(OutputColumns(logprobs=True, kept=("x",)), None) is None  # unknown type: the writer infers it
     schema = arrow_schema(OutputColumns(kept=("x",)), pa.schema([("x", pa.float64())]))
     assert schema.names == [*BASE_FIELDS, "x"] and schema.field("x").type == pa.float64()
-    assert RESERVED_NAMES == {*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls"}
+    assert RESERVED_NAMES == {*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls", "parsed"}
 
 
 def test_parquet_row_groups_are_bounded(tmp_path: Path) -> None:

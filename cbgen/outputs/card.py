@@ -1,0 +1,82 @@
+"""The dataset card: a `README.md` in every output directory (and every merged one) that makes it a dataset.
+
+Its YAML metadata names the data files in order, so `datasets.load_dataset(DIR)` loads the shards as one `train`
+split (in input order, once the run is complete: cbgen.outputs.order), and records how the rows were made: the
+model, the generation settings, the templates, the counts, the cbgen version and the command line. The hub reads
+the same card when the folder is uploaded (`hf upload NAME DIR --repo-type dataset`); huggingface_hub's DatasetCard
+parses it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cbgen import __version__
+from cbgen.files import write_text_atomic
+from cbgen.outputs.columns import OutputColumns
+
+CARD_FILE = "README.md"
+
+_MEANINGS = {
+    "id": "the input row's id",
+    "sample_index": "which of the request's sequences (0 to n-1)",
+    "text": "the generated text (for replies split by a response template: the answer alone)",
+    "token_ids": "the generated token ids",
+    "num_prompt_tokens": "prompt tokens the engine took in",
+    "num_generated_tokens": "tokens generated",
+    "finish_reason": "stop, length (the token cap) or error",
+    "error": "why the request failed, else null",
+    "logprobs": "the model's own log-probability of each generated token",
+    "top_logprobs": "per generated token, the most likely tokens with their logprobs",
+    "reasoning": "a reasoning model's thinking, apart from the answer",
+    "tool_calls": "the tool calls the reply made",
+    "parsed": "the answer's JSON value (null when cut or failed)",
+}
+
+
+def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict[str, Any], model: str | None,
+              counts: dict[str, Any], command: Sequence[str], in_order: bool, merged_from: int = 0,
+              saved_to_disk: bool = False) -> str:
+    """The card of an output directory whose committed shards are `shards` (file names, in order); with
+    `saved_to_disk`, of a dataset written by `merge --to-dataset` (whose Arrow files the hub reads, and
+    `datasets.load_from_disk` locally)."""
+    meta = {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": list(shards)}]}],
+        "tags": ["cbgen", "synthetic"],
+        "cbgen": {
+            "version": __version__,
+            "model": model,
+            "command": shlex.join(command),
+            "generation": job.get("generation", {}),
+            "templates": {k: job.get("input", {}).get(k) for k in ("template", "system", "messages")},
+            "counts": counts,
+            "columns": list(columns.names) if columns is not None else None,
+            "input_order": in_order,
+            **({"merged_from_shards": merged_from} if merged_from else {}),
+        },
+    }
+    header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=120)
+    rows = counts.get("sequences", counts.get("rows", "?"))
+    lines = [f"---\n{header}---", "", "# Generations by cbgen", "",
+             f"{rows} rows answered by {model or 'a model'} with cbgen {__version__}"
+             + ("" if in_order else " (in the order requests finished: the run is not complete)") + ".", "",
+             "## Load", "", "```python", "import datasets", "",
+             'rows = datasets.load_from_disk("THIS_FOLDER")' if saved_to_disk else
+             'rows = datasets.load_dataset("THIS_FOLDER", split="train")  # or: cbgen.load("THIS_FOLDER")',
+             "```", "", "## Publish", "",
+             "```bash", "hf upload YOUR_NAME/YOUR_DATASET THIS_FOLDER --repo-type dataset", "```", "", "## Columns", ""]
+    for name in columns.names if columns is not None else ():
+        lines.append(f"- `{name}`: {_MEANINGS.get(name, 'an input column kept with --keep-columns')}")
+    return "\n".join(lines) + "\n"
+
+
+def write_card(directory: Path, **details: Any) -> Path:
+    """Writes the card (see `card_text` for what it takes) into `directory`, atomically."""
+    path = Path(directory) / CARD_FILE
+    write_text_atomic(path, card_text(**details))
+    return path

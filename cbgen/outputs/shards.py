@@ -1,0 +1,106 @@
+"""The committed shards of a run directory: which they are, and reading them back. A shard appears under its final
+name `part-NNNNN.jsonl` / `.parquet` only once complete (cbgen.outputs.writers); hidden temporary files are never
+shards. While a run puts its shards in input order (cbgen.outputs.order), a journal names the set that holds, so
+every reader sees either the old shards or the new ones, whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from cbgen.files import fsync_directory, read_json_or_none
+from cbgen.openai_batch import OutputLine
+
+SHARD_NAME = re.compile(r"^part-(\d+)\.(jsonl|parquet)$")
+ORDER_JOURNAL = ".ordered.json"  # {"old": [names], "new": [names]}: the new set holds (cbgen.outputs.order)
+ORDER_STAGING = ".ordered"  # where the new set is written before it takes the old one's place
+ROW_GROUP = 1000  # rows read from Parquet at a time
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """The request id of a stored row (OpenAI batch output lines carry it as custom_id)."""
+    return str(row["custom_id"] if "custom_id" in row else row.get("id"))
+
+
+def shard_paths(directory: Path) -> list[tuple[int, Path]]:
+    """The committed shards in `directory` as (number, path), in order; temporary shards are not listed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    journal = read_json_or_none(directory / ORDER_JOURNAL)
+    if isinstance(journal, dict) and isinstance(journal.get("new"), list):
+        found = []
+        for name in journal["new"]:
+            path = directory / name
+            match = SHARD_NAME.match(name)
+            if match:
+                found.append((int(match.group(1)), path if path.exists() else directory / ORDER_STAGING / name))
+        return found
+    return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := SHARD_NAME.match(p.name)))
+
+
+def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True
+                ) -> Iterator[dict[str, Any]]:
+    """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
+    `columns` limits what is read from Parquet shards (JSONL rows are always read whole). OpenAI batch output lines
+    come back as the cbgen rows they stand for (see `OutputLine.rows`), unless `as_rows` is False."""
+    for _, path in shard_paths(directory):
+        yield from read_shard(path, columns, as_rows=as_rows)
+
+
+def read_shard(path: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True) -> Iterator[dict[str, Any]]:
+    """The rows of one shard (see `read_shards`)."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    if as_rows and OutputLine.matches(row):
+                        yield from OutputLine.from_dict(row).rows()
+                    else:
+                        yield row
+    else:
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=ROW_GROUP, columns=columns):
+            yield from batch.to_pylist()
+
+
+def rewrite_shard(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Keeps only the rows of a committed shard (the lines, for OpenAI batch output) that `keep` accepts: the shard is
+    written anew under a temporary name and renamed over itself, so a reader sees the old one or the new one whole;
+    a shard left empty is removed. Returns how many rows it dropped."""
+    temp = path.with_name(f".{path.name}.rewrite.tmp")
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if keep(json.loads(line))]
+        dropped = len(lines) - len(kept)
+        if dropped and kept:
+            with open(temp, "w", encoding="utf-8") as out:
+                out.writelines(kept)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        mask = pa.array([keep(row) for row in table.to_pylist()], type=pa.bool_())
+        dropped = len(table) - sum(mask.to_pylist())
+        if dropped and dropped < len(table):
+            pq.write_table(table.filter(mask), temp)
+    if dropped == 0:
+        return 0
+    if temp.exists():
+        with open(temp, "rb") as written:  # its bytes on disk before the rename makes it the shard
+            os.fsync(written.fileno())
+        os.replace(temp, path)
+    else:
+        path.unlink()
+    fsync_directory(path.parent)
+    return dropped
