@@ -58,7 +58,8 @@ def test_a_complete_run_reads_in_input_order_through_its_card(tiny_model_dir, pr
     card = DatasetCard.load(out / "README.md")
     meta = card.data.to_dict()["cbgen"]
     assert meta["counts"]["requests"] == 15 and meta["input_order"] is True
-    assert meta["model"] == str(tiny_model_dir) and meta["command"] == "cbgen run p.jsonl --template 'About {{ prompt }}'"
+    assert meta["model"] == str(tiny_model_dir)
+    assert meta["command"] == "cbgen run p.jsonl --template 'About {{ prompt }}'"
     assert meta["templates"]["template"] == "About {{ prompt }}" and meta["generation"]["max_new_tokens"] == 256
     assert card.data.to_dict()["configs"][0]["data_files"][0]["path"] == sorted(p.name for p in out.glob("part-*"))
 
