@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cbgen.config import JobConfig, page_size
+from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import Reader, open_input
 from cbgen.model.source import ModelSource, resolve_source
@@ -144,6 +144,7 @@ class _Run:
     tp: TensorParallel | None
 
     def execute(self) -> RunSummary:
+        from cbgen.execution import make_engine, output_rows, plan_input, prepared
         from cbgen.planning import used_settings
 
         total = self._count_pending()
@@ -160,21 +161,23 @@ class _Run:
             self._refuse_all(head, used, total)  # no row can run: no model is loaded
             return self.summary
         loaded = self._load_model()
-        plan, requests = self._plan(loaded, head, records, used, total)
+        self.progress.stage("rendering prompts")
+        planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids)
+        plan = planned.plan
+        record_columns(self.summary.output_dir, plan.columns)
         self.summary.record_plan(plan)
         if self.tp is not None:  # the followers build the very same manager
             from cbgen.distributed import PLAN
 
             self.tp.send(PLAN, plan)
-        from cbgen.chat.responses import ReplyParser
-        from cbgen.outputs.rows import OutputRows
+        engine = make_engine(self.job, planned, loaded, restartable=self.tp is None)
+        from cbgen.engine.replicas import ReplicaPool
 
-        grammars = plan.steps.make_grammars(loaded.tokenizer) if plan.steps is not None else None
-        engine = self._engine(plan, loaded, grammars)
-        replies = ReplyParser(loaded.tokenizer, plan.template) if plan.template is not None else None
-        rows = OutputRows(self.job, plan.columns, loaded.tokenizer, self.source.name, replies)
-        self._write(engine.run(self._ordered(plan, requests, grammars), self.stop), rows, total)
-        self._finish(plan, engine, loaded, grammars)
+        if isinstance(engine, ReplicaPool):
+            self.summary.replicas = {"count": len(engine.specs), "lost": engine.lost}
+        rows = output_rows(self.job, plan, loaded, self.source.name)
+        self._write(engine.run(prepared(self.job, planned), self.stop), rows, total)
+        self._finish(plan, engine, loaded, planned.grammars)
         return self.summary
 
     def wanted(self, record: PromptRecord) -> bool:
@@ -256,43 +259,6 @@ class _Run:
         release_gc()  # the libraries and the model exist now: later collections skip them
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded
-
-    def _plan(self, loaded: LoadedModel, head: list[PromptRecord], rest: Iterator[PromptRecord],
-              used: frozenset[str], total: int | None) -> tuple[JobPlan, Iterator[Request]]:
-        """Renders the records read ahead and plans the job from them; returns the plan and every request to run,
-        rendered (the head, then the rest as they are read)."""
-        from cbgen.planning import InputFacts, plan_job, plan_rendering
-        from cbgen.prompts import Renderer
-
-        self.progress.stage("rendering prompts")
-        rendering = plan_rendering(self.job, loaded)
-        renderer = Renderer(loaded.tokenizer, rendering.render)
-        rendered = tuple(renderer.render(record) for record in head)
-        facts = InputFacts(used, rendered, total, whole=len(head) < LOOKAHEAD, ids=self.reader.ids)
-        plan = plan_job(self.job, facts, loaded, rendering)
-        record_columns(self.summary.output_dir, plan.columns)
-        return plan, itertools.chain(rendered, renderer.render_all(rest))
-
-    def _engine(self, plan: JobPlan, loaded: LoadedModel, grammars: Grammars | None) -> Engine | ReplicaPool:
-        if self.job.run.data_parallel > 1:
-            from cbgen.engine.replicas import pool_for
-
-            pool = pool_for(self.job, loaded.device, plan)
-            self.summary.replicas = {"count": self.job.run.data_parallel, "lost": pool.lost}
-            return pool
-        from cbgen.engine.engine import Engine
-
-        return Engine.for_tokenizer(loaded.model, loaded.tokenizer, plan.engine.settings, grammars=grammars,
-                                    restartable=self.tp is None)
-
-    def _ordered(self, plan: JobPlan, requests: Iterator[Request], grammars: Grammars | None) -> Iterator[Request]:
-        """The requests with their own settings applied, in prefix-aware order."""
-        from cbgen.prompts import prefix_aware_order
-        from cbgen.request_settings import RequestSettings
-
-        prepare = RequestSettings(self.job, plan, grammars)
-        return prefix_aware_order(map(prepare, requests), key_tokens=page_size(plan.engine.batching),
-                                  lookahead=LOOKAHEAD, default_max_new_tokens=self.job.generation.max_new_tokens)
 
     def _open_writer(self, rows: OutputRows) -> ShardWriter:
         from cbgen.outputs.writers import open_writer

@@ -3,7 +3,7 @@ plain log lines (cbgen.cli.display)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class ProgressSink(Protocol):
@@ -25,3 +25,29 @@ class NullProgress:
 def plural(count: int, noun: str) -> str:
     """'1 shard', '2 shards', '0 shards'."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+class BarProgress:
+    """A progress bar for library callers (cbgen.api): tqdm's, which is a widget in a notebook and a line of text
+    on a terminal. Stages are not shown: a notebook wants the bar, not a log."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.generated = 0
+
+    def stage(self, message: str) -> None: ...
+
+    def start(self, total: int | None, unit: str = "sequence") -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, unit=unit, desc="generating", disable=False)
+
+    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
+        self.generated += generated_tokens
+        if self.bar is not None:
+            self.bar.update(done)
+            self.bar.set_postfix(generated_tokens=self.generated, failed=failed or None, refresh=False)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

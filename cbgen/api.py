@@ -1,0 +1,204 @@
+"""The Python API: what a notebook or a pipeline calls instead of the command line.
+
+    results = cbgen.generate(["Why is the sky blue?"], max_new_tokens=64)         # load, generate, free
+    with cbgen.Generator(model="Qwen/Qwen3-4B", page_size=128) as gen:           # load once...
+        a = gen.generate(rows, template="Write about {{ topic }}.", json_schema=schema)
+        b = gen.generate(more, temperature=0.7, seed=1)                          # ...generate again and again
+    summary = cbgen.run("prompts.jsonl", "out/", max_new_tokens=512)              # `cbgen run`, resumable
+    rows = cbgen.load("out/")                                                    # a datasets.Dataset, input order
+
+Keyword names are the YAML keys of a job (`max_new_tokens`, `temperature`, `json_schema`, `page_size`, ...;
+`input_format` and `output_format` for the two `format` keys), checked exactly as flags are; an unknown one raises
+TypeError naming the closest. Prompts are strings, chat message lists, row dicts (templates apply to them) or a
+`datasets.Dataset`. Nothing here imports torch until a model is needed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cbgen.config import BATCHING_FIELDS, SECTIONS, JobConfig, build_config
+from cbgen.progress import NullProgress, ProgressSink
+
+if TYPE_CHECKING:
+    import datasets
+
+    from cbgen.model.load import LoadedModel
+    from cbgen.summary import RunSummary
+
+_RENAMED = {"input_format": ("input", "format"), "output_format": ("output", "format")}
+_POSITIONAL = {("input", "path"), ("output", "dir")}  # run()'s arguments, and nothing generate() takes
+
+
+def _keys() -> dict[str, tuple[str, str]]:
+    """Every keyword the API takes: a YAML key, with its section."""
+    found: dict[str, tuple[str, str]] = dict(_RENAMED)
+    for section, kind in SECTIONS.items():
+        names = BATCHING_FIELDS if section == "batching" else [f.name for f in fields(kind)]
+        for name in names:
+            if (section, name) not in _POSITIONAL and name != "format":
+                found[name] = (section, name)
+    return found
+
+
+def _overrides(settings: Mapping[str, Any], allowed: set[str] | None = None, why: str = ""
+               ) -> dict[tuple[str, str], tuple[Any, str]]:
+    keys = _keys()
+    out = {}
+    for name, value in settings.items():
+        if name not in keys or (allowed is not None and keys[name][0] not in allowed):
+            choices = [k for k in keys if allowed is None or keys[k][0] in allowed]
+            close = difflib.get_close_matches(name, choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unexpected keyword argument {name!r}{why if name in keys else ''}{hint}")
+        out[keys[name]] = (value, name)
+    return out
+
+
+@dataclass
+class Result:
+    """One returned sequence of one prompt."""
+
+    id: str
+    sample_index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[dict[str, Any]]] | None = None
+    parsed: Any = None  # the JSON value, for JSON formats
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    num_prompt_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # kept columns
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Result:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in row.items() if k in known},
+                   extra={k: v for k, v in row.items() if k not in known and k != "num_generated_tokens"})
+
+
+def _progress(show: bool | None) -> ProgressSink:
+    """A progress bar where someone is looking (a terminal, a notebook) or when asked; else nothing."""
+    if show is None:
+        show = sys.stderr.isatty() or "ipykernel" in sys.modules
+    if not show:
+        return NullProgress()
+    from cbgen.progress import BarProgress
+
+    return BarProgress()
+
+
+class Generator:
+    """A model loaded once, to generate for prompts again and again in one session. Takes the model's settings
+    (`model`, `dtype`, `device`, ...) and any job setting as defaults for its calls. `close()` (or leaving a `with`
+    block) frees its memory."""
+
+    def __init__(self, model: str | None = None, *, progress: bool | None = None, **settings: Any) -> None:
+        self._defaults = _overrides(settings)
+        if model is not None:
+            self._defaults[("model", "model")] = (model, "model")
+        self._job = build_config(None, self._defaults)
+        self.progress = progress
+        self._loaded: LoadedModel | None = None
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            from cbgen.model.load import load_model
+            from cbgen.model.source import resolve_source
+
+            resolve_source(self._job.model.model)  # a model that cannot be found says so before torch loads
+            self._loaded = load_model(self._job.model)
+        return self._loaded
+
+    def generate(self, prompts: Sequence[Any] | datasets.Dataset, *, progress: bool | None = None,
+                 **settings: Any) -> list[Result]:
+        """The results for `prompts`, in input order (a prompt's sequences by sample index). Model settings are
+        the Generator's own: give them to its constructor."""
+        overrides = self._defaults | _overrides(settings, set(SECTIONS) - {"model"},
+                                                " here: it is a model setting, given to cbgen.Generator(...)")
+        job = build_config(None, overrides)
+        return _generate(job, self.loaded, prompts, _progress(self.progress if progress is None else progress))
+
+    def close(self) -> None:
+        """Frees the model (and, on a GPU, its memory)."""
+        if self._loaded is None:
+            return
+        self._loaded = None
+        import gc
+
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def generate(prompts: Sequence[Any] | datasets.Dataset, *, model: str | None = None, progress: bool | None = None,
+             **settings: Any) -> list[Result]:
+    """Loads the model, generates for `prompts` (in input order), and frees it: `Generator(...).generate(...)`."""
+    with Generator(model, progress=progress, **settings) as generator:
+        return generator.generate(prompts)
+
+
+def run(input: str | Path, output_dir: str | Path, *, progress: bool | None = None, **settings: Any
+        ) -> RunSummary:
+    """`cbgen run INPUT -o OUTPUT_DIR`: the whole job, written to sharded files; resumable, as the command is."""
+    from cbgen.job import run_job
+
+    overrides = _overrides(settings) | {("input", "path"): (str(input), "input"),
+                                        ("output", "dir"): (str(output_dir), "output_dir")}
+    return run_job(build_config(None, overrides), _progress(progress))
+
+
+def load(output_dir: str | Path) -> datasets.Dataset:
+    """A run's rows (or a merged job's) as a datasets.Dataset, in input order."""
+    from cbgen.outputs.dataset import load as load_dataset
+
+    return load_dataset(output_dir)
+
+
+def _generate(job: JobConfig, loaded: LoadedModel, prompts: Sequence[Any] | datasets.Dataset,
+              progress: ProgressSink) -> list[Result]:
+    import itertools
+
+    from cbgen.execution import make_engine, output_rows, plan_input, prepared
+    from cbgen.inputs.memory import MemoryReader
+    from cbgen.planning import used_settings
+    from cbgen.prompts import LOOKAHEAD
+    from cbgen.templates import PromptTemplate
+
+    job.output.format = "jsonl"  # results are rows, whatever output format the settings name for files
+    reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
+                          template=PromptTemplate.from_input(job.input))
+    reader.check_ids()
+    records: Iterator[Any] = iter(reader)
+    head = list(itertools.islice(records, LOOKAHEAD))
+    planned = plan_input(job, loaded, head, records, used_settings(reader.settings_present(), head),
+                         reader.count(), reader.ids)
+    rows = output_rows(job, planned.plan, loaded, loaded.source.name)
+    engine = make_engine(job, planned, loaded)
+    progress.start(reader.count() * job.generation.num_return_sequences, "sequence")
+    results: list[tuple[int, Result]] = []
+    for group in engine.run(prepared(job, planned), threading.Event()):
+        index = group[0].request.record.index
+        results += [(index, Result.from_row(row)) for row in rows(group)]
+        progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group),
+                         sum(c.finish_reason == "error" for c in group))
+    progress.finish()
+    results.sort(key=lambda item: (item[0], item[1].sample_index))
+    return [result for _, result in results]

@@ -1,0 +1,81 @@
+"""Running a plan, whatever the prompts come from and wherever the rows go: the requests read ahead rendered and the
+job planned from them, every request prepared in prefix-aware order, the engine (or replica pool) that generates
+them, and the rows each finished request becomes. Shared by a job over files (cbgen.job) and the Python API
+(cbgen.api), so both run the same way."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cbgen.config import JobConfig, page_size
+from cbgen.inputs.base import IdChoice
+from cbgen.prompts import LOOKAHEAD
+from cbgen.records import PromptRecord, Request
+
+if TYPE_CHECKING:
+    from cbgen.control.grammars import Grammars
+    from cbgen.engine.engine import Engine
+    from cbgen.engine.replicas import ReplicaPool
+    from cbgen.model.load import LoadedModel
+    from cbgen.outputs.rows import OutputRows
+    from cbgen.planning import JobPlan
+
+
+@dataclass
+class Planned:
+    """A planned job, ready to run: its plan, every request rendered (the head, then the rest as they are read),
+    and the grammars its formats compiled into."""
+
+    plan: JobPlan
+    requests: Iterator[Request]
+    grammars: Grammars | None
+
+
+def plan_input(job: JobConfig, loaded: LoadedModel, head: list[PromptRecord], rest: Iterator[PromptRecord],
+               used: frozenset[str], total: int | None, ids: IdChoice) -> Planned:
+    """Renders the records read ahead (`head`) and plans the job from what they and the input hold."""
+    from cbgen.planning import InputFacts, plan_job, plan_rendering
+    from cbgen.prompts import Renderer
+
+    rendering = plan_rendering(job, loaded)
+    renderer = Renderer(loaded.tokenizer, rendering.render)
+    rendered = tuple(renderer.render(record) for record in head)
+    facts = InputFacts(used, rendered, total, whole=len(head) < LOOKAHEAD, ids=ids)
+    plan = plan_job(job, facts, loaded, rendering)
+    grammars = plan.steps.make_grammars(loaded.tokenizer) if plan.steps is not None else None
+    return Planned(plan, itertools.chain(rendered, renderer.render_all(rest)), grammars)
+
+
+def prepared(job: JobConfig, planned: Planned) -> Iterator[Request]:
+    """The requests with their own settings applied, in prefix-aware order."""
+    from cbgen.prompts import prefix_aware_order
+    from cbgen.request_settings import RequestSettings
+
+    prepare = RequestSettings(job, planned.plan, planned.grammars)
+    return prefix_aware_order(map(prepare, planned.requests), key_tokens=page_size(planned.plan.engine.batching),
+                              lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)
+
+
+def make_engine(job: JobConfig, planned: Planned, loaded: LoadedModel, *, restartable: bool = True
+                ) -> Engine | ReplicaPool:
+    """The engine the plan describes, or its --data-parallel replicas."""
+    if job.run.data_parallel > 1:
+        from cbgen.engine.replicas import pool_for
+
+        return pool_for(job, loaded.device, planned.plan)
+    from cbgen.engine.engine import Engine
+
+    return Engine.for_tokenizer(loaded.model, loaded.tokenizer, planned.plan.engine.settings,
+                                grammars=planned.grammars, restartable=restartable)
+
+
+def output_rows(job: JobConfig, plan: JobPlan, loaded: LoadedModel, model_name: str) -> OutputRows:
+    """What each finished request becomes: rows with the plan's columns (or OpenAI lines)."""
+    from cbgen.chat.responses import ReplyParser
+    from cbgen.outputs.rows import OutputRows
+
+    replies = ReplyParser(loaded.tokenizer, plan.template) if plan.template is not None else None
+    return OutputRows(job, plan.columns, loaded.tokenizer, model_name, replies)
