@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import difflib
 import sys
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cbgen.config import BATCHING_FIELDS, SECTIONS, JobConfig, build_config
+from cbgen.config import BATCHING_FIELDS, SECTIONS, build_config
+from cbgen.execution import generate_in_memory
 from cbgen.progress import NullProgress, ProgressSink
 
 if TYPE_CHECKING:
@@ -127,7 +127,9 @@ class Generator:
         overrides = self._defaults | _overrides(settings, set(SECTIONS) - {"model"},
                                                 " here: it is a model setting, given to cbgen.Generator(...)")
         job = build_config(None, overrides)
-        return _generate(job, self.loaded, prompts, _progress(self.progress if progress is None else progress))
+        rows = generate_in_memory(job, self.loaded, prompts,
+                                  _progress(self.progress if progress is None else progress))
+        return [Result.from_row(row) for row in rows]
 
     def close(self) -> None:
         """Frees the model (and, on a GPU, its memory)."""
@@ -170,35 +172,3 @@ def load(output_dir: str | Path) -> datasets.Dataset:
     from cbgen.outputs.dataset import load as load_dataset
 
     return load_dataset(output_dir)
-
-
-def _generate(job: JobConfig, loaded: LoadedModel, prompts: Sequence[Any] | datasets.Dataset,
-              progress: ProgressSink) -> list[Result]:
-    import itertools
-
-    from cbgen.execution import make_engine, output_rows, plan_input, prepared
-    from cbgen.inputs.memory import MemoryReader
-    from cbgen.planning import used_settings
-    from cbgen.prompts import LOOKAHEAD
-    from cbgen.templates import PromptTemplate
-
-    job.output.format = "jsonl"  # results are rows, whatever output format the settings name for files
-    reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
-                          template=PromptTemplate.from_input(job.input))
-    reader.check_ids()
-    records: Iterator[Any] = iter(reader)
-    head = list(itertools.islice(records, LOOKAHEAD))
-    planned = plan_input(job, loaded, head, records, used_settings(reader.settings_present(), head),
-                         reader.count(), reader.ids)
-    rows = output_rows(job, planned.plan, loaded, loaded.source.name)
-    engine = make_engine(job, planned, loaded)
-    progress.start(reader.count() * job.generation.num_return_sequences, "sequence")
-    results: list[tuple[int, Result]] = []
-    for group in engine.run(prepared(job, planned), threading.Event()):
-        index = group[0].request.record.index
-        results += [(index, Result.from_row(row)) for row in rows(group)]
-        progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group),
-                         sum(c.finish_reason == "error" for c in group))
-    progress.finish()
-    results.sort(key=lambda item: (item[0], item[1].sample_index))
-    return [result for _, result in results]

@@ -6,12 +6,14 @@ them, and the rows each finished request becomes. Shared by a job over files (cb
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig, page_size
 from cbgen.inputs.base import IdChoice
+from cbgen.progress import ProgressSink
 from cbgen.prompts import LOOKAHEAD
 from cbgen.records import PromptRecord, Request
 
@@ -79,3 +81,33 @@ def output_rows(job: JobConfig, plan: JobPlan, loaded: LoadedModel, model_name: 
 
     replies = ReplyParser(loaded.tokenizer, plan.template) if plan.template is not None else None
     return OutputRows(job, plan.columns, loaded.tokenizer, model_name, replies)
+
+
+def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[Any], progress: ProgressSink
+                       ) -> list[dict[str, Any]]:
+    """Every row for `prompts` (strings, message lists, row dicts, or a datasets.Dataset), generated on `loaded`
+    with no file read or written, in input order (a prompt's sequences by sample index)."""
+    from cbgen.inputs.memory import MemoryReader
+    from cbgen.planning import used_settings
+    from cbgen.templates import PromptTemplate
+
+    job = replace(job, output=replace(job.output, format="jsonl"))  # rows, whatever format the files would have
+    reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
+                          template=PromptTemplate.from_input(job.input))
+    reader.check_ids()
+    records: Iterator[PromptRecord] = iter(reader)
+    head = list(itertools.islice(records, LOOKAHEAD))
+    planned = plan_input(job, loaded, head, records, used_settings(reader.settings_present(), head),
+                         reader.count(), reader.ids)
+    rows = output_rows(job, planned.plan, loaded, loaded.source.name)
+    engine = make_engine(job, planned, loaded)
+    progress.start(reader.count() * job.generation.num_return_sequences, "sequence")
+    results: list[tuple[int, int, dict[str, Any]]] = []
+    for group in engine.run(prepared(job, planned), threading.Event()):
+        index = group[0].request.record.index
+        results += [(index, row.get("sample_index", 0), row) for row in rows(group)]
+        progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group),
+                         sum(c.finish_reason == "error" for c in group))
+    progress.finish()
+    results.sort(key=lambda item: item[:2])
+    return [row for _, _, row in results]

@@ -80,7 +80,7 @@ def cpu_attention_unavailable_reason(model: torch.nn.Module) -> str | None:
         device = next(model.parameters()).device
     except StopIteration:
         return "the model has no parameters"
-    if device.type != "cpu":
+    if device.type not in ("cpu", "meta"):  # meta: a model without weights, planning a CPU job (a dry run)
         return f"the model is on {device.type}, and the per-sequence attention is for CPU"
     unknown = sorted(set(layer_types(config)) - {FULL_ATTENTION, SLIDING_ATTENTION})
     if unknown:

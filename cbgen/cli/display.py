@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -22,6 +23,9 @@ from rich.text import Text
 
 from cbgen.progress import NullProgress, plural
 from cbgen.summary import RunSummary
+
+if TYPE_CHECKING:
+    from cbgen.dry_run import DryRunReport
 
 
 class _Counters:
@@ -174,6 +178,29 @@ def summary_table(summary: RunSummary) -> Table:
     if formats:
         rows.insert(-2, ("output formats", f"{plural(formats, 'grammar')} compiled in "
                                            f"{summary.step_control['compile_s']:.2f} s"))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def dry_run_table(report: DryRunReport) -> Table:
+    """What `cbgen run --dry-run` found, as a table."""
+    table = Table(title="cbgen dry run (nothing generated)", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    kv = report.kv_cache
+    rows = [
+        ("rows", f"{report.rows:,}"),
+        ("error records it would write", f"{report.errors:,}"),
+        *[("", reason) for reason in report.first_errors],
+        ("prompt tokens", f"{report.prompt_tokens:,} (longest {report.longest_prompt:,})"),
+        ("sequences", f"{report.max_sequences:,}, at most {report.max_generated_tokens:,} generated tokens"),
+        ("KV cache", f"{kv.get('num_blocks', '?')} blocks of {kv.get('page_size')} tokens"
+                     + (f", {kv['bytes'] / 2**30:.2f} GiB" if kv.get("bytes") else "") + f" ({kv.get('chosen_by')})"),
+    ]
+    if report.estimate is not None:
+        e = report.estimate
+        rows += [("estimated generation", f"{_duration(e['estimated_generation_s'])}"), ("how", e["how"])]
     for name, value in rows:
         table.add_row(name, value)
     return table

