@@ -101,16 +101,22 @@ class LoadedModel:
         return self.source.random_weights
 
 
-def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, device: str, attn: str | None):
-    """A model of the source's shape with random weights (seeded), and the embedded SmolLM2 tokenizer."""
-    from transformers import AutoModelForCausalLM
-
+def _random_shape(source: ModelSource, cache_root: Path | None):
+    """The config a random-weight source describes, the embedded SmolLM2 tokenizer, and its cache status."""
     config = random_model_config(source)
     gguf = embedded_model_path()
     if gguf is None:
         raise CbgenError(f"--model {source.name}: random-weight models use the embedded SmolLM2 tokenizer, which is "
                          f"not installed: run `{INSTALL_EMBEDDED}`")
     tokenizer, status = gguf_tokenizer(gguf, GgufCache(cache_root, gguf) if cache_root else None)
+    return config, tokenizer, status
+
+
+def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, device: str, attn: str | None):
+    """A model of the source's shape with random weights (seeded), and the embedded SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config, tokenizer, status = _random_shape(source, cache_root)
     vocab_size = config.get_text_config().vocab_size
     if vocab_size < len(tokenizer):
         raise CbgenError(f"--model {source.name}: vocab_size {vocab_size} is smaller than the SmolLM2 tokenizer's "
@@ -141,12 +147,7 @@ def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype,
     kwargs = {"trust_remote_code": trust_remote_code}
     status = None
     if source.random_weights:
-        config = random_model_config(source)
-        gguf = embedded_model_path()
-        if gguf is None:
-            raise CbgenError(f"--model {source.name}: random-weight models use the embedded SmolLM2 tokenizer, "
-                             f"which is not installed: run `{INSTALL_EMBEDDED}`")
-        tokenizer, status = gguf_tokenizer(gguf, GgufCache(cache_root, gguf) if cache_root else None)
+        config, tokenizer, status = _random_shape(source, cache_root)
     elif source.gguf_file:
         cache = GgufCache(cache_root, source.gguf_path) if cache_root else None
         tokenizer, status = gguf_tokenizer(source.gguf_path, cache)
