@@ -246,7 +246,7 @@ def check_shards(base: Path, directories: list[RunDirectory], positions: dict[st
     seen: Counter[str] = Counter()  # requests: a request's first sequence (or its one error row)
     for directory in directories:
         for row in read_shards(directory.path, columns=["id", "sample_index"]):
-            seen[row["id"]] += row["sample_index"] == 0
+            seen[row["id"]] += row.get("sample_index", 0) == 0  # score rows: one per id
     for request_id in positions:
         times = seen.pop(request_id, 0)
         if times == 0:

@@ -1,7 +1,8 @@
 """Running a plan, whatever the prompts come from and wherever the rows go: the requests read ahead rendered and the
 job planned from them, every request prepared in prefix-aware order, the engine (or replica pool) that generates
-them, and the rows each finished request becomes. Shared by a job over files (cbgen.job) and the Python API
-(cbgen.api), so both run the same way."""
+them, and the rows each finished request becomes; for a scoring job, the rows rendered into score requests, the
+scorer and its rows. Shared by a job over files (cbgen.job) and the Python API (cbgen.api), so both run the same
+way."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ if TYPE_CHECKING:
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
     from cbgen.model.load import LoadedModel
+    from cbgen.outputs.columns import OutputColumns
     from cbgen.outputs.rows import OutputRows
     from cbgen.planning import JobPlan
+    from cbgen.score.requests import ScoreRequest
+    from cbgen.score.rows import ScoreRows
+    from cbgen.score.scorer import Scorer
 
 
 @dataclass
@@ -81,6 +86,37 @@ def output_rows(job: JobConfig, plan: JobPlan, loaded: LoadedModel, model_name: 
 
     replies = ReplyParser(loaded.tokenizer, plan.template) if plan.template is not None else None
     return OutputRows(job, plan.columns, loaded.tokenizer, model_name, replies)
+
+
+@dataclass
+class PlannedScores:
+    """A planned scoring job: the columns of its rows, and every row rendered into what the scorer runs."""
+
+    columns: OutputColumns
+    requests: Iterator[ScoreRequest]
+
+
+def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRecord]) -> PlannedScores:
+    """Renders a scoring job's records as `cbgen run` renders prompts, each with what it scores after them."""
+    from cbgen.outputs.columns import OutputColumns
+    from cbgen.planning import plan_rendering
+    from cbgen.prompts import Renderer
+    from cbgen.score.requests import ScoreRenderer
+
+    renderer = ScoreRenderer(Renderer(loaded.tokenizer, plan_rendering(job, loaded).render))
+    return PlannedScores(OutputColumns.decide(job, frozenset(), replies=False), renderer.render_all(records))
+
+
+def make_scorer(job: JobConfig, loaded: LoadedModel) -> Scorer:
+    from cbgen.score.scorer import Scorer
+
+    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=job.generation.top_logprobs or 0)
+
+
+def score_rows(columns: OutputColumns, loaded: LoadedModel | None) -> ScoreRows:
+    from cbgen.score.rows import ScoreRows
+
+    return ScoreRows(columns, loaded.tokenizer if loaded is not None else None)
 
 
 def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[Any], progress: ProgressSink

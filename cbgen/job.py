@@ -1,4 +1,4 @@
-"""One generation job from input to output directory: the library entry point behind `cbgen run`.
+"""One job from input to output directory: the library entry point behind `cbgen run` and `cbgen score`.
 
 A job is a pipeline of plain iterators, each stage in its own module:
 
@@ -9,6 +9,9 @@ A job is a pipeline of plain iterators, each stage in its own module:
     order     cbgen.prompts            prefix-aware order, longest generations first
     generate  cbgen.engine             transformers' continuous batching, a bounded window in flight
     write     cbgen.outputs            rows or OpenAI lines into atomic shards, resume index, run.json
+
+A scoring job (cbgen score) reads, writes and resumes the same way, with cbgen.score's scorer in the engine's place
+and score rows for output rows.
 
 This module only runs them, as the plan says, resuming whatever the output directory already holds. Under tensor
 parallelism, rank 0 runs the job (`run_job`) and the other ranks `follow_job`, serving the plan rank 0 sends them.
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import Reader, open_input
+from cbgen.inputs.scoring import ScoreFields
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import job_fingerprint, write_manifest
@@ -55,6 +59,9 @@ if TYPE_CHECKING:
     from cbgen.outputs.rows import OutputRows
     from cbgen.outputs.writers import ShardWriter
     from cbgen.planning import JobPlan
+    from cbgen.score.rows import ScoreRows
+
+    Rows = OutputRows | ScoreRows  # what a finished request becomes: generated rows (or OpenAI lines), or scores
 
 
 def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None,
@@ -103,14 +110,14 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     out_dir = shard_directory(Path(job.output.dir), sharding)
     stored = read_stored_run(out_dir) if out_dir.is_dir() and not job.output.overwrite else None
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
-    reader = open_input(job.input, detect_id=stored is None or stored.detects_ids)
+    reader = open_input(job.input, detect_id=stored is None or stored.detects_ids, score=ScoreFields.of(job))
     source = resolve_source(job.model.model)
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
     lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job(job),
                                     reader.ids.to_dict(), job.output.overwrite, job.run.redo)
     with lock:
-        summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding, ids=reader.ids)
+        summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding, ids=reader.ids, kind=job.kind)
         summary.add_done(done)
         return _Run(job, reader, source, sharding, done, summary, progress, stop, started, tp).execute()
 
@@ -119,6 +126,8 @@ def stored_job(job: JobConfig) -> dict:
     """The configuration kept beside the fingerprint, with the input's absolute path, so that `cbgen status` and
     `cbgen merge` find it from any directory."""
     stored = job.to_dict()
+    if job.kind != "generate":
+        stored["kind"] = job.kind
     if job.input.path is not None and Path(job.input.path).exists():
         stored["input"]["path"] = str(Path(job.input.path).resolve())
     for key in ("template", "system"):  # @FILE templates, found from any directory too
@@ -162,6 +171,8 @@ class _Run:
             return self.summary
         loaded = self._load_model()
         self.progress.stage("rendering prompts")
+        if self.job.kind == "score":
+            return self._score(loaded, itertools.chain(head, records), total)
         planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids)
         plan = planned.plan
         record_columns(self.summary.output_dir, plan.columns)
@@ -178,6 +189,18 @@ class _Run:
         rows = output_rows(self.job, plan, loaded, self.source.name)
         self._write(engine.run(prepared(self.job, planned), self.stop), rows, total)
         self._finish(plan, engine, loaded, planned.grammars)
+        return self.summary
+
+    def _score(self, loaded: LoadedModel, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
+        """A scoring job: the scorer in the engine's place, score rows for output rows (cbgen.score)."""
+        from cbgen.execution import make_scorer, plan_scores, score_rows
+
+        planned = plan_scores(self.job, loaded, records)
+        record_columns(self.summary.output_dir, planned.columns)
+        scorer = make_scorer(self.job, loaded)
+        self._write(scorer.run(planned.requests, self.stop), score_rows(planned.columns, loaded), total)
+        self.summary.scorer = scorer.stats.to_dict()
+        self._finish(None, None, loaded, None)
         return self.summary
 
     def wanted(self, record: PromptRecord) -> bool:
@@ -219,9 +242,14 @@ class _Run:
 
         columns = OutputColumns.decide(self.job, used, replies=False)
         record_columns(self.summary.output_dir, columns)
-        n = self.job.generation.num_return_sequences
+        n = 1 if self.job.kind == "score" else self.job.generation.num_return_sequences
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
-        self._write(refused, OutputRows(self.job, columns, None, self.source.name), total)
+        if self.job.kind == "score":
+            from cbgen.execution import score_rows
+
+            self._write(refused, score_rows(columns, None), total)
+        else:
+            self._write(refused, OutputRows(self.job, columns, None, self.source.name), total)
         self._finish(None, None, None, None)
 
     def _settle(self, complete: bool) -> None:
@@ -260,7 +288,7 @@ class _Run:
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded
 
-    def _open_writer(self, rows: OutputRows) -> ShardWriter:
+    def _open_writer(self, rows: Rows) -> ShardWriter:
         from cbgen.outputs.writers import open_writer
 
         output = self.job.output
@@ -268,20 +296,24 @@ class _Run:
                            columns=rows.columns, kept_schema=self.reader.kept_schema,
                            first_shard=self.done.next_shard)
 
-    def _write(self, groups: Iterator[list[Completion]], rows: OutputRows, total: int | None) -> None:
+    def _write(self, groups: Iterator[list[Completion]], rows: Rows, total: int | None) -> None:
         """Writes each request's rows as it finishes, commits on time, and stops on a signal or too many errors."""
         with self._open_writer(rows) as writer:
             self._write_all(groups, writer, rows, total)
 
-    def _write_all(self, groups: Iterator[list[Completion]], writer: ShardWriter, rows: OutputRows,
+    def _write_all(self, groups: Iterator[list[Completion]], writer: ShardWriter, rows: Rows,
                    total: int | None) -> None:
         job, summary, stop = self.job, self.summary, self.stop
         n = job.generation.num_return_sequences
         by_request = "n" in summary.row_settings  # rows with their own n: count requests, whose total is known
-        self.progress.stage("starting the engine")
-        if by_request:
+        if job.kind == "score":
+            self.progress.stage("scoring")
+            self.progress.start(total, "row", verb="scoring")
+        elif by_request:
+            self.progress.stage("starting the engine")
             self.progress.start(total, "request")
         else:
+            self.progress.stage("starting the engine")
             self.progress.start(total * n if total is not None else None, "sequence")
         started = last_commit = time.perf_counter()
         for group in groups:

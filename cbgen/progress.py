@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 class ProgressSink(Protocol):
     def stage(self, message: str) -> None: ...
-    def start(self, total: int | None, unit: str = "sequences") -> None: ...
+    def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None: ...
     def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
     def finish(self) -> None: ...
 
@@ -17,7 +17,7 @@ class NullProgress:
     """Reports nothing (--quiet, and library use without a sink)."""
 
     def stage(self, message: str) -> None: ...
-    def start(self, total: int | None, unit: str = "sequences") -> None: ...
+    def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None: ...
     def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
     def finish(self) -> None: ...
 
@@ -37,16 +37,16 @@ class BarProgress:
 
     def stage(self, message: str) -> None: ...
 
-    def start(self, total: int | None, unit: str = "sequence") -> None:
+    def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, unit=unit, desc="generating", disable=False)
+        self.bar = tqdm(total=total, unit=unit, desc=verb, disable=False)
 
     def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.generated += generated_tokens
         if self.bar is not None:
             self.bar.update(done)
-            self.bar.set_postfix(generated_tokens=self.generated, failed=failed or None, refresh=False)
+            self.bar.set_postfix(tokens=self.generated, failed=failed or None, refresh=False)
 
     def finish(self) -> None:
         if self.bar is not None:

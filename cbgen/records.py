@@ -12,11 +12,21 @@ if TYPE_CHECKING:
     from cbgen.formats import ResponseFormat
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreTarget:
+    """What a scoring job scores for one row (cbgen.score): exactly one of the three is set."""
+
+    completion: str | None = None  # scored as the continuation of the row's prompt
+    choices: tuple[str, ...] | None = None  # each scored as a continuation of the prompt, the prompt computed once
+    text: str | None = None  # scored on its own: the row has no prompt
+
+
 @dataclass(slots=True)
 class PromptRecord:
     """One input row as read from a file, before rendering.
 
-    Exactly one of `prompt`, `messages` and `input_ids` is set, unless `error` says why the row cannot be used.
+    Exactly one of `prompt`, `messages` and `input_ids` is set, unless `error` says why the row cannot be used, or
+    the row of a scoring job is a text scored on its own (`target.text`).
     """
 
     id: str
@@ -35,6 +45,7 @@ class PromptRecord:
     tools: list[dict[str, Any]] | None = None  # functions offered to the model (OpenAI's `tools`), checked
     tool_choice: str = "none"  # "none" (tools not shown), "auto", "required", or the name of a forced function
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own chat-template variables
+    target: ScoreTarget | None = None  # what a scoring job scores (then a text-only row has no prompt)
 
 
 @dataclass(slots=True)
@@ -60,6 +71,15 @@ class Request:
 
 
 @dataclass(slots=True)
+class Score:
+    """What the scorer found for one row (cbgen.score): the scored tokens' logprobs, summed, or each choice's."""
+
+    logprob: float | None = None  # the completion's (or text's) summed logprob; None for choices
+    choice_logprobs: list[float] | None = None  # each choice's summed logprob, in the row's order
+    choice_tokens: list[int] | None = None  # each choice's number of tokens
+
+
+@dataclass(slots=True)
 class Completion:
     """One returned sequence of a request (several per request with num_return_sequences > 1)."""
 
@@ -73,11 +93,18 @@ class Completion:
     rejected: bool = False  # failed before reaching the engine: the request itself is bad (or too long)
     # per generated token, the most likely tokens of the model's own distribution: (token ids, logprobs)
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    score: Score | None = None  # a scoring job's result: then token_ids are the scored tokens (cbgen.score)
 
     @property
     def num_prompt_tokens(self) -> int:
-        """Prompt tokens the engine took in: none for a request refused before admission."""
-        return 0 if self.rejected else len(self.request.input_ids or [])
+        """Prompt tokens the engine took in: none for a request refused before admission. A text scored on its
+        own (cbgen score) has one: its first token, the only one not scored."""
+        if self.rejected:
+            return 0
+        target = self.request.record.target
+        if target is not None and target.text is not None and self.score is not None:
+            return 1
+        return len(self.request.input_ids or [])
 
 
 # One output row per returned sequence, with its keys in this order; `logprobs` follows when the job asked for
@@ -92,6 +119,24 @@ BASE_FIELDS: tuple[str, ...] = (
     "finish_reason",  # "stop" | "length" | "error"
     "error",  # None unless finish_reason is "error"
 )
+# One output row per scored input row (cbgen score), with its keys in this order; `token_ids`, `logprobs` and
+# `top_logprobs` follow when the job asked for logprobs, then the kept input columns. Fields that do not apply to
+# the row (choices for a completion, the summed logprob for choices) are null.
+SCORE_FIELDS: tuple[str, ...] = (
+    "id",
+    "num_prompt_tokens",  # tokens before the scored ones: the prompt (a text's first token, which has no context)
+    "num_scored_tokens",  # tokens scored: the completion's, the text's after its first, or all choices' together
+    "logprob",  # the summed logprob of the completion or the text
+    "mean_logprob",  # logprob / num_scored_tokens
+    "perplexity",  # exp(-mean_logprob)
+    "choices",  # the choices scored
+    "choice_logprobs",  # each choice's summed logprob as a continuation of the prompt
+    "choice_mean_logprobs",  # each choice's logprob per token
+    "choice_probs",  # the choices' probabilities among themselves (a softmax of choice_logprobs)
+    "best_choice",  # the choice with the highest summed logprob
+    "error",  # None unless the row could not be scored
+)
 # Names the output rows use for their own fields: a kept input column may not take one of them.
 RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls",
                                             "parsed"))
+SCORE_RESERVED_NAMES: frozenset[str] = frozenset((*SCORE_FIELDS, "token_ids", "logprobs", "top_logprobs"))

@@ -52,6 +52,8 @@ class RunSummary:
     step_control: dict[str, Any] = field(default_factory=dict)  # formats compiled, logprobs recorded, seeded draws
     input_notices: dict[str, int] = field(default_factory=dict)  # input fields that could not apply, with counts
     replicas: dict[str, Any] = field(default_factory=dict)  # --data-parallel: how many, and those lost (why)
+    kind: str = "generate"  # "score": a scoring job, whose "generated" tokens are the scored ones
+    scorer: dict[str, Any] = field(default_factory=dict)  # a scoring job's forward passes and settings
 
     def record_plan(self, plan: JobPlan) -> None:
         """What run.json says of the job's plan: how the KV cache was sized and which sampler stages run."""
@@ -121,6 +123,10 @@ class RunSummary:
         }
 
     def counts(self) -> dict[str, int]:
+        if self.kind == "score":
+            return {"rows": self.requests, "failed": self.failed, "succeeded": self.succeeded,
+                    "prompt_tokens": self.prompt_tokens, "scored_tokens": self.generated_tokens,
+                    "resumed_rows": self.resumed_requests}
         return {
             "requests": self.requests,
             "failed_requests": self.failed_requests,

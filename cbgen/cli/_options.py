@@ -146,28 +146,56 @@ def _parameter(option: JobOption) -> inspect.Parameter:
     return inspect.Parameter(option.param_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
+SCORE_PANEL = "Scoring"
+# `cbgen score`: the job options that apply to scoring (no sampling, no output formats, no engine), and its own
+_SCORING_SECTIONS = {"model", "input", "output"}
+_SCORING_KEYS = {("generation", "logprobs"), ("generation", "top_logprobs"), ("generation", "chat_template_kwargs"),
+                 ("run", "quiet"), ("run", "max_errors"), ("run", "commit_interval"), ("run", "num_shards"),
+                 ("run", "shard_index"), ("run", "redo")}
+SCORE_OPTIONS: list[JobOption] = [
+    *(o for o in JOB_OPTIONS if (o.section in _SCORING_SECTIONS or (o.section, o.key) in _SCORING_KEYS)
+      and (o.section, o.key) != ("model", "tp_size")),
+    JobOption("score", "choices", ("--choices",), list[str], SCORE_PANEL, metavar="A,B"),
+    JobOption("score", "completion_column", ("--completion-column",), str, SCORE_PANEL, metavar="NAME"),
+    JobOption("score", "text_column", ("--text-column",), str, SCORE_PANEL, metavar="NAME"),
+    JobOption("score", "batch_tokens", ("--score-batch-tokens",), int, SCORE_PANEL, metavar="N"),
+]
+
+
 def _normalise(option: JobOption, value: Any) -> Any:
+    if option.key == "choices":  # comma-separated or repeated; spaces are part of the text scored: kept
+        return [choice for item in value for choice in item.split(",") if choice]
     if option.key in ("keep_columns", "redo"):  # comma-separated, or repeated
         return [name.strip() for item in value for name in item.split(",") if name.strip()]
     return value
 
 
-def job_options(command):
-    """Adds every job option to `command`'s signature; the command gets the given ones as `overrides`."""
-    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "overrides"]
+def with_options(options: list[JobOption]):
+    """A decorator that adds `options` to a command's signature; the command gets the given ones as
+    `overrides`."""
 
-    @functools.wraps(command)
-    def wrapper(**kwargs):
-        overrides = {}
-        for option in JOB_OPTIONS:
-            value = kwargs.pop(option.param_name, None)
-            if value is not None and value != []:
-                overrides[(option.section, option.key)] = (_normalise(option, value), option.flags[0].split("/")[0])
-        return command(overrides=overrides, **kwargs)
+    def decorate(command):
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "overrides"]
 
-    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # typer reads the signature
-        own + [_parameter(o) for o in JOB_OPTIONS])
-    return wrapper
+        @functools.wraps(command)
+        def wrapper(**kwargs):
+            overrides = {}
+            for option in options:
+                value = kwargs.pop(option.param_name, None)
+                if value is not None and value != []:
+                    flag = option.flags[0].split("/")[0]
+                    overrides[(option.section, option.key)] = (_normalise(option, value), flag)
+            return command(overrides=overrides, **kwargs)
+
+        wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # typer reads the signature
+            own + [_parameter(o) for o in options])
+        return wrapper
+
+    return decorate
+
+
+job_options = with_options(JOB_OPTIONS)  # cbgen run, cbgen config show
+score_options = with_options(SCORE_OPTIONS)  # cbgen score
 
 
 ConfigFile = Annotated[

@@ -81,10 +81,10 @@ class RichProgress:
     def stage(self, message: str) -> None:
         self.console.log(message)
 
-    def start(self, total: int | None, unit: str = "sequence") -> None:
+    def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None:
         self.counters.started = time.perf_counter()
         self.progress.start()
-        self.task = self.progress.add_task(f"generating ({unit}s)", total=total)
+        self.task = self.progress.add_task(f"{verb} ({unit}s)", total=total)
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
@@ -105,16 +105,18 @@ class PlainProgress:
         self.counters = _Counters()
         self.total: int | None = None
         self.unit = "sequence"
+        self.verb = "generating"
         self.last = 0.0
 
     def stage(self, message: str) -> None:
         self._line(message)
 
-    def start(self, total: int | None, unit: str = "sequence") -> None:
+    def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None:
         self.total = total
         self.unit = unit
+        self.verb = verb
         self.counters.started = self.last = time.perf_counter()
-        self._line(f"generating {plural(total, unit) if total is not None else f'all {unit}s'}")
+        self._line(f"{verb} {plural(total, unit) if total is not None else f'all {unit}s'}")
 
     def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
         self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
@@ -135,7 +137,8 @@ class PlainProgress:
             eta = f", ETA {_duration(elapsed / c.done * (self.total - c.done))}"
         noun = self.unit if (self.total or c.done) == 1 else f"{self.unit}s"
         self._line(f"{done} {noun}, "
-                   f"{c.tokens_per_second:.1f} generated tok/s, {c.failed} failed, "
+                   f"{c.tokens_per_second:.1f} {'scored' if self.verb == 'scoring' else 'generated'} tok/s, "
+                   f"{c.failed} failed, "
                    f"elapsed {_duration(elapsed)}{eta}")
 
     def _line(self, message: str) -> None:
@@ -157,6 +160,8 @@ def make_progress(console: Console, quiet: bool):
 
 
 def summary_table(summary: RunSummary) -> Table:
+    if summary.kind == "score":
+        return _score_summary(summary)
     throughput = summary.throughput()
     table = Table(title="cbgen run summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -178,6 +183,26 @@ def summary_table(summary: RunSummary) -> Table:
     if formats:
         rows.insert(-2, ("output formats", f"{plural(formats, 'grammar')} compiled in "
                                            f"{summary.step_control['compile_s']:.2f} s"))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _score_summary(summary: RunSummary) -> Table:
+    seconds = summary.generation_seconds or float("nan")
+    table = Table(title="cbgen score summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("model", summary.model),
+        ("rows scored / failed", f"{summary.succeeded} / {summary.failed}"),
+        ("prompt / scored tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
+        ("tokens/s (prompt + scored)", f"{(summary.run_prompt_tokens + summary.run_generated_tokens) / seconds:,.1f}"),
+        ("model load / scoring / total", " / ".join(_duration(summary.timings.get(k, 0.0))
+                                                     for k in ("model_load_s", "generation_s", "total_s"))),
+        ("forward passes", f"{summary.scorer.get('forward_passes', 0):,}"),
+        ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
+    ]
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -50,16 +50,18 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def build_config(
-    config_file: str | Path | None = None, overrides: dict[tuple[str, str], tuple[Any, str]] | None = None
+    config_file: str | Path | None = None, overrides: dict[tuple[str, str], tuple[Any, str]] | None = None,
+    kind: str = "generate",
 ) -> JobConfig:
-    """Builds the effective configuration: defaults, then the YAML file, then `overrides`.
+    """Builds the effective configuration of a job of `kind` (generate, score): defaults, then the YAML file, then
+    `overrides`.
 
     `overrides` maps (section, key) to (value, flag name); only flags the user actually gave belong there.
     """
     layers: dict[str, dict[str, Any]] = read_yaml(config_file) if config_file else {}
     for (section, key), (value, flag) in (overrides or {}).items():
         layers.setdefault(section, {})[key] = check_value(section, key, value, flag)
-    job = JobConfig()
+    job = JobConfig(kind=kind)  # type: ignore[arg-type]  # one of KINDS: the commands pass their own
     for section, values in layers.items():
         if section == "batching":
             job.batching.update(values)
@@ -84,12 +86,29 @@ def check_combinations(job: JobConfig) -> None:
     # a flag alone may be completed from the environment (cbgen.sharding.resolve_sharding); both must agree
     if r.num_shards is not None and r.shard_index is not None and r.shard_index >= r.num_shards:
         raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
+    if job.kind == "score":
+        _check_scoring(job)
+        return
     _check_format(job)
     if g.num_return_sequences > 1 and not job.do_sample:
         raise CbgenError(
             f"--num-return-sequences {g.num_return_sequences} needs sampling (greedy would return the same text "
             f"{g.num_return_sequences} times): add --do-sample or --temperature, or use --num-return-sequences 1"
         )
+
+
+def _check_scoring(job: JobConfig) -> None:
+    """What a scoring job cannot do: it runs in one process per shard and writes score rows."""
+    if job.model.tp_size > 1 or job.run.data_parallel > 1:
+        raise CbgenError("cbgen score runs one model per process: drop --tp and --data-parallel, and split a large "
+                         "input with --num-shards instead")
+    if job.output.format == "openai":
+        raise CbgenError("--output-format openai holds generated choices, not scores: use jsonl or parquet")
+    if "length" in job.run.redo:
+        raise CbgenError("--redo length applies to generated text cut by the token cap; a score is never cut: use "
+                         "--redo failed")
+    if len(set(job.score.choices)) != len(job.score.choices) or any(c == "" for c in job.score.choices):
+        raise CbgenError("--choices must be distinct, non-empty strings")
 
 
 def _check_format(job: JobConfig) -> None:

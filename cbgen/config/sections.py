@@ -201,6 +201,25 @@ class RunSection:
         "prefix, so they reuse its KV cache instead of all computing it at once.")
 
 
+@dataclass
+class ScoreSection:
+    choices: list[str] = setting(
+        [], "Score each of these strings as a continuation of every row's prompt (rows may carry their own "
+        "'choices' list instead): each one's summed and mean logprob, the probabilities among them, and the best. "
+        "The prompt is computed once per row, whatever the number of choices. A label set such as 1,2,3,4,5 is the "
+        "LLM-as-judge case. Comma-separated or repeated; spaces are kept, as they are part of the text scored "
+        "(' yes, no' is ' yes' and ' no'). YAML: a list.")
+    completion_column: str = setting(
+        "completion", "Field holding the text to score after each row's prompt (or messages): its summed logprob, "
+        "token count, mean logprob and perplexity. Dots reach into a nested value (answers.text).")
+    text_column: str = setting(
+        "text", "Field holding a text scored on its own, for rows without a prompt: every token after the first, "
+        "for perplexity filtering. Dots reach into a nested value.")
+    batch_tokens: int = setting(
+        4096, "Tokens per forward pass: rows of similar length are packed into one padded batch up to this many "
+        "(a longer row runs alone). Changes speed and memory; scores only by float rounding.")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "input": InputSection,
@@ -208,12 +227,16 @@ SECTIONS: dict[str, type] = {
     "batching": dict,  # ContinuousBatchingConfig fields, only those set by the user
     "output": OutputSection,
     "run": RunSection,
+    "score": ScoreSection,  # cbgen score: what is scored (cbgen.score)
 }
+
+KINDS = ("generate", "score")  # what a job does: cbgen run generates, cbgen score scores
 
 
 @dataclass
 class JobConfig:
-    """Everything a job needs, validated. `batching` holds only the ContinuousBatchingConfig fields the user set."""
+    """Everything a job needs, validated. `batching` holds only the ContinuousBatchingConfig fields the user set.
+    `kind` says whether it generates (cbgen run) or scores (cbgen score)."""
 
     model: ModelSection = field(default_factory=ModelSection)
     input: InputSection = field(default_factory=InputSection)
@@ -221,6 +244,8 @@ class JobConfig:
     batching: dict[str, Any] = field(default_factory=dict)
     output: OutputSection = field(default_factory=OutputSection)
     run: RunSection = field(default_factory=RunSection)
+    score: ScoreSection = field(default_factory=ScoreSection)
+    kind: Literal["generate", "score"] = "generate"  # set by the command (cbgen run, cbgen score), not by the YAML
 
     @property
     def do_sample(self) -> bool:

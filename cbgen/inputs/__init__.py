@@ -15,6 +15,7 @@ from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 
 if TYPE_CHECKING:
     from cbgen.config import InputSection
+    from cbgen.inputs.scoring import ScoreFields
     from cbgen.templates import PromptTemplate
 
 __all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_input", "open_reader"]
@@ -24,9 +25,10 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub dataset id, when no such local path exists
 
 
-def open_input(settings: InputSection, *, path: str | None = None, detect_id: bool = True) -> Reader:
+def open_input(settings: InputSection, *, path: str | None = None, detect_id: bool = True,
+               score: ScoreFields | None = None) -> Reader:
     """The reader of a job's input, with the job's input settings (its templates included); `path` overrides the
-    settings' own (an input that has moved since the run)."""
+    settings' own (an input that has moved since the run). `score`: the rows are a scoring job's."""
     source = path or settings.path
     if source is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
@@ -35,13 +37,13 @@ def open_input(settings: InputSection, *, path: str | None = None, detect_id: bo
     return open_reader(source, prompt_column=settings.prompt_column, id_column=settings.id_column,
                        keep_columns=settings.keep_columns, input_format=settings.format, split=settings.split,
                        subset=settings.subset, detect_id=detect_id, max_line_bytes=settings.max_line_bytes,
-                       template=PromptTemplate.from_input(settings))
+                       template=PromptTemplate.from_input(settings), score=score)
 
 
 def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                 keep_columns: Sequence[str] = (), input_format: str = "auto", split: str | None = None,
                 subset: str | None = None, detect_id: bool = True, max_line_bytes: int = MAX_LINE_BYTES,
-                template: PromptTemplate | None = None) -> Reader:
+                template: PromptTemplate | None = None, score: ScoreFields | None = None) -> Reader:
     """Open the reader that fits `path` ("-" is JSONL on stdin) and `input_format`, checking up front what can be
     checked. `detect_id`: without `id_column`, rows carrying an `id` field are known by it (see Reader). With
     `template`, each row's prompt is made from its columns.
@@ -50,7 +52,7 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
     kept column that would clash with an output column.
     """
     options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns),
-               "detect_id": detect_id, "template": template}
+               "detect_id": detect_id, "template": template, "score": score}
     local = Path(path)
     fmt, why = input_format, f"--input-format {input_format}"
     if fmt == "auto":
@@ -66,6 +68,9 @@ def _open(path: str | Path, fmt: str, options: dict, split: str | None, subset: 
     if fmt == "openai":
         from cbgen.inputs.openai import OpenAIBatchReader
 
+        if options["score"] is not None:
+            raise CbgenError("an OpenAI batch file holds requests to generate, not texts to score: give cbgen score "
+                             "JSONL, Parquet or a dataset")
         if prompt_column or id_column or options["template"] is not None:
             raise CbgenError("--prompt-column, --id-column and templates do not apply to an OpenAI batch file: its "
                              "lines carry body.messages or body.prompt, and custom_id")

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 from cbgen.errors import CbgenError, RowError, describe_type, first_line
 from cbgen.inputs.checks import ROW_NUMBER, check_id, check_input_ids, check_messages
 from cbgen.inputs.settings import ROW_SETTINGS, parse_settings
-from cbgen.records import RESERVED_NAMES, PromptRecord
+from cbgen.records import RESERVED_NAMES, PromptRecord, ScoreTarget
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from cbgen.inputs.scoring import ScoreFields
     from cbgen.templates import PromptTemplate
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class Reader(ABC):
     """
 
     def __init__(self, name: str, *, prompt_column: str | None, id_column: str | None,
-                 keep_columns: Sequence[str], detect_id: bool = True, template: PromptTemplate | None = None) -> None:
+                 keep_columns: Sequence[str], detect_id: bool = True, template: PromptTemplate | None = None,
+                 score: ScoreFields | None = None) -> None:
         reserved = [c for c in keep_columns if c in RESERVED_NAMES]
         if reserved:
             raise CbgenError(f"--keep-columns {reserved[0]!r} is a reserved output name; rename the column in "
@@ -67,6 +69,7 @@ class Reader(ABC):
             raise CbgenError("--prompt-column does not apply with --template: the template makes each row's prompt "
                              "from its columns; drop one of them")
         self.template = template  # the job's prompt templates: the prompt is made from the row's columns
+        self.score = score  # a scoring job's rows: each also says what to score (cbgen.inputs.scoring)
 
     def _detect_id_column(self, fields: Sequence[str]) -> None:
         """Takes the rows' `id` field as their id when no id column was given and the rows carry one."""
@@ -150,7 +153,14 @@ class Reader(ABC):
             if self.template is not None:
                 self._templated(record, row)
                 record.settings = parse_settings(row)
+                if self.score is not None:
+                    record.target = self.score.target(row)
                 return record
+            if self.score is not None and not any(row.get(f) is not None for f in self._prompt_fields()):
+                text = self.score.text_of(row)
+                if text is not None:  # a text scored on its own
+                    record.target = ScoreTarget(text=text)
+                    return record
             field, value = self._find_prompt(row)
             if isinstance(value, list) and not value:
                 raise RowError(f"{field!r} is an empty list")
@@ -168,6 +178,8 @@ class Reader(ABC):
                 want = _EXPECTED.get(kind or "", "a string, a list of messages or a list of token ids")
                 raise RowError(f"{field!r} must be {want}, got {describe_type(value)}")
             record.settings = parse_settings(row)
+            if self.score is not None:
+                record.target = self.score.target(row)
         except RowError as e:
             record.error = str(e)
         return record
@@ -189,6 +201,9 @@ class Reader(ABC):
         """Which row settings appear anywhere in the input, found cheaply before generation (the engine's samplers
         must exist from the start); None when that cannot be known up front (stdin), or a superset."""
         return None
+
+    def _prompt_fields(self) -> tuple[str, ...]:
+        return (self.prompt_column,) if self.prompt_column is not None else PROMPT_FIELDS
 
     def _find_prompt(self, row: dict[str, Any]) -> tuple[str, Any]:
         if self.prompt_column is not None:
@@ -228,17 +243,21 @@ class ColumnarReader(Reader):
             prompt_columns = [self.prompt_column]
         else:
             prompt_columns = [c for c in PROMPT_FIELDS if c in names]
-            if not prompt_columns:
-                raise CbgenError(f"{where} has none of the columns prompt, messages, input_ids; its columns are: "
-                                 f"{shown}; name the prompt column with --prompt-column")
+            texts = self.score is not None and self.score.text_column.split(".")[0] in names
+            if not prompt_columns and not texts:
+                text = f", nor the text column {self.score.text_column!r}" if self.score is not None else ""
+                raise CbgenError(f"{where} has none of the columns prompt, messages, input_ids{text}; its columns "
+                                 f"are: {shown}; name the prompt column with --prompt-column"
+                                 + (" or the text column with --text-column" if text else ""))
         for flag, columns in (("--id-column", [self.id_column] if self.id_column else []),
                               ("--keep-columns", self.keep_columns)):
             for column in columns:
                 if column not in names:
                     raise CbgenError(f"{where} has no column '{column}' ({flag}); its columns are: {shown}")
         settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
+        scored = [c for c in self.score.columns if c in names] if self.score is not None else []
         return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
-                                   *self.keep_columns, *settings]))
+                                   *self.keep_columns, *settings, *scored]))
 
 
 _EXPECTED = {"prompt": "a string", "messages": "a list of messages", "input_ids": "a list of token ids"}

@@ -14,6 +14,7 @@ from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
+    from cbgen.inputs.scoring import ScoreFields
     from cbgen.templates import PromptTemplate
 
 BATCH_SIZE = 1000
@@ -76,9 +77,9 @@ class DatasetReader(ColumnarReader):
     def __init__(self, source: str, *, split: str | None = None, subset: str | None = None,
                  prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,
-                 template: PromptTemplate | None = None) -> None:
+                 template: PromptTemplate | None = None, score: ScoreFields | None = None) -> None:
         super().__init__(source, prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
-                         detect_id=detect_id, template=template)
+                         detect_id=detect_id, template=template, score=score)
         dataset = load(source, split=split, subset=subset)
         names = list(dataset.column_names)
         self._detect_id_column([ID_FIELD] if ID_FIELD in names else [])

@@ -20,6 +20,7 @@ from cbgen.inputs.base import Reader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
+    from cbgen.inputs.scoring import ScoreFields
     from cbgen.templates import PromptTemplate
 
 _CHUNK = 1 << 20
@@ -60,9 +61,11 @@ class JsonlReader(Reader):
 
     def __init__(self, path: str | Path | None, *, prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,
-                 max_line_bytes: int = MAX_LINE_BYTES, template: PromptTemplate | None = None) -> None:
+                 max_line_bytes: int = MAX_LINE_BYTES, template: PromptTemplate | None = None,
+                 score: ScoreFields | None = None) -> None:
         super().__init__("<stdin>" if path is None else str(path), prompt_column=prompt_column,
-                         id_column=id_column, keep_columns=keep_columns, detect_id=detect_id, template=template)
+                         id_column=id_column, keep_columns=keep_columns, detect_id=detect_id, template=template,
+                         score=score)
         self.path = None if path is None else Path(path)
         self.max_line_bytes = max_line_bytes
         self._scanned: tuple[int, set[str]] | None = None  # (lines, settings named), see _scan

@@ -11,6 +11,7 @@ from cbgen.inputs.base import Reader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
+    from cbgen.inputs.scoring import ScoreFields
     from cbgen.templates import PromptTemplate
 
 
@@ -29,9 +30,9 @@ class MemoryReader(Reader):
     """Rows from a sequence in memory; `prompts[i]` names row i in messages."""
 
     def __init__(self, items: Sequence[Any], *, keep_columns: Sequence[str] = (), id_column: str | None = None,
-                 template: PromptTemplate | None = None) -> None:
+                 template: PromptTemplate | None = None, score: ScoreFields | None = None) -> None:
         super().__init__("prompts", prompt_column=None, id_column=id_column, keep_columns=keep_columns,
-                         template=template)
+                         template=template, score=score)
         self.items = items  # a list, or a datasets.Dataset (indexable and sized alike)
         if len(items):
             self._detect_id_column(list(as_row(items[0]) or {}))  # rows with an `id` field are known by it

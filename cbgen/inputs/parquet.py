@@ -16,6 +16,7 @@ from cbgen.inputs.base import ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
+    from cbgen.inputs.scoring import ScoreFields
     from cbgen.templates import PromptTemplate
 
 BATCH_SIZE = 1024
@@ -26,9 +27,9 @@ class ParquetReader(ColumnarReader):
 
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,
-                 template: PromptTemplate | None = None) -> None:
+                 template: PromptTemplate | None = None, score: ScoreFields | None = None) -> None:
         super().__init__(str(path), prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
-                         detect_id=detect_id, template=template)
+                         detect_id=detect_id, template=template, score=score)
         local = Path(path)
         self.files = sorted(str(f) for f in local.glob("*.parquet")) if local.is_dir() else [str(path)]
         if not self.files:

@@ -36,6 +36,22 @@ _MEANINGS = {
     "reasoning": "a reasoning model's thinking, apart from the answer",
     "tool_calls": "the tool calls the reply made",
     "parsed": "the answer's JSON value (null when cut or failed)",
+    "num_scored_tokens": "tokens scored (the completion's, the text's after its first, or all the choices')",
+    "logprob": "the summed logprob of the completion or text",
+    "mean_logprob": "logprob per scored token",
+    "perplexity": "exp(-mean_logprob)",
+    "choices": "the choices scored as continuations of the prompt",
+    "choice_logprobs": "each choice's summed logprob",
+    "choice_mean_logprobs": "each choice's logprob per token",
+    "choice_probs": "the choices' probabilities among themselves",
+    "best_choice": "the choice with the highest summed logprob",
+}
+_SCORE_MEANINGS = {
+    "num_prompt_tokens": "tokens before the scored ones (the prompt; a text's first token)",
+    "token_ids": "the scored token ids",
+    "logprobs": "the model's own log-probability of each scored token",
+    "top_logprobs": "per scored token, the most likely tokens with their logprobs",
+    "error": "why the row could not be scored, else null",
 }
 
 
@@ -52,7 +68,8 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
             "version": __version__,
             "model": model,
             "command": shlex.join(command),
-            "generation": job.get("generation", {}),
+            **({"score": job.get("score", {})} if columns is not None and columns.kind == "score"
+               else {"generation": job.get("generation", {})}),
             "templates": {k: job.get("input", {}).get(k) for k in ("template", "system", "messages")},
             "counts": counts,
             "columns": list(columns.names) if columns is not None else None,
@@ -62,16 +79,18 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
     }
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=120)
     rows = counts.get("sequences", counts.get("rows", "?"))
-    lines = [f"---\n{header}---", "", "# Generations by cbgen", "",
-             f"{rows} rows answered by {model or 'a model'} with cbgen {__version__}"
+    scores = columns is not None and columns.kind == "score"
+    lines = [f"---\n{header}---", "", "# Scores by cbgen" if scores else "# Generations by cbgen", "",
+             f"{rows} rows {'scored' if scores else 'answered'} by {model or 'a model'} with cbgen {__version__}"
              + ("" if in_order else " (in the order requests finished: the run is not complete)") + ".", "",
              "## Load", "", "```python", "import datasets", "",
              'rows = datasets.load_from_disk("THIS_FOLDER")' if saved_to_disk else
              'rows = datasets.load_dataset("THIS_FOLDER", split="train")  # or: cbgen.load("THIS_FOLDER")',
              "```", "", "## Publish", "",
              "```bash", "hf upload YOUR_NAME/YOUR_DATASET THIS_FOLDER --repo-type dataset", "```", "", "## Columns", ""]
+    meanings = _MEANINGS | (_SCORE_MEANINGS if columns is not None and columns.kind == "score" else {})
     for name in columns.names if columns is not None else ():
-        lines.append(f"- `{name}`: {_MEANINGS.get(name, 'an input column kept with --keep-columns')}")
+        lines.append(f"- `{name}`: {meanings.get(name, 'an input column kept with --keep-columns')}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,6 @@
 """Which columns a job's output rows have, decided once and kept with the job.
 
-Every row has the base fields (cbgen.records.BASE_FIELDS). Besides them, a job's rows have:
+Every row of a generation job has the base fields (cbgen.records.BASE_FIELDS). Besides them, a job's rows have:
 
     logprobs       when the job (--logprobs, --top-logprobs) or some row asks for logprobs
     top_logprobs   when the job (--top-logprobs) or some row asks for alternatives per token
@@ -9,6 +9,9 @@ Every row has the base fields (cbgen.records.BASE_FIELDS). Besides them, a job's
     parsed         when the job (--json-schema, --json-object) or some row asks for JSON: the answer as data
                    (cbgen.outputs.parsed), typed by the job's schema where one schema holds for every row
     kept columns   the input columns of --keep-columns, in their order
+
+A scoring job's rows (kind "score") have the score fields (cbgen.records.SCORE_FIELDS), then `token_ids`,
+`logprobs` and `top_logprobs` of the scored tokens on request, then the kept columns.
 
 The run decides this once it knows its input and model (cbgen.planning) and stores it in fingerprint.json, so a
 resume writes the same columns and `cbgen merge`, `merge --to-dataset` and `cbgen status` read them back instead of
@@ -22,7 +25,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cbgen.records import BASE_FIELDS
+from cbgen.records import BASE_FIELDS, SCORE_FIELDS
 
 if TYPE_CHECKING:
     from cbgen.config import GenerationSection, JobConfig
@@ -39,6 +42,7 @@ class OutputColumns:
     kept: tuple[str, ...] = ()
     parsed: bool = False
     parsed_schema: str | None = None  # the one JSON schema every row follows (its text), which types `parsed`
+    kind: str = "generate"  # "score": the rows of a scoring job
 
     @classmethod
     def decide(cls, job: JobConfig, used: Set[str], replies: bool) -> OutputColumns:
@@ -48,6 +52,8 @@ class OutputColumns:
 
         g = job.generation
         top = bool(g.top_logprobs) or "top_logprobs" in used
+        if job.kind == "score":
+            return cls(logprobs=g.logprobs or top, top_logprobs=top, kept=tuple(job.input.keep_columns), kind="score")
         fmt = job_format(g)  # checked before any model loads (cbgen.config.build)
         rows_choose = "response_format" in used
         one_schema = fmt is not None and fmt.kind == "json_schema" and not rows_choose
@@ -59,24 +65,29 @@ class OutputColumns:
     @property
     def names(self) -> tuple[str, ...]:
         """Every column, in the order rows have them."""
+        if self.kind == "score":
+            return (*SCORE_FIELDS, *(("token_ids", "logprobs") if self.logprobs else ()),
+                    *(("top_logprobs",) if self.top_logprobs else ()), *self.kept)
         return (*BASE_FIELDS, *(("logprobs",) if self.logprobs else ()),
                 *(("top_logprobs",) if self.top_logprobs else ()), *(REPLY_FIELDS if self.replies else ()),
                 *(("parsed",) if self.parsed else ()), *self.kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "replies": self.replies,
-                "kept": list(self.kept), "parsed": self.parsed, "parsed_schema": self.parsed_schema}
+                "kept": list(self.kept), "parsed": self.parsed, "parsed_schema": self.parsed_schema, "kind": self.kind}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OutputColumns:
         return cls(bool(data.get("logprobs")), bool(data.get("top_logprobs")), bool(data.get("replies")),
-                   tuple(data.get("kept") or ()), bool(data.get("parsed")), data.get("parsed_schema"))
+                   tuple(data.get("kept") or ()), bool(data.get("parsed")), data.get("parsed_schema"),
+                   str(data.get("kind") or "generate"))
 
     @classmethod
     def from_names(cls, names: Set[str], kept: tuple[str, ...]) -> OutputColumns:
         """The columns of rows written before cbgen stored them: read off a shard's column names."""
         return cls("logprobs" in names, "top_logprobs" in names, "reasoning" in names,
-                   tuple(name for name in kept if name in names), "parsed" in names)
+                   tuple(name for name in kept if name in names), "parsed" in names,
+                   kind="score" if "num_scored_tokens" in names else "generate")
 
 
 def top_logprobs_of(generation: GenerationSection, settings: Mapping[str, Any]) -> int:

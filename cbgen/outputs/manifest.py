@@ -56,7 +56,7 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
 
     g, i = job.generation, job.input
     template = PromptTemplate.from_input(i)
-    return {
+    fingerprint = {
         "model": source.identity(),
         "dtype": job.model.dtype,
         "onednn_linear": job.model.onednn_linear,
@@ -73,6 +73,11 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
         "output_format": job.output.format,
         "shard": list(sharding) if sharding else None,
     }
+    if job.kind == "score":  # what is scored, and how; no generation setting but the logprobs asked for applies
+        fingerprint["kind"] = "score"
+        fingerprint["score"] = {k: v for k, v in dataclasses.asdict(job.score).items() if k != "batch_tokens"}
+        fingerprint["generation"] = {"logprobs": g.logprobs, "top_logprobs": g.top_logprobs}
+    return fingerprint
 
 
 def package_versions() -> dict[str, str]:
@@ -108,6 +113,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "format": FORMAT,
         "cbgen_version": __version__,
         "status": summary.status,
+        "kind": job.kind,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
         "shard": {"index": summary.shard[0], "count": summary.shard[1]} if summary.shard else None,
@@ -124,6 +130,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "sampling": summary.sampling,
         "step_control": summary.step_control,
         "replicas": summary.replicas,
+        **({"scorer": summary.scorer} if job.kind == "score" else {}),
         "input_notices": summary.input_notices,
         "timings": summary.timings,
         "throughput": summary.throughput(),

@@ -22,10 +22,11 @@ REDO_KINDS = {"failed": "error", "length": "length"}  # what --redo names -> the
 
 
 def requests_to_redo(directory: Path, kinds: Sequence[str]) -> set[str]:
-    """The ids of the requests with a sequence whose finish_reason is one of `kinds` (--redo's names)."""
+    """The ids of the requests with a sequence whose finish_reason is one of `kinds` (--redo's names); a score row
+    (which has no finish_reason) failed when it has an error."""
     reasons = {REDO_KINDS[kind] for kind in kinds}
-    return {row["id"] for row in read_shards(directory, columns=["id", "finish_reason"])
-            if row["finish_reason"] in reasons}
+    return {row["id"] for row in read_shards(directory, columns=["id", "finish_reason", "error"])
+            if row.get("finish_reason", "error" if row.get("error") is not None else None) in reasons}
 
 
 def take_out(directory: Path, ids: set[str]) -> int:

@@ -117,12 +117,13 @@ def scan_done(directory: Path) -> DoneIndex:
     shards = shard_paths(directory)
     if shards:
         index.next_shard = shards[-1][0] + 1
-    columns = ["id", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "sample_index"]
+    # score rows (cbgen score) have no finish_reason, and count their scored tokens
+    columns = ["id", "finish_reason", "error", "num_prompt_tokens", "num_generated_tokens", "num_scored_tokens"]
     failed_ids: set[str] = set()
     for row in read_shards(directory, columns=columns):
         index.sequences += 1
-        index.generated_tokens += row["num_generated_tokens"]
-        if row["finish_reason"] == "error":
+        index.generated_tokens += row.get("num_generated_tokens", row.get("num_scored_tokens")) or 0
+        if row.get("finish_reason", "error" if row.get("error") is not None else None) == "error":
             index.failed += 1
             failed_ids.add(row["id"])
         if row["id"] not in index.ids:

@@ -1,4 +1,4 @@
-"""The Parquet schema of output rows (their fields are cbgen.records.BASE_FIELDS)."""
+"""The Parquet schema of output rows (their fields are cbgen.records.BASE_FIELDS, or SCORE_FIELDS for scores)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.parsed import ParsedType
-from cbgen.records import BASE_FIELDS
+from cbgen.records import BASE_FIELDS, SCORE_FIELDS
 
 _BASE_TYPES: dict[str, pa.DataType] = {
     "id": pa.string(),
@@ -20,6 +20,22 @@ _BASE_TYPES: dict[str, pa.DataType] = {
     "num_prompt_tokens": pa.int32(),
     "num_generated_tokens": pa.int32(),
     "finish_reason": pa.string(),
+    "error": pa.string(),
+}
+
+
+_SCORE_TYPES: dict[str, pa.DataType] = {
+    "id": pa.string(),
+    "num_prompt_tokens": pa.int32(),
+    "num_scored_tokens": pa.int32(),
+    "logprob": pa.float64(),
+    "mean_logprob": pa.float64(),
+    "perplexity": pa.float64(),
+    "choices": pa.list_(pa.string()),
+    "choice_logprobs": pa.list_(pa.float64()),
+    "choice_mean_logprobs": pa.list_(pa.float64()),
+    "choice_probs": pa.list_(pa.float64()),
+    "best_choice": pa.string(),
     "error": pa.string(),
 }
 
@@ -37,6 +53,13 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
     column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
     """
+    if columns.kind == "score":
+        fields = [pa.field(name, _SCORE_TYPES[name]) for name in SCORE_FIELDS]
+        if columns.logprobs:
+            fields += [pa.field("token_ids", _BASE_TYPES["token_ids"]), pa.field("logprobs", pa.list_(pa.float32()))]
+        if columns.top_logprobs:
+            fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
+        return _with_kept(fields, columns, kept_schema)
     fields = [pa.field(name, _BASE_TYPES[name]) for name in BASE_FIELDS]
     if columns.logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
@@ -47,6 +70,10 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
         fields.append(pa.field("tool_calls", TOOL_CALLS_TYPE))
     if columns.parsed:
         fields.append(pa.field("parsed", parsed_type(columns).type))
+    return _with_kept(fields, columns, kept_schema)
+
+
+def _with_kept(fields: list[pa.Field], columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Schema | None:
     for name in columns.kept:
         if kept_schema is None or kept_schema.get_field_index(name) < 0:
             return None

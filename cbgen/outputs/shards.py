@@ -47,7 +47,8 @@ def shard_paths(directory: Path) -> list[tuple[int, Path]]:
 def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True
                 ) -> Iterator[dict[str, Any]]:
     """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
-    `columns` limits what is read from Parquet shards (JSONL rows are always read whole). OpenAI batch output lines
+    `columns` limits what is read from Parquet shards (JSONL rows are always read whole; a column a shard does not
+    have is left out of its rows, as score rows have no finish_reason). OpenAI batch output lines
     come back as the cbgen rows they stand for (see `OutputLine.rows`), unless `as_rows` is False."""
     for _, path in shard_paths(directory):
         yield from read_shard(path, columns, as_rows=as_rows)
@@ -68,6 +69,8 @@ def read_shard(path: Path, columns: Sequence[str] | None = None, *, as_rows: boo
         import pyarrow.parquet as pq
 
         parquet = pq.ParquetFile(path)
+        if columns is not None:
+            columns = [name for name in columns if name in parquet.schema_arrow.names]
         for batch in parquet.iter_batches(batch_size=ROW_GROUP, columns=columns):
             yield from batch.to_pylist()
 

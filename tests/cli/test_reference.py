@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cbgen.cli import run_cli
-from cbgen.cli._options import JOB_OPTIONS
+from cbgen.cli._options import JOB_OPTIONS, SCORE_OPTIONS
 from cbgen.cli.reference import PAGE, reference_markdown
 from cbgen.config import BATCHING_FIELDS
 
@@ -21,7 +21,7 @@ def test_every_flag_and_batching_key_is_on_the_page(capsys):
     assert run_cli(["config", "reference"]) == 0
     page = capsys.readouterr().out
     assert page == reference_markdown()
-    for option in JOB_OPTIONS:
+    for option in (*JOB_OPTIONS, *SCORE_OPTIONS):
         assert f"`{option.flags[0]}`" in page and f"| `{option.key}` |" in page
     for key in BATCHING_FIELDS:
         assert f"| `{key}` |" in page

@@ -1,0 +1,64 @@
+"""`cbgen score`: the model's own logprobs of given text, for every row of a file, without generating."""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+from cbgen.cli._options import ConfigFile, score_options
+from cbgen.cli.display import make_progress, summary_table
+from cbgen.cli.run import graceful_stop
+from cbgen.config import build_config
+from cbgen.config.sections import help_of
+from cbgen.errors import ExitCode
+
+EPILOG = (
+    "[bold]Examples[/bold]\n\n"
+    "  cbgen score answers.jsonl -o scores/   [dim]# rows with prompt (or messages) and completion[/dim]\n\n"
+    "  cbgen score docs.parquet --text-column body -o ppl/   [dim]# perplexity of each document[/dim]\n\n"
+    "  cbgen score rated.jsonl --template 'Rate this answer 1-5: {{ answer }}' --choices 1,2,3,4,5 -o judged/\n\n"
+    "[bold]What a row scores[/bold]: its 'choices' (or --choices), each as a continuation of its prompt; else its "
+    "completion (--completion-column) after its prompt; else, with no prompt, its text (--text-column) on its "
+    "own. Prompts are rendered as cbgen run renders them (chat template with the generation prompt, --template, "
+    "--raw-prompts). A row that cannot be scored (an empty completion, choices that are not strings, a text "
+    "longer than the context) becomes an error record; the job goes on.\n\n"
+    "[bold]Output[/bold]: DIR/part-00000.jsonl ... with one row per input row (id, num_prompt_tokens, "
+    "num_scored_tokens, logprob, mean_logprob, perplexity, choices, choice_logprobs, choice_mean_logprobs, "
+    "choice_probs, best_choice, error, \\[token_ids, logprobs, top_logprobs], kept columns) and DIR/run.json. "
+    "Logprobs are the model's own log-softmax. Resuming, sharding, --redo failed, status and merge work as for "
+    "cbgen run.\n\n"
+    "[bold]Exit codes[/bold]: 0 every row scored · 1 some rows failed (they are in the output with their error) · 2 "
+    "usage, configuration or input-file error · 3 unexpected internal error (CBGEN_DEBUG=1 shows the traceback) · 4 "
+    "stopped after more than --max-errors failures · 75 stopped by SIGTERM or Ctrl-C (resumable)."
+)
+
+
+@score_options
+def score(
+    input_path: Annotated[
+        Optional[str],  # noqa: UP045 (typer)
+        typer.Argument(metavar="INPUT", help=help_of("input", "path"), show_default=False),
+    ] = None,
+    config: ConfigFile = None,
+    *,
+    overrides: dict[tuple[str, str], tuple[Any, str]],
+):
+    """Score text with the model: completions after their prompts, choices, or texts on their own."""
+    from cbgen.job import run_job  # imports torch and transformers: only once the arguments are known to be good
+
+    if input_path is not None:
+        overrides[("input", "path")] = (input_path, "INPUT")
+    job = build_config(config, overrides, kind="score")
+    console = Console(stderr=True, log_path=False)
+    stop = threading.Event()
+    with graceful_stop(stop, console):
+        summary = run_job(job, make_progress(console, job.run.quiet), stop)
+    if not job.run.quiet:
+        console.print(summary_table(summary))
+    if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):
+        console.print(f"{summary.status}: complete results are in {summary.output_dir}; run the same command again "
+                      "to resume", markup=False, highlight=False)
+    raise typer.Exit(int(summary.exit_code))
