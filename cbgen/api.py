@@ -15,14 +15,14 @@ TypeError naming the closest. Prompts are strings, chat message lists, row dicts
 
 from __future__ import annotations
 
-import difflib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cbgen.config import BATCHING_FIELDS, SECTIONS, build_config
+from cbgen.config import SECTIONS, build_config
+from cbgen.config.flat import closest, flat_keys, flat_overrides
 from cbgen.execution import generate_in_memory
 from cbgen.progress import NullProgress, ProgressSink
 
@@ -32,33 +32,15 @@ if TYPE_CHECKING:
     from cbgen.model.load import LoadedModel
     from cbgen.summary import RunSummary
 
-_RENAMED = {"input_format": ("input", "format"), "output_format": ("output", "format")}
-_POSITIONAL = {("input", "path"), ("output", "dir")}  # run()'s arguments, and nothing generate() takes
-
-
-def _keys() -> dict[str, tuple[str, str]]:
-    """Every keyword the API takes: a YAML key, with its section."""
-    found: dict[str, tuple[str, str]] = dict(_RENAMED)
-    for section, kind in SECTIONS.items():
-        names = BATCHING_FIELDS if section == "batching" else [f.name for f in fields(kind)]
-        for name in names:
-            if (section, name) not in _POSITIONAL and name != "format":
-                found[name] = (section, name)
-    return found
-
-
 def _overrides(settings: Mapping[str, Any], allowed: set[str] | None = None, why: str = ""
                ) -> dict[tuple[str, str], tuple[Any, str]]:
-    keys = _keys()
-    out = {}
-    for name, value in settings.items():
+    keys = flat_keys()
+    for name in settings:
         if name not in keys or (allowed is not None and keys[name][0] not in allowed):
             choices = [k for k in keys if allowed is None or keys[k][0] in allowed]
-            close = difflib.get_close_matches(name, choices, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"unexpected keyword argument {name!r}{why if name in keys else ''}{hint}")
-        out[keys[name]] = (value, name)
-    return out
+            raise TypeError(f"unexpected keyword argument {name!r}{why if name in keys else ''}"
+                            f"{closest(name, choices)}")
+    return flat_overrides(settings)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from cbgen.config import InputSection
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
 from cbgen.inputs import open_input
+from cbgen.inputs.scoring import ScoreFields
 from cbgen.outputs.card import write_card
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.order import rows_in_order
@@ -101,7 +102,7 @@ def expected_ids(stored: StoredRun, input_path: str | None = None) -> Iterator[s
     source = input_path or settings.path
     if source in (None, "-"):
         raise CbgenError("the job read its prompts from stdin, so cbgen cannot list them; pass --input FILE")
-    for record in open_input(settings, path=source, detect_id=stored.detects_ids):
+    for record in open_input(settings, path=source, detect_id=stored.detects_ids, score=stored_score(stored)):
         yield record.id
 
 
@@ -109,6 +110,15 @@ def stored_input(stored: StoredRun) -> InputSection:
     """The input settings a run directory's job was run with (those an older cbgen did not know take defaults)."""
     known = {f.name for f in dataclasses.fields(InputSection)}
     return InputSection(**{k: v for k, v in stored.job.get("input", {}).items() if k in known})
+
+
+def stored_score(stored: StoredRun) -> ScoreFields | None:
+    """What a scoring job's rows scored (its input is read as a scoring job reads it); None for a generation job."""
+    if stored.job.get("kind") != "score":
+        return None
+    section = stored.job.get("score") or {}
+    return ScoreFields(section.get("completion_column", "completion"), section.get("text_column", "text"),
+                       tuple(section.get("choices") or ()))
 
 
 @dataclass

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
     from cbgen.model.load import LoadedModel
+    from cbgen.model.pool import ModelPool
     from cbgen.outputs.rows import OutputRows
     from cbgen.outputs.writers import ShardWriter
     from cbgen.planning import JobPlan
@@ -65,13 +66,16 @@ if TYPE_CHECKING:
 
 
 def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None,
-            tp: TensorParallel | None = None) -> RunSummary:
+            tp: TensorParallel | None = None, *, models: ModelPool | None = None,
+            lineage: dict[str, Any] | None = None) -> RunSummary:
     """Runs `job` to the end, or until `stop` is set, and returns its summary. A job whose output directory already
     holds part of its results resumes: finished requests are skipped, each request is written exactly once.
     With `tp` (cbgen.distributed), this is rank 0 of a tensor-parallel job: the other ranks run `follow_job`.
+    `models` shares loaded models between jobs (a pipeline's stages); `lineage` joins the job's fingerprint (a
+    pipeline stage's upstream stages), so that a change there makes this a different job.
     Raises CbgenError for problems the user can fix."""
     try:
-        summary = _run_job(job, progress or NullProgress(), stop or threading.Event(), tp)
+        summary = _run_job(job, progress or NullProgress(), stop or threading.Event(), tp, models, lineage)
     except BaseException as error:
         if tp is not None:
             tp.end(error)  # followers still waiting for a message exit with this one
@@ -102,7 +106,8 @@ def follow_job(job: JobConfig, tp: TensorParallel) -> int:
     return ExitCode.OK
 
 
-def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: TensorParallel | None) -> RunSummary:
+def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: TensorParallel | None,
+             models: ModelPool | None, lineage: dict[str, Any] | None) -> RunSummary:
     started = time.perf_counter()
     if job.input.path is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
@@ -114,12 +119,13 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     source = resolve_source(job.model.model)
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
-    lock, done = open_run_directory(out_dir, job_fingerprint(job, source, sharding), stored_job(job),
+    fingerprint = job_fingerprint(job, source, sharding) | ({"pipeline": lineage} if lineage is not None else {})
+    lock, done = open_run_directory(out_dir, fingerprint, stored_job(job),
                                     reader.ids.to_dict(), job.output.overwrite, job.run.redo)
     with lock:
         summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding, ids=reader.ids, kind=job.kind)
         summary.add_done(done)
-        return _Run(job, reader, source, sharding, done, summary, progress, stop, started, tp).execute()
+        return _Run(job, reader, source, sharding, done, summary, progress, stop, started, tp, models).execute()
 
 
 def stored_job(job: JobConfig) -> dict:
@@ -151,6 +157,7 @@ class _Run:
     stop: threading.Event
     started: float
     tp: TensorParallel | None
+    models: ModelPool | None = None
 
     def execute(self) -> RunSummary:
         from cbgen.execution import make_engine, output_rows, plan_input, prepared
@@ -283,7 +290,8 @@ class _Run:
             from cbgen.distributed import LOAD
 
             tp.send(LOAD)
-        loaded = load_model(self.job.model, tp)
+        loaded = self.models.load(self.job.model) if self.models is not None and tp is None \
+            else load_model(self.job.model, tp)
         release_gc()  # the libraries and the model exist now: later collections skip them
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded

@@ -91,6 +91,22 @@ class PromptTemplate:
             names |= meta.find_undeclared_variables(env.parse(text))
         return frozenset(names - set(env.globals))
 
+    @cached_property
+    def attributes(self) -> dict[str, frozenset[str]]:
+        """For each row field the templates read, the names they read inside it (`{{ doc.title }}` or
+        `{{ doc["title"] }}` read `title` of `doc`), for checking them against a known schema."""
+        from jinja2 import nodes
+
+        env = _environment()
+        found: dict[str, set[str]] = {name: set() for name in self.variables}
+        for _, text, _ in self.turns():
+            for node in env.parse(text).find_all((nodes.Getattr, nodes.Getitem)):
+                inner = node.node
+                attr = node.attr if isinstance(node, nodes.Getattr) else getattr(node.arg, "value", None)
+                if isinstance(inner, nodes.Name) and inner.name in found and isinstance(attr, str):
+                    found[inner.name].add(attr)
+        return {name: frozenset(attrs) for name, attrs in found.items()}
+
     def render(self, row: Mapping[str, Any]) -> str | list[dict[str, str]]:
         """The prompt text (raw) or the chat turns for one row. Raises RowError naming what the row lacks."""
         from jinja2.exceptions import SecurityError, UndefinedError

@@ -158,3 +158,20 @@ def test_onednn_path_is_skipped_with_its_reason_off_float32(tiny_model_dir, tmp_
     assert {r["path"] for r in data["rows"]} == {"cbgen"}
     assert "float32 on CPU" in data["meta"]["skipped"]["cbgen-onednn"]
     assert "cbgen-onednn path skipped" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_scoring_workload_measures_the_scorer_against_padded_forward_passes(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "scoring",
+                    "--paths", "cbgen,static", "--static-batch-sizes", "2,4", "--dtype", "float32", "-o", str(out)])
+    assert code == 0
+    rows = {r["path"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert set(rows) == {"cbgen", "forward-2", "forward-4"}
+    assert rows["cbgen"]["forward_passes"] >= 1
+    tokens = {r["prompt_tokens"] for r in rows.values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # both count the same tokens, so their rates compare
+    for path in ("forward-2", "forward-4"):
+        # the same logprobs, summed per completion, text or choice, computed the plain way (float32)
+        assert rows[path]["max_abs_diff_vs_cbgen"] < 1e-3
+        assert rows[path]["padded_tokens"] >= rows[path]["prompt_tokens"]

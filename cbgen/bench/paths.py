@@ -230,6 +230,22 @@ class Bench:
                            sum(map(len, run.tokens)), extra)
 
 
+def _scoring(loaded: LoadedModel, workload: BenchWorkload, paths: Sequence[str], batch_sizes: Sequence[int]
+             ) -> list[Measurement]:
+    """The scoring workload's paths (cbgen.bench.scoring): `cbgen` is the scorer, `static` the padded forward loop
+    at each batch size; the generation paths do not apply."""
+    from cbgen.bench import scoring
+
+    warm_up = BenchWorkload("warm-up", workload.prompts[:8], 0, continuations=(workload.continuations or [])[:8],
+                            choices=(workload.choices or [])[:8])
+    scoring.scorer(loaded, warm_up)  # first-call costs, off the clock
+    measurement, reference = scoring.scorer(loaded, workload)
+    measured = [measurement] if "cbgen" in paths else []
+    if "static" in paths:
+        measured += [scoring.padded_forward(loaded, workload, b, reference) for b in batch_sizes]
+    return measured
+
+
 def same_share(tokens: Sequence[list[int]], reference: Sequence[list[int]]) -> float:
     """The share of requests whose generated tokens are the same in both runs (request by request, in workload
     order)."""
@@ -274,6 +290,13 @@ def run_suite(
     bench = Bench(loaded, batching)
     results: list[Measurement] = []
     for workload in workloads:
+        if workload.continuations is not None:  # nothing generated: the scorer against padded forward passes
+            measured = _scoring(loaded, workload, paths, static_batch_sizes)
+            results += measured
+            for m in measured:
+                if on_result:
+                    on_result(m)
+            continue
         # first-call costs (kernel selection for this workload's shapes, allocator growth) are paid before measuring,
         # so that no path pays them for the others
         bench.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input")

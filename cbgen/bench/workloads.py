@@ -10,6 +10,9 @@ seed per workload):
                  capped at the length of its constrained answer, so that both do the same work; only cbgen paths run
   fixed          plain-text prompts of exactly 128 tokens, 64 new tokens each (end-of-sequence still stops a request):
                  the shape of llama.cpp's `llama-batched-bench -npp 128 -ntg 64 -npl 64`, for the llamacpp path
+  scoring        nothing generated (cbgen score): half the rows judge an answer by the logprobs of the labels 1-5,
+                 a quarter score a completion after its question, a quarter a document on its own; cbgen's scorer
+                 against a plain loop of the model's forward over padded batches (cbgen.bench.scoring)
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class BenchWorkload:
     max_new_tokens: int
     caps: list[int] | None = None
     schema: dict[str, Any] | None = None  # the structured workload's: the cbgen path also runs under it
+    # the scoring workload's: per prompt, the continuations scored after it (none: the prompt is a text scored on its
+    # own), and whether they are choices
+    continuations: list[tuple[tuple[int, ...], ...]] | None = None
+    choices: list[bool] | None = None
 
     def cap(self, i: int) -> int:
         return self.caps[i] if self.caps else self.max_new_tokens
@@ -53,10 +60,12 @@ def _chat(tokenizer, user: str, system: str | None = None) -> list[int]:
 
 
 SIZES = {  # requests per workload; "small" fits a 2-core CPU in a few minutes per path
-    "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8, "structured": 4, "fixed": 4},
-    "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128, "structured": 64, "fixed": 64},
+    "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8, "structured": 4, "fixed": 4,
+             "scoring": 8},
+    "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128, "structured": 64, "fixed": 64,
+              "scoring": 128},
     "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512, "structured": 256,
-               "fixed": 256},
+               "fixed": 256, "scoring": 512},
 }
 ROLES = "nurse pilot chef teacher farmer engineer painter librarian".split()
 CITIES = "Paris Lagos Osaka Lima Oslo Denver Cairo Perth".split()
@@ -116,8 +125,39 @@ def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None 
         elif name == "fixed":
             length, new = (128, 64) if size != "tiny" else (32, 8)
             out.append(BenchWorkload(name, [_plain(tokenizer, rng, length) for _ in range(n)], new))
+        elif name == "scoring":
+            out.append(_scoring(tokenizer, rng, n, scale))
         else:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(counts)}")
     return out
 
 
+
+
+def _scoring(tokenizer, rng: random.Random, n: int, scale: float) -> BenchWorkload:
+    """Judged answers (labels 1-5), completions after their questions and documents, in a shuffled input order."""
+    def text(sentences: int, words: tuple[int, int] = (6, 16)) -> str:
+        return " ".join(_sentence(rng, rng.randint(*words)) for _ in range(max(1, int(sentences * scale))))
+
+    def ids(value: str) -> tuple[int, ...]:
+        return tuple(tokenizer(value, add_special_tokens=False)["input_ids"])
+
+    labels = tuple(ids(label) for label in "12345")
+    prompts, continuations, choices = [], [], []
+    for i in range(n):
+        kind = ("judge", "judge", "completion", "text")[i % 4]
+        if kind == "judge":
+            prompts.append(_chat(tokenizer, f"Question: {text(rng.randint(1, 3))}\nAnswer: {text(rng.randint(2, 8))}"
+                                 "\nRate the answer from 1 to 5. Reply with one digit."))
+            continuations.append(labels)
+        elif kind == "completion":
+            prompts.append(_chat(tokenizer, text(rng.randint(1, 4)) + " Explain."))
+            continuations.append((ids(text(rng.randint(2, 10))),))
+        else:
+            prompts.append(list(tokenizer(text(rng.randint(4, 24)))["input_ids"]))
+            continuations.append(())
+        choices.append(kind == "judge")
+    order = list(range(n))
+    rng.shuffle(order)
+    return BenchWorkload("scoring", [prompts[i] for i in order], 0, continuations=[continuations[i] for i in order],
+                         choices=[choices[i] for i in order])

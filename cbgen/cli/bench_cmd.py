@@ -27,7 +27,9 @@ def bench(
     size: Annotated[str, typer.Option(help="tiny | small | medium: requests per workload.")] = "small",
     workloads: Annotated[str, typer.Option(help="Comma-separated workloads, from: mixed, shared-prefix, long-prompt, "
                                            "many-small, structured (cbgen with and without a JSON schema), fixed "
-                                           "(128-token prompts, 64 new tokens: llama-batched-bench's shape).")] = (
+                                           "(128-token prompts, 64 new tokens: llama-batched-bench's shape), scoring "
+                                           "(cbgen score's scorer as the cbgen path, against the model's forward "
+                                           "over padded batches as the static path).")] = (
         "mixed,shared-prefix,long-prompt,many-small"
     ),
     paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}.")]
@@ -55,6 +57,8 @@ def bench(
     Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
 
     Example: cbgen bench --workloads fixed --paths cbgen,llamacpp
+
+    Example: cbgen bench --workloads scoring --paths cbgen,static --static-batch-sizes 8,16
     """
     from cbgen.bench import (
         build_workloads,

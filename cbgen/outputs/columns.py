@@ -25,7 +25,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cbgen.records import BASE_FIELDS, SCORE_FIELDS
+from cbgen.records import BASE_FIELDS, RESERVED_NAMES, SCORE_FIELDS, SCORE_RESERVED_NAMES
 
 if TYPE_CHECKING:
     from cbgen.config import GenerationSection, JobConfig
@@ -71,6 +71,11 @@ class OutputColumns:
         return (*BASE_FIELDS, *(("logprobs",) if self.logprobs else ()),
                 *(("top_logprobs",) if self.top_logprobs else ()), *(REPLY_FIELDS if self.replies else ()),
                 *(("parsed",) if self.parsed else ()), *self.kept)
+
+    @property
+    def reserved(self) -> frozenset[str]:
+        """The names the rows use for their own fields, which a kept column may not take."""
+        return SCORE_RESERVED_NAMES if self.kind == "score" else RESERVED_NAMES
 
     def to_dict(self) -> dict[str, Any]:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "replies": self.replies,

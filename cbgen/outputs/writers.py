@@ -18,7 +18,6 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 from cbgen.errors import CbgenError
 from cbgen.files import fsync_directory
 from cbgen.outputs.columns import OutputColumns
-from cbgen.records import RESERVED_NAMES
 
 if TYPE_CHECKING:  # pyarrow is slow to import: JSONL jobs, `cbgen status` and `cbgen merge` of JSONL do without it
     import pyarrow as pa
@@ -49,7 +48,7 @@ class ShardWriter(ABC):
         if rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be at least 1, got {rows_per_shard}")
         columns = columns or OutputColumns()
-        clashes = sorted(RESERVED_NAMES.intersection(columns.kept))
+        clashes = sorted(columns.reserved.intersection(columns.kept))
         if clashes:
             raise CbgenError(
                 f"kept column '{clashes[0]}' clashes with an output field of the same name; "

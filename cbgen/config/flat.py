@@ -1,0 +1,42 @@
+"""A job's settings by their YAML keys alone, without sections: what the Python API takes as keyword arguments and
+a pipeline's stages take as keys (`max_new_tokens`, `template`, `page_size`, `choices`, ...). The two `format` keys
+are `input_format` and `output_format`; the input path and output directory are given otherwise."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Collection, Mapping
+from dataclasses import fields
+from functools import cache
+from typing import Any
+
+from cbgen.config.batching import BATCHING_FIELDS
+from cbgen.config.sections import SECTIONS
+
+RENAMED = {"input_format": ("input", "format"), "output_format": ("output", "format")}
+NOT_FLAT = {("input", "path"), ("output", "dir")}  # given as arguments (the API) or by the pipeline
+
+
+@cache
+def flat_keys() -> dict[str, tuple[str, str]]:
+    """Every flat key, with its (section, key)."""
+    found: dict[str, tuple[str, str]] = dict(RENAMED)
+    for section, kind in SECTIONS.items():
+        names = BATCHING_FIELDS if section == "batching" else [f.name for f in fields(kind)]
+        for name in names:
+            if (section, name) not in NOT_FLAT and name != "format":
+                found[name] = (section, name)
+    return found
+
+
+def closest(name: str, choices: Collection[str]) -> str:
+    """'; did you mean X?' for the choice closest to a mistyped `name`, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def flat_overrides(settings: Mapping[str, Any], where: str = "") -> dict[tuple[str, str], tuple[Any, str]]:
+    """Overrides for build_config from flat keys whose names are known (callers check them first); each value is
+    checked later under the name `where` + key."""
+    keys = flat_keys()
+    return {keys[name]: (value, f"{where}{name}") for name, value in settings.items()}
