@@ -5,6 +5,7 @@
     with cbgen.Generator(model="Qwen/Qwen3-4B") as gen: ...
     summary = cbgen.run("prompts.jsonl", "out/")
     rows = cbgen.load("out/")
+    report = cbgen.pipeline("pipeline.yaml", "out/")
 
 See cbgen.api. Importing cbgen imports nothing heavy: torch and transformers load with the first model.
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Generator", "Result", "generate", "load", "run"]
+__all__ = ["Generator", "Result", "generate", "load", "pipeline", "run"]
 
 if TYPE_CHECKING:
-    from cbgen.api import Generator, Result, generate, load, run
+    from cbgen.api import Generator, Result, generate, load, pipeline, run
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@
         a = gen.generate(rows, template="Write about {{ topic }}.", json_schema=schema)
         b = gen.generate(more, temperature=0.7, seed=1)                          # ...generate again and again
     summary = cbgen.run("prompts.jsonl", "out/", max_new_tokens=512)              # `cbgen run`, resumable
+    report = cbgen.pipeline("pipeline.yaml", "out/")                              # `cbgen pipeline`, like make
     rows = cbgen.load("out/")                                                    # a datasets.Dataset, input order
 
 Keyword names are the YAML keys of a job (`max_new_tokens`, `temperature`, `json_schema`, `page_size`, ...;
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     import datasets
 
     from cbgen.model.load import LoadedModel
+    from cbgen.pipelines.runner import PipelineReport
     from cbgen.summary import RunSummary
 
 def _overrides(settings: Mapping[str, Any], allowed: set[str] | None = None, why: str = ""
@@ -154,3 +156,18 @@ def load(output_dir: str | Path) -> datasets.Dataset:
     from cbgen.outputs.dataset import load as load_dataset
 
     return load_dataset(output_dir)
+
+
+def pipeline(file: str | Path | Mapping[str, Any], output_dir: str | Path, *, stage: str | None = None,
+             redo: Sequence[str] | None = None, progress: bool | None = None) -> PipelineReport:
+    """`cbgen pipeline FILE -o OUTPUT_DIR`: a pipeline file, or its contents as a dict (relative paths then start
+    from the working directory); each stage into OUTPUT_DIR/<name>/, resumable as the command is. `stage` runs one
+    stage alone; `redo` (failed, length) applies to the stages run. Raises cbgen.errors.CbgenError for a bad
+    pipeline, before any model loads."""
+    from cbgen.pipelines import load_pipeline
+    from cbgen.pipelines.runner import PipelineRun
+
+    extra = {("run", "redo"): (list(redo), "redo")} if redo else {}
+    show = _progress(progress)
+    run = PipelineRun(load_pipeline(file), Path(output_dir), only=stage, extra=extra, progress=lambda _: show)
+    return run.run()

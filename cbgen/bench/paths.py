@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cbgen.bench.workloads import BenchWorkload
+from cbgen.bench.workloads import BenchWorkload, Measurement
 from cbgen.config import JobConfig, page_size
 from cbgen.engine.engine import Engine
 from cbgen.errors import CbgenError
@@ -29,29 +28,6 @@ from cbgen.planning import JobPlan
 from cbgen.prompts import LOOKAHEAD, prefix_aware_order
 from cbgen.records import PromptRecord, Request
 from cbgen.request_settings import RequestSettings
-
-
-@dataclass
-class Measurement:
-    workload: str
-    path: str
-    seconds: float
-    requests: int
-    prompt_tokens: int
-    generated_tokens: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.prompt_tokens + self.generated_tokens) / self.seconds
-
-    @property
-    def generated_tokens_per_s(self) -> float:
-        return self.generated_tokens / self.seconds
-
-    @property
-    def prompt_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.seconds
 
 
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True) -> JobConfig:

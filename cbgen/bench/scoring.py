@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from cbgen.bench.paths import Measurement
-from cbgen.bench.workloads import BenchWorkload
+from cbgen.bench.workloads import BenchWorkload, Measurement
 from cbgen.model.load import LoadedModel
 from cbgen.records import PromptRecord, Request, ScoreTarget
 from cbgen.score.requests import ScoreRequest

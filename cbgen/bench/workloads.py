@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 WORDS = (
@@ -161,3 +161,26 @@ def _scoring(tokenizer, rng: random.Random, n: int, scale: float) -> BenchWorklo
     rng.shuffle(order)
     return BenchWorkload("scoring", [prompts[i] for i in order], 0, continuations=[continuations[i] for i in order],
                          choices=[choices[i] for i in order])
+
+
+@dataclass
+class Measurement:
+    workload: str
+    path: str
+    seconds: float
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.generated_tokens) / self.seconds
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.seconds

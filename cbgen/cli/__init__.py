@@ -15,7 +15,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
-from cbgen.cli import bench_cmd, collect_cmds, config_cmd, run, score_cmd  # noqa: E402
+from cbgen.cli import bench_cmd, collect_cmds, config_cmd, pipeline_cmd, run, score_cmd  # noqa: E402
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line  # noqa: E402
 from cbgen.startup import hold_gc  # noqa: E402
 
@@ -31,6 +31,7 @@ app = typer.Typer(
 )
 app.command("run", epilog=run.EPILOG)(run.run)
 app.command("score", epilog=score_cmd.EPILOG)(score_cmd.score)
+app.command("pipeline", epilog=pipeline_cmd.EPILOG)(pipeline_cmd.pipeline)
 app.command("status")(collect_cmds.status)
 app.command("merge")(collect_cmds.merge)
 app.command("bench")(bench_cmd.bench)

@@ -23,7 +23,7 @@ _STATE_WORDS = {"incomplete": "incomplete: run it again to resume"}
 
 
 def status(
-    directory: Annotated[str, typer.Argument(help="The job's output directory (-o of cbgen run).")],
+    directory: Annotated[str, typer.Argument(help="The job's output directory (-o of cbgen run), or a pipeline's.")],
     input_path: InputOverride = None,
     as_json: AsJson = False,
 ):
@@ -34,10 +34,16 @@ def status(
     "shard", "done", "failed", "remaining", "state", "columns"}, ...]}; remaining is null when the input cannot be
     read, and columns (the rows' columns) until a run has planned.
 
+    On a pipeline's directory (-o of cbgen pipeline), one row per stage: {"directory", "complete", "stages":
+    [{"stage", "kind", "state", "done", "failed", "remaining", "rows"}, ...]} with --json (rows: an sql stage's).
+
     Example: cbgen status out/ --json | jq .remaining
     """
     from cbgen.collect import job_status
+    from cbgen.pipelines.status import is_pipeline_directory
 
+    if is_pipeline_directory(Path(directory)):
+        raise typer.Exit(_pipeline_status(Path(directory), as_json))
     rows = job_status(Path(directory), input_path)
     remaining = [r.remaining for r in rows]
     total_remaining = None if any(r is None for r in remaining) else sum(r or 0 for r in remaining)
@@ -109,3 +115,24 @@ def merge(
                       markup=False, highlight=False)
     console.print("nothing was merged", markup=False)
     raise typer.Exit(ExitCode.SOME_FAILED)
+
+
+def _pipeline_status(directory: Path, as_json: bool) -> int:
+    """Each stage's progress; exit code 0 when every stage is complete without failed rows, else 1."""
+    from cbgen.pipelines.status import pipeline_status
+
+    stages = pipeline_status(directory)
+    incomplete = any(s.state != "complete" or s.failed for s in stages)
+    if as_json:
+        typer.echo(json.dumps({"directory": str(directory), "complete": not incomplete,
+                               "stages": [s.to_dict() for s in stages]}))
+        return ExitCode.SOME_FAILED if incomplete else ExitCode.OK
+    table = Table(title=f"cbgen status: pipeline {directory}", title_justify="left")
+    for column in ("stage", "kind", "done", "failed", "remaining", "rows", "state"):
+        table.add_column(column, justify="left" if column in ("stage", "kind", "state") else "right")
+    for s in stages:
+        table.add_row(s.name, s.kind, "" if s.done is None else str(s.done), str(s.failed),
+                      "" if s.kind == "sql" else "?" if s.remaining is None else str(s.remaining),
+                      "" if s.rows is None else str(s.rows), _STATE_WORDS.get(s.state, s.state))
+    Console().print(table)
+    return ExitCode.SOME_FAILED if incomplete else ExitCode.OK

@@ -97,6 +97,12 @@ class Reader(ABC):
         """The Arrow types of the kept columns where the source has a schema (Parquet), else None."""
         return None
 
+    @property
+    def schema(self) -> pa.Schema | None:
+        """Every column of the source with its Arrow type, where the source has a schema (Parquet, datasets); None
+        for rows without one (JSONL)."""
+        return None
+
     @abstractmethod
     def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
         """Yield `(location, row, error)` for each non-blank row; `row` is None when `error` says it is unreadable."""

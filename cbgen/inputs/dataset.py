@@ -81,6 +81,7 @@ class DatasetReader(ColumnarReader):
         super().__init__(source, prompt_column=prompt_column, id_column=id_column, keep_columns=keep_columns,
                          detect_id=detect_id, template=template, score=score)
         dataset = load(source, split=split, subset=subset)
+        self._schema = dataset.features.arrow_schema
         names = list(dataset.column_names)
         self._detect_id_column([ID_FIELD] if ID_FIELD in names else [])
         self.columns = self._resolve_columns(f"dataset '{source}'", names)
@@ -93,6 +94,11 @@ class DatasetReader(ColumnarReader):
 
         schema = self.dataset.features.arrow_schema
         return pa.schema([schema.field(c) for c in self.keep_columns])
+
+    @property
+    def schema(self):
+        """Every column's Arrow type, from the dataset's features."""
+        return self._schema
 
     def settings_present(self) -> set[str]:
         return {c for c in self.columns if c in ROW_SETTINGS}

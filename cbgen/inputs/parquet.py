@@ -48,6 +48,11 @@ class ParquetReader(ColumnarReader):
         return {c for columns in self._columns for c in columns if c in ROW_SETTINGS}
 
     @property
+    def schema(self) -> pa.Schema:
+        """The (first) file's schema."""
+        return self._schema
+
+    @property
     def kept_schema(self) -> pa.Schema:
         """The kept columns as typed in the (first) file, so outputs can keep their Arrow types."""
         return pa.schema([self._schema.field(c) for c in self.keep_columns])

@@ -1,4 +1,4 @@
-"""Models loaded once and shared by the jobs that ask for the same one: a pipeline's stages (cbgen.pipeline)."""
+"""Models loaded once and shared by the jobs that ask for the same one: a pipeline's stages (cbgen.pipelines)."""
 
 from __future__ import annotations
 

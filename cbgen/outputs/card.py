@@ -99,3 +99,24 @@ def write_card(directory: Path, **details: Any) -> Path:
     path = Path(directory) / CARD_FILE
     write_text_atomic(path, card_text(**details))
     return path
+
+
+def table_card_text(*, shards: Sequence[str], columns: Sequence[str], rows: int, stage: str, query: str,
+                    upstream: Sequence[str], command: Sequence[str]) -> str:
+    """The card of a pipeline's sql stage (cbgen.pipelines): its result is a dataset as any run's output is."""
+    meta = {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": list(shards)}]}],
+        "tags": ["cbgen", "synthetic"],
+        "cbgen": {"version": __version__, "command": shlex.join(command), "stage": stage, "query": query,
+                  "reads": list(upstream), "counts": {"rows": rows}, "columns": list(columns)},
+    }
+    header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=120)
+    lines = [f"---\n{header}---", "", "# A dataset made by a cbgen pipeline", "",
+             f"{rows} rows: stage `{stage}` of a cbgen {__version__} pipeline, a DuckDB query over "
+             f"{', '.join(f'`{u}`' for u in upstream) or 'no stage'}.", "", "```sql", query.strip(), "```", "",
+             "## Load", "", "```python", "import datasets", "",
+             'rows = datasets.load_dataset("THIS_FOLDER", split="train")  # or: cbgen.load("THIS_FOLDER")',
+             "```", "", "## Publish", "",
+             "```bash", "hf upload YOUR_NAME/YOUR_DATASET THIS_FOLDER --repo-type dataset", "```", "", "## Columns", "",
+             *(f"- `{name}`" for name in columns)]
+    return "\n".join(lines) + "\n"
