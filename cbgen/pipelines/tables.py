@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,11 +121,15 @@ def write_parquet(table: pa.Table, target: Path) -> None:
     """`table` as one Parquet file at `target`, atomically; the same rows always give the same bytes (their
     digest is what later stages' fingerprints hold)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    pq.write_table(table.combine_chunks(), temporary, row_group_size=ROW_GROUP)
-    with open(temporary, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(temporary, target)
+    # unique, as the tasks of one Slurm array may each write the table of the stage they read at once
+    temporary = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        pq.write_table(table.combine_chunks(), temporary, row_group_size=ROW_GROUP)
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
     fsync_directory(target.parent)
 
 
