@@ -77,7 +77,8 @@ def main() -> None:
         (folder / "rows.jsonl").write_text(json.dumps({"id": "long", "text": text}) + "\n")
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         os.environ.update(env)
-        code, cbgen_gb, cbgen_s = _peak(["cbgen", "score", str(folder / "rows.jsonl"), "-o", str(folder / "out"),
+        command = str(Path(sys.executable).parent / "cbgen")  # this environment's, whatever PATH holds
+        code, cbgen_gb, cbgen_s = _peak([command, "score", str(folder / "rows.jsonl"), "-o", str(folder / "out"),
                                          "--model", str(config), "--dtype", "bfloat16", "-q"])
         row = json.loads((folder / "out").glob("part-*.jsonl").__next__().read_text())
         tokens = row["num_scored_tokens"] + 1

@@ -169,3 +169,13 @@ def test_a_pipeline_as_a_dict_through_the_api(tiny_model_dir, tmp_path, monkeypa
     report = cbgen.pipeline(data, tmp_path / "api-out", progress=False)
     assert report.exit_code == 0 and [s.name for s in report.stages] == ["questions", "short"]
     assert cbgen.load(tmp_path / "api-out" / "short")["topic"] == TOPICS[:3]
+
+
+def test_redo_over_the_whole_pipeline_leaves_done_rows_alone(ran, capsys):
+    file, out = ran
+    before = {stage: shard_times(out / stage) for stage in ("questions", "answers", "judge", "kept")}
+    # no row failed and none was cut in the judge (a score is never cut): nothing is redone, nothing after reruns
+    assert run_cli(["pipeline", str(file), "-o", str(out), "-q", "--json", "--redo", "failed"]) == 0
+    states = {s["stage"]: s["state"] for s in json.loads(capsys.readouterr().out)["stages"]}
+    assert states["kept"] == "up to date"
+    assert {stage: shard_times(out / stage) for stage in before} == before
