@@ -198,6 +198,10 @@ job_options = with_options(JOB_OPTIONS)  # cbgen run, cbgen config show
 score_options = with_options(SCORE_OPTIONS)  # cbgen score
 
 
+InputPath = Annotated[
+    Optional[str],  # noqa: UP045 (typer)
+    typer.Argument(metavar="INPUT", help=help_of("input", "path"), show_default=False),
+]
 ConfigFile = Annotated[
     Optional[str],  # noqa: UP045
     typer.Option("--config", "-c", help="YAML job file (sections model, input, generation, batching, output, run); "

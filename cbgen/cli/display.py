@@ -163,9 +163,6 @@ def summary_table(summary: RunSummary) -> Table:
     if summary.kind == "score":
         return _score_summary(summary)
     throughput = summary.throughput()
-    table = Table(title="cbgen run summary", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
     rows = [
         ("model", summary.model),
         ("requests", f"{summary.requests} ({plural(summary.sequences, 'sequence')})"),
@@ -183,6 +180,14 @@ def summary_table(summary: RunSummary) -> Table:
     if formats:
         rows.insert(-2, ("output formats", f"{plural(formats, 'grammar')} compiled in "
                                            f"{summary.step_control['compile_s']:.2f} s"))
+    return _pairs("cbgen run summary", rows)
+
+
+def _pairs(title: str, rows: list[tuple[str, str]]) -> Table:
+    """A two-column table of names (bold) and values."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
     for name, value in rows:
         table.add_row(name, value)
     return table
@@ -190,9 +195,6 @@ def summary_table(summary: RunSummary) -> Table:
 
 def _score_summary(summary: RunSummary) -> Table:
     seconds = summary.generation_seconds or float("nan")
-    table = Table(title="cbgen score summary", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
     rows = [
         ("model", summary.model),
         ("rows scored / failed", f"{summary.succeeded} / {summary.failed}"),
@@ -203,9 +205,7 @@ def _score_summary(summary: RunSummary) -> Table:
         ("forward passes", f"{summary.scorer.get('forward_passes', 0):,}"),
         ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
-    return table
+    return _pairs("cbgen score summary", rows)
 
 
 def dry_run_table(report: DryRunReport) -> Table:

@@ -8,16 +8,18 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
-from cbgen.cli._options import ConfigFile, job_options
+from cbgen.cli._options import ConfigFile, InputPath, job_options
 from cbgen.cli.display import dry_run_table, make_progress, summary_table
 from cbgen.config import JobConfig, build_config
-from cbgen.config.sections import help_of
 from cbgen.errors import CbgenError, ExitCode
+
+if TYPE_CHECKING:
+    from cbgen.summary import RunSummary
 
 EPILOG = (
     "[bold]Examples[/bold]\n\n"
@@ -45,10 +47,7 @@ EPILOG = (
 
 @job_options
 def run(
-    input_path: Annotated[
-        Optional[str],  # noqa: UP045 (typer)
-        typer.Argument(metavar="INPUT", help=help_of("input", "path"), show_default=False),
-    ] = None,
+    input_path: InputPath = None,
     config: ConfigFile = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Generate nothing: read and render every row with the tokenizer only (no model weights) "
@@ -95,6 +94,11 @@ def run(
     finally:
         if tp is not None:
             tp.close()
+    report(console, job, summary)
+
+
+def report(console: Console, job: JobConfig, summary: RunSummary) -> None:
+    """The end of a job's command: its summary table (unless --quiet), how to resume a stopped job, its exit code."""
     if not job.run.quiet:
         console.print(summary_table(summary))
     if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):

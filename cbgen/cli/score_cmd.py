@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import threading
-from typing import Annotated, Any, Optional
+from typing import Any
 
-import typer
 from rich.console import Console
 
-from cbgen.cli._options import ConfigFile, score_options
-from cbgen.cli.display import make_progress, summary_table
-from cbgen.cli.run import graceful_stop
+from cbgen.cli._options import ConfigFile, InputPath, score_options
+from cbgen.cli.display import make_progress
+from cbgen.cli.run import graceful_stop, report
 from cbgen.config import build_config
-from cbgen.config.sections import help_of
-from cbgen.errors import ExitCode
 
 EPILOG = (
     "[bold]Examples[/bold]\n\n"
@@ -38,10 +35,7 @@ EPILOG = (
 
 @score_options
 def score(
-    input_path: Annotated[
-        Optional[str],  # noqa: UP045 (typer)
-        typer.Argument(metavar="INPUT", help=help_of("input", "path"), show_default=False),
-    ] = None,
+    input_path: InputPath = None,
     config: ConfigFile = None,
     *,
     overrides: dict[tuple[str, str], tuple[Any, str]],
@@ -56,9 +50,4 @@ def score(
     stop = threading.Event()
     with graceful_stop(stop, console):
         summary = run_job(job, make_progress(console, job.run.quiet), stop)
-    if not job.run.quiet:
-        console.print(summary_table(summary))
-    if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):
-        console.print(f"{summary.status}: complete results are in {summary.output_dir}; run the same command again "
-                      "to resume", markup=False, highlight=False)
-    raise typer.Exit(int(summary.exit_code))
+    report(console, job, summary)

@@ -142,13 +142,14 @@ class PipelineRun:
         (a Slurm array runs one stage at a time, with --stage)."""
         if self.only is not None and stage.name != self.only:
             return {}
-        extra = dict(self.extra) if self.only is not None else \
+        extra: Overrides = dict(self.extra) if self.only is not None else \
             {("run", "num_shards"): (1, "num_shards"), ("run", "shard_index"): (0, "shard_index")} | \
             {k: v for k, v in self.extra.items() if k[1] == "redo"}
-        redo, flag = extra.pop(("run", "redo"), ([], "redo"))
+        given = extra.pop(("run", "redo"), None)
+        redo: list[str] = list(given[0]) if given is not None else []
         kinds = [k for k in redo if stage.kind != "score" or k != "length"]  # a score is never cut
         has_run = any((self.output_dir / stage.name).glob("**/fingerprint.json"))  # a first run has nothing to redo
-        return extra | ({("run", "redo"): (kinds, flag)} if kinds and has_run else {})
+        return extra | ({("run", "redo"): (kinds, "redo")} if kinds and has_run else {})
 
     # -- generate and score stages -------------------------------------------------------------------------------
 
