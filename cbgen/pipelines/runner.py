@@ -280,6 +280,7 @@ class PipelineRun:
                 raise CbgenError(f"stage {name!r} has not run yet (or changed since): run it first "
                                  f"(cbgen pipeline {self.pipeline.where} --stage {name})")
             files = [p for _, p in shard_paths(self.output_dir / name)]
+            state = None
         else:
             state = self._job_state(name)
             if not state.complete:
@@ -293,23 +294,22 @@ class PipelineRun:
         known = read_json_or_none(sidecar)
         if isinstance(known, dict) and known.get("source") == source and target.exists():
             return Table(target, known["sha256"], known["rows"])
-        rows = self._write_table(stage, files, target)
+        rows = self._write_table(stage, files, target, state)
         table = Table(target, sha256(target), rows)
         write_json_atomic(sidecar, {"source": source, "sha256": table.sha256, "rows": rows})
         return table
 
-    def _write_table(self, stage: Stage, files: list[Path], target: Path) -> int:
+    def _write_table(self, stage: Stage, files: list[Path], target: Path, state: JobState | None) -> int:
         import pyarrow.parquet as pq
 
         from cbgen.outputs.dataset import columns_of
         from cbgen.pipelines.tables import write_parquet, write_stage_table
 
-        if stage.kind == "sql":
+        if state is None:  # an sql stage: its result as it is
             table = pq.read_table(files) if files else self.plans[stage.name].table.empty_table()
             write_parquet(table, target)
             return table.num_rows
         job, _ = self.job_of(stage.name)
-        state = self._job_state(stage.name)
         columns = columns_of(state.directories[0].path)
         assert columns is not None
         return write_stage_table(stage.name, job, columns, files, self._input_ids(stage, job, state), target)
