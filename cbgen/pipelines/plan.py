@@ -80,7 +80,7 @@ def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StageP
         _checked_input(pipeline, stage, str(stub), output_dir, f"stage {stage.input!r}'s table")
     else:
         schema = _checked_input(pipeline, stage, stage.input, output_dir, None)
-    carried, dropped = carried_columns(schema, _reserved(stage.kind))
+    carried, dropped = carried_columns(schema, OutputColumns(kind=stage.kind).reserved)
     if stage.name in carried:
         raise CbgenError(f"its input has a column named {stage.name!r} too, and its own fields take that name in "
                          "its table; rename the stage")
@@ -96,12 +96,6 @@ def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StageP
     notes = tuple(f"stage {stage.name!r} does not carry column {c!r} of its input on: its own rows have a field of "
                   "that name" for c in dropped)
     return StagePlan(stage, infer_stage_table(stage.name, job, columns, output), tuple(carried), notes)
-
-
-def _reserved(kind: str) -> frozenset[str]:
-    from cbgen.records import RESERVED_NAMES, SCORE_RESERVED_NAMES
-
-    return SCORE_RESERVED_NAMES if kind == "score" else RESERVED_NAMES
 
 
 def _checked_input(pipeline: Pipeline, stage: Stage, path: str, output_dir: Path, described: str | None
@@ -131,6 +125,8 @@ def _checked_input(pipeline: Pipeline, stage: Stage, path: str, output_dir: Path
 def _check_fields(job: JobConfig, schema: pa.Schema) -> None:
     """The fields the templates read inside struct columns (`{{ questions.text }}`), and a score stage's dotted
     columns, exist in the input's schema."""
+    from cbgen.inputs.base import PROMPT_FIELDS
+    from cbgen.inputs.scoring import CHOICES_FIELD
     from cbgen.templates import PromptTemplate
 
     template = PromptTemplate.from_input(job.input)
@@ -141,12 +137,13 @@ def _check_fields(job: JobConfig, schema: pa.Schema) -> None:
                 raise CbgenError(f"the templates read {column}.{name}, and column {column!r} has no field {name!r}; "
                                  f"its fields are: {', '.join(fields)}")
     if job.kind == "score":
-        prompted = template is not None or any(c in schema.names for c in ("prompt", "messages", "input_ids"))
+        prompted = template is not None or any(c in schema.names for c in PROMPT_FIELDS)
         completion = job.score.completion_column.split(".")[0]
-        if prompted and not job.score.choices and "choices" not in schema.names and completion not in schema.names:
+        if prompted and not job.score.choices and CHOICES_FIELD not in schema.names \
+                and completion not in schema.names:
             raise CbgenError(f"nothing to score: its rows have a prompt, but its input has no column {completion!r} "
-                             "(completion_column) nor 'choices', and the stage gives no choices; its columns are: "
-                             f"{', '.join(schema.names)}")
+                             f"(completion_column) nor {CHOICES_FIELD!r}, and the stage gives no choices; its columns "
+                             f"are: {', '.join(schema.names)}")
         for flag, path in (("completion_column", job.score.completion_column), ("text_column", job.score.text_column)):
             head, _, rest = path.partition(".")
             fields = struct_fields(schema, head) if rest and head in schema.names else None
