@@ -115,6 +115,7 @@ class PipelineRun:
         self.models = models or ModelPool()
         self.plans: dict[str, StagePlan] = {}
         self.job_of = cache(self._job_of)
+        self.fingerprint = cache(self._fingerprint)
         self.signature = cache(self._signature)
         self.table = cache(self._table)
 
@@ -166,20 +167,20 @@ class PipelineRun:
         job = stage_job(self.pipeline, stage, path, self.output_dir, self.plans[name].carried, self._overrides(stage))
         return job, lineage
 
-    def _fingerprint(self, job: JobConfig, lineage: dict[str, Any], sharding: tuple[int, int] | None
-                     ) -> dict[str, Any]:
+    def _fingerprint(self, name: str) -> dict[str, Any]:
+        """Generate or score stage `name`'s fingerprint as it is now, without its sharding (which shards differ in)."""
         from cbgen.model.source import resolve_source
         from cbgen.outputs.manifest import job_fingerprint
 
-        return job_fingerprint(job, resolve_source(job.model.model), sharding) | {"pipeline": lineage}
+        job, lineage = self.job_of(name)
+        return job_fingerprint(job, resolve_source(job.model.model), None) | {"pipeline": lineage}
 
     def _signature(self, name: str) -> str:
         """A digest of what stage `name` is now: its fingerprint without its sharding."""
         stage = self.pipeline.stage(name)
         if stage.kind == "sql":
             return _digest(self._sql_fingerprint(stage))
-        job, lineage = self.job_of(name)
-        return _digest({k: v for k, v in self._fingerprint(job, lineage, None).items() if k != "shard"})
+        return _digest({k: v for k, v in self.fingerprint(name).items() if k != "shard"})
 
     def _job_state(self, name: str) -> JobState:
         from cbgen.collect import find_run_directories
@@ -190,8 +191,8 @@ class PipelineRun:
             found = find_run_directories(self.output_dir / name)
         except CbgenError:
             return JobState((), False, ())
-        job, lineage = self.job_of(name)
-        current = {k: v for k, v in self._fingerprint(job, lineage, None).items() if k != "shard"}
+        job, _ = self.job_of(name)
+        current = {k: v for k, v in self.fingerprint(name).items() if k != "shard"}
 
         def same(directory: RunDirectory) -> bool:
             stored = {k: v for k, v in directory.fingerprint.items() if k != "shard"}
