@@ -44,6 +44,7 @@ class RunSummary:
     shards: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     kv_cache: dict[str, Any] = field(default_factory=dict)
+    batch_invariant: dict[str, Any] = field(default_factory=dict)  # on or off, and why (cbgen.engine.plan)
     engine_restarts: int = 0
     attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
     ids: IdChoice | None = None  # where request ids come from
@@ -58,6 +59,7 @@ class RunSummary:
     def record_plan(self, plan: JobPlan) -> None:
         """What run.json says of the job's plan: how the KV cache was sized and which sampler stages run."""
         self.kv_cache = dict(plan.engine.kv_cache)
+        self.batch_invariant = dict(plan.engine.batch_invariant)
         self.sampling = {"per_request": plan.sampling.per_request, "stages": sorted(plan.sampling.stages),
                          "row_settings": sorted(self.row_settings)}
 

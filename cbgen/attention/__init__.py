@@ -29,23 +29,25 @@ from contextlib import contextmanager
 import torch
 
 from cbgen.attention.pass_memo import watch
-from cbgen.attention.per_sequence import per_sequence_sdpa_forward
+from cbgen.attention.per_sequence import batch_invariant_sdpa_forward, per_sequence_sdpa_forward
 from cbgen.attention.support import cpu_attention_available, cpu_attention_unavailable_reason, installed
 
-__all__ = ["cpu_attention_available", "cpu_attention_unavailable_reason", "per_sequence_attention",
-           "per_sequence_sdpa_forward"]
+__all__ = ["batch_invariant_sdpa_forward", "cpu_attention_available", "cpu_attention_unavailable_reason",
+           "per_sequence_attention", "per_sequence_sdpa_forward"]
 
 logger = logging.getLogger(__name__)
 
 
 @contextmanager
-def per_sequence_attention(model: torch.nn.Module, *, required: bool = False) -> Iterator[bool]:
+def per_sequence_attention(model: torch.nn.Module, *, required: bool = False,
+                           invariant: bool = False) -> Iterator[bool]:
     """Serves the model's continuous-batching attention per sequence while the block runs; yields whether it does.
 
     Enter it around the whole life of a `ContinuousBatchingManager` (its generation thread looks the attention
     function up at every forward pass). On exit, the function that was registered under "sdpa" before is put back.
     When the model is not supported (see `cpu_attention_unavailable_reason`), nothing is installed and the block runs
-    on the stock attention; with `required=True` that raises `RuntimeError` instead.
+    on the stock attention; with `required=True` that raises `RuntimeError` instead. `invariant`: every token
+    attended batch-invariantly (cbgen.attention.invariant).
     """
     reason = cpu_attention_unavailable_reason(model)
     if reason is not None:
@@ -56,7 +58,7 @@ def per_sequence_attention(model: torch.nn.Module, *, required: bool = False) ->
         return
     unwatch = watch(model)
     try:
-        with installed("sdpa", per_sequence_sdpa_forward):
+        with installed("sdpa", batch_invariant_sdpa_forward if invariant else per_sequence_sdpa_forward):
             yield True
     finally:
         unwatch()

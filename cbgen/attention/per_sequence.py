@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cbgen.attention import support
+from cbgen.attention.invariant import attend_invariant
 from cbgen.attention.paged_decode import PageRead, layer_cache, padded_positions, read_requests
 from cbgen.attention.pass_memo import remembered
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
@@ -185,6 +186,7 @@ def per_sequence_sdpa_forward(
     is_causal: bool | None = None,
     position_bias: torch.Tensor | None = None,
     cache: Any = None,
+    _invariant: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Drop-in for transformers' `sdpa_attention_forward` that attends each request of a paged batch on its own.
@@ -192,6 +194,7 @@ def per_sequence_sdpa_forward(
     Same arguments and return value as the stock function ([1, heads, tokens, dim] query, [1, kv_heads, tokens, dim]
     keys and values; returns [1, tokens, heads, dim]). The dense `attention_mask` the engine builds is ignored: the
     per-request causal (and sliding-window) structure is rebuilt from the cumulative sequence lengths.
+    `_invariant`: attend batch-invariantly (see `batch_invariant_sdpa_forward`).
     """
     stock = support.stock("sdpa")
     batch = None
@@ -206,6 +209,9 @@ def per_sequence_sdpa_forward(
     if sum(batch.q_lengths) < num_tokens:
         out.zero_()  # padding tokens: never read, but keep them finite
     layer = layer_cache(cache, module.layer_idx, kwargs, batch.read_end, num_tokens)
+    if _invariant:
+        _attend_invariantly(module, query, key, value, batch, scaling, out, layer, cache, kwargs)
+        return out.unsqueeze(0), None
     if layer is None:
         _attend_packed(query, key, value, batch, scaling, out, cache.update(
             key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs))
@@ -222,6 +228,33 @@ def per_sequence_sdpa_forward(
                                 batch.k_lengths[i])
         _attend_chunk(query, k, v, batch, i, scaling, out)
     return out.unsqueeze(0), None
+
+
+def batch_invariant_sdpa_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`per_sequence_sdpa_forward` with every query token attended in a call shaped by its own position only
+    (cbgen.attention.invariant): the same result whatever shares the batch. Calls the per-sequence path does not
+    compute go to the stock function, as there."""
+    return per_sequence_sdpa_forward(module, query, key, value, attention_mask, _invariant=True, **kwargs)
+
+
+def _attend_invariantly(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch,
+                        scaling: float | None, out: torch.Tensor, layer: Any, cache: Any,
+                        kwargs: dict[str, Any]) -> None:
+    """The new KV written (through the layer's cache views, else the stock update), then every token read back from
+    where it lies and attended by cbgen.attention.invariant."""
+    if layer is not None:
+        layer.write(key, value)
+        if batch.read_end == 0:  # no request has a past (and the engine left the read index empty): the new KV
+            attend_invariant(query, key[0].transpose(0, 1), value[0].transpose(0, 1), None, batch, scaling, out)
+        else:
+            attend_invariant(query, layer.k_cache, layer.v_cache, layer.read_index, batch, scaling, out)
+        return
+    packed_k, packed_v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    if batch.k_starts[-1] + batch.k_lengths[-1] > packed_k.shape[2]:
+        raise RuntimeError("batch-invariant attention: the paged cache returned fewer keys than the batch's lengths; "
+                           "run without --batch-invariant")
+    attend_invariant(query, packed_k[0].transpose(0, 1), packed_v[0].transpose(0, 1), None, batch, scaling, out)
 
 
 def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch, scaling: float | None,

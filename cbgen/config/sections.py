@@ -64,6 +64,11 @@ class ModelSection:
         "default (MKL): faster on AVX2 CPUs (1.06-1.22x a whole job here, 2.6x on the vocabulary projection) at the "
         "cost of a second copy of the weights, and each row's result no longer depends on its batch. Sums run in "
         "another order, so a greedy token can differ from the default path at a near-tie.")
+    batch_invariant: bool | None = setting(
+        None, "Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's attention in a "
+        "call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same whatever shares "
+        "its batches (batch limits, input order, resume, shards, --data-parallel). Costs time (docs/performance.md). "
+        "Default: on for seeded jobs (--seed) where cbgen's CPU attention runs, else off. Not with --tp.")
     tp_size: int = setting(
         1, "Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m cbgen run "
         "... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress. A "

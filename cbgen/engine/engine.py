@@ -142,7 +142,7 @@ class Engine:
             yield self._reject(first, first.error)
         else:
             return  # nothing could run: no manager, no cache
-        with attention_scope(self.model, self.settings.spec.attention) as running:
+        with attention_scope(self.model, self.settings.spec.attention, self.settings.spec.batch_invariant) as running:
             self.stats.attention = running
             self._start()
             try:

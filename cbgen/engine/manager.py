@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.attention import per_sequence_attention
 from cbgen.attention.softcap import softcapped_paged_eager
+from cbgen.model.invariant import batch_invariant_linear
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -34,6 +35,7 @@ class ManagerSpec:
     workload_hints: WorkloadHints | None = None
     attention: str = "auto"  # cbgen's per-sequence attention: "auto" (where it applies), "required" or "off"
     control: StepPlan | None = None  # grammar masks, the model's own logprobs, seeded draws
+    batch_invariant: bool = False  # fixed-shape linear tiles and per-token attention calls (cbgen.model.invariant)
 
 
 @dataclass
@@ -47,14 +49,20 @@ class CacheFacts:
 
 
 @contextmanager
-def attention_scope(model: CausalLM, attention: str) -> Iterator[str]:
+def attention_scope(model: CausalLM, attention: str, invariant: bool = False) -> Iterator[str]:
     """The attention the manager runs with, around its whole life (its thread looks the function up every step):
-    cbgen's per-sequence attention where asked and applicable, and soft-capping where the model needs it. Yields
-    what runs: "per-sequence", "stock", or "stock, soft-capped"."""
+    cbgen's per-sequence attention where asked and applicable, and soft-capping where the model needs it; with
+    `invariant`, batch-invariant attention and linear layers (which cbgen.engine.plan only asks for where the
+    per-sequence attention applies). Yields what runs: "per-sequence", "per-sequence, batch-invariant", "stock", or
+    "stock, soft-capped"."""
     with ExitStack() as stack:
         per_sequence = attention != "off" and stack.enter_context(
-            per_sequence_attention(model, required=attention == "required"))
+            per_sequence_attention(model, required=attention == "required" or invariant, invariant=invariant))
         capped = stack.enter_context(softcapped_paged_eager(model))
+        if per_sequence and invariant:
+            stack.enter_context(batch_invariant_linear(model))
+            yield "per-sequence, batch-invariant"
+            return
         yield "per-sequence" if per_sequence else "stock, soft-capped" if capped else "stock"
 
 
@@ -108,7 +116,7 @@ def serve(model: CausalLM, tokenizer: PreTrainedTokenizerBase, spec: ManagerSpec
     """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
     control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
     control = spec.control.control(tokenizer) if spec.control is not None else None
-    with attention_scope(model, spec.attention):
+    with attention_scope(model, spec.attention, spec.batch_invariant):
         manager, _ = start_manager(model, spec, control)
         try:
             while manager.is_running():

@@ -65,6 +65,7 @@ class EnginePlan:
     batching: dict[str, Any]
     kv_cache: dict[str, Any]  # how the KV cache was sized, for run.json
     settings: EngineSettings
+    batch_invariant: dict[str, Any]  # whether the numerics are batch-invariant, and why, for run.json
 
 
 def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sampling: SamplingPlan,
@@ -77,6 +78,7 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
     max_positions = getattr(text_config, "max_position_embeddings", None)
     generation_config, eos = build_generation_config(job, loaded, sampling)
     attention = attention_choice(job, loaded)
+    invariant, why = invariance_choice(job, loaded, attention)
     batching = dict(job.batching)
     if loaded.device == "cpu":
         from cbgen.attention import cpu_attention_available
@@ -96,10 +98,11 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
     g = job.generation
     settings = EngineSettings(
-        spec=ManagerSpec(generation_config, cb_config, hints, attention, steps), max_in_flight=window,
+        spec=ManagerSpec(generation_config, cb_config, hints, attention, steps, batch_invariant=invariant),
+        max_in_flight=window,
         max_new_tokens=g.max_new_tokens, num_return_sequences=g.num_return_sequences, eos_token_ids=eos,
         max_positions=max_positions, request_timeout=job.run.request_timeout, prefix_gating=job.run.prefix_gating)
-    return EnginePlan(generation_config, eos, batching, kv_cache, settings)
+    return EnginePlan(generation_config, eos, batching, kv_cache, settings, {"on": invariant, "why": why})
 
 
 def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan
@@ -138,6 +141,36 @@ def attention_choice(job: JobConfig, loaded: LoadedModel) -> str:
     if job.model.attn_implementation is None and loaded.device == "cpu":
         return "auto"
     return "off"
+
+
+def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tuple[bool, str]:
+    """Whether the job runs batch-invariant (cbgen.model.invariant, cbgen.attention.invariant), and why. Asked for
+    (--batch-invariant), it must apply; by default it is on for seeded jobs where it applies."""
+    asked = job.model.batch_invariant
+    if asked is False:
+        return False, "off (--no-batch-invariant)"
+    reason = None
+    if job.model.tp_size > 1:
+        reason = "tensor parallelism splits each sum across ranks"
+    elif attention == "off" or loaded.device != "cpu":
+        named = f"--attn-implementation {job.model.attn_implementation}"
+        runs = f"on {loaded.device}" if loaded.device != "cpu" else named
+        reason = f"it needs cbgen's per-sequence CPU attention, and this job runs {runs}"
+    else:
+        from cbgen.attention import cpu_attention_unavailable_reason
+
+        unavailable = cpu_attention_unavailable_reason(loaded.model)
+        if unavailable:
+            reason = f"it needs cbgen's per-sequence CPU attention, which does not apply: {unavailable}"
+    if reason is not None:
+        if asked:
+            raise CbgenError(f"--batch-invariant does not apply here: {reason}; drop the flag")
+        return False, f"off: {reason}"
+    if asked:
+        return True, "on (--batch-invariant)"
+    if job.generation.seed is not None:
+        return True, "on: a seeded job (--no-batch-invariant turns it off)"
+    return False, "off: not a seeded job (--batch-invariant turns it on)"
 
 
 def available_memory_bytes() -> int | None:

@@ -1,0 +1,222 @@
+"""Batch invariance: with --batch-invariant (the default for seeded jobs), a sequence's tokens and logprobs are bitwise
+the same whatever shares its batches. Fixed-shape linear tiles row by row; every architecture family with cbgen's CPU
+attention in bfloat16 and float32 at 1, 3 and 64 requests per batch, shuffled, with chunked prompts; and whole jobs
+under other batch limits, input order, kill -9 and resume, shards and --data-parallel."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cbgen
+from cbgen.cli import run_cli
+from cbgen.model.invariant import TILE_ROWS, batch_invariant_linear, fixed_shape_linear
+from cbgen.outputs import read_shards
+from tests.helpers import write_jsonl
+from tests.model.test_architectures import ARCHITECTURES, BASE
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (2048, 576), (128, 64)])
+def test_fixed_shape_linear_gives_a_row_the_same_bits_in_any_batch(dtype, shape):
+    """The embedded model's MLP and (a slice of its) vocabulary shapes: a row alone, among 1 to 300 rows at any place,
+    and under 1 or 2 threads, is bitwise one result, and that result is the linear layer's (to rounding)."""
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    rows = torch.randn(300, in_features, generator=generator).to(dtype)
+    rng = random.Random(1)
+    for _ in range(12):
+        count = rng.choice([1, 2, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, rng.randint(1, 300)])
+        place = rng.randrange(count)
+        batch = rows[rng.randrange(300 - count + 1):][:count].clone()
+        alone = batch[place : place + 1]
+        together = fixed_shape_linear(batch, weight, bias)
+        assert torch.equal(together[place], fixed_shape_linear(alone, weight, bias)[0])
+        tolerance = {"atol": 0.5, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-3, "rtol": 1e-4}
+        torch.testing.assert_close(together, torch.nn.functional.linear(batch, weight, bias), **tolerance)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = fixed_shape_linear(rows[:100], weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, fixed_shape_linear(rows[:100], weight))
+
+
+def _folder(name: str, tiny_model_dir: Path, root: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = AutoConfig.for_model(**{**BASE, "vocab_size": len(tokenizer), **ARCHITECTURES[name][0]})
+    torch.manual_seed(0)
+    folder = root / name
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_block_puts_the_model_back(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_folder("qwen3-moe", tiny_model_dir, tmp_path))
+    before = model.get_experts_implementation()
+    head = model.get_output_embeddings()
+    vars(head)["forward"] = own = lambda x: x  # as the chunked vocabulary projection installs its own
+    with batch_invariant_linear(model):
+        assert "forward" in vars(model) and "forward" not in vars(head)
+        assert set(model.get_experts_implementation().values()) == {"eager"}
+    assert "forward" not in vars(model) and vars(head)["forward"] is own
+    assert model.get_experts_implementation() == before
+
+
+PROMPTS = [("Tell me about the river number " + "and its long banks " * (i % 5) + str(i)) for i in range(10)]
+MATRIX = ["llama", "mistral", "gemma3", "qwen3-moe"]  # plain, sliding-window, hybrid sliding/full, MoE
+
+
+def _sequences(results) -> dict:
+    return {(r.id, r.sample_index): (r.token_ids, r.logprobs) for r in results}
+
+
+def _three_batchings(folder: Path, dtype: str, invariant: bool) -> list[dict]:
+    """Seeded samples (and logprobs) of 10 prompts of 8-60 tokens (longer than the 16-token windows): one request
+    per batch, then shuffled at 3 per batch, then 64 per batch with a 24-token budget that cuts prompts into chunks."""
+    rows = [{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)]
+    settings = dict(num_return_sequences=2, temperature=1.0, seed=5, max_new_tokens=10, logprobs=True)
+    runs = []
+    with cbgen.Generator(model=str(folder), dtype=dtype, progress=False, raw_prompts=True,
+                         batch_invariant=invariant) as generator:
+        for i, batch in enumerate([dict(max_requests_per_batch=1), dict(max_requests_per_batch=3),
+                                   dict(max_requests_per_batch=64, max_batch_tokens=24)]):
+            order = rows[:]
+            random.Random(i).shuffle(order)
+            runs.append(_sequences(generator.generate(order, **settings, **batch)))
+    assert all(len(tokens) == 10 for tokens, _ in runs[0].values())
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", MATRIX)
+def test_sequences_do_not_move_with_the_batch(name, dtype, tiny_model_dir, tmp_path):
+    one, three, sixty_four = _three_batchings(_folder(name, tiny_model_dir, tmp_path), dtype, invariant=True)
+    assert three == one
+    assert sixty_four == one
+
+
+@pytest.mark.slow
+def test_without_it_the_same_check_finds_sequences_that_moved(tiny_model_dir, tmp_path):
+    """The control: the stock numerics under the same three batchings (measured here: 6 of 20 sequences kept their
+    tokens and logprobs in float32), so the comparison above does see a batch's effect when there is one."""
+    one, three, sixty_four = _three_batchings(_folder("llama", tiny_model_dir, tmp_path), "float32", invariant=False)
+    assert three != one or sixty_four != one
+
+
+# whole jobs -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def job_prompts(tmp_path_factory) -> Path:
+    rows = [{"id": f"r{i:02d}", "prompt": f"Describe the number {i}." + " Give details." * (i % 6)}
+            for i in range(24)]
+    return write_jsonl(tmp_path_factory.mktemp("invariance") / "prompts.jsonl", rows)
+
+
+def _job(tiny_model_dir, prompts, out, *extra) -> list[str]:
+    return ["run", str(prompts), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "bfloat16",
+            "--seed", "11", "--temperature", "1", "-n", "2", "--max-new-tokens", "16", "--logprobs", "-q",
+            *map(str, extra)]
+
+
+def _written(*outs: Path) -> dict:
+    rows = [row for out in outs for row in read_shards(out)]
+    found = {(r["id"], r["sample_index"]): (r["token_ids"], r["logprobs"]) for r in rows}
+    assert len(found) == len(rows)  # each sequence once
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference_job(tiny_model_dir, job_prompts, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("reference") / "out"
+    assert run_cli(_job(tiny_model_dir, job_prompts, out)) == 0
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["batch_invariant"]["on"] is True  # seeded: on by default
+    assert manifest["attention"] == "per-sequence, batch-invariant"
+    return _written(out)
+
+
+@pytest.mark.slow
+def test_a_job_under_other_batch_limits_and_order(tiny_model_dir, job_prompts, tmp_path, reference_job):
+    rows = [json.loads(line) for line in job_prompts.read_text().splitlines()]
+    random.Random(4).shuffle(rows)
+    shuffled = write_jsonl(tmp_path / "shuffled.jsonl", rows)
+    out = tmp_path / "out"
+    assert run_cli(_job(tiny_model_dir, shuffled, out, "--max-requests-per-batch", 3, "--max-batch-tokens", 40)) == 0
+    assert _written(out) == reference_job
+
+
+@pytest.mark.slow
+def test_a_job_in_shards_and_in_replicas(tiny_model_dir, job_prompts, tmp_path, reference_job):
+    sharded = tmp_path / "sharded"
+    for i in range(2):
+        assert run_cli(_job(tiny_model_dir, job_prompts, sharded, "--num-shards", 2, "--shard-index", i)) == 0
+    assert run_cli(["merge", str(sharded)]) == 0
+    assert _written(sharded / "merged") == reference_job
+    out = tmp_path / "replicas"
+    assert run_cli(_job(tiny_model_dir, job_prompts, out, "--data-parallel", 2)) == 0  # one thread each
+    assert _written(out) == reference_job
+
+
+@pytest.mark.slow
+def test_a_job_killed_and_resumed(tiny_model_dir, job_prompts, tmp_path, reference_job):
+    out = tmp_path / "out"
+    args = _job(tiny_model_dir, job_prompts, out, "--rows-per-shard", 2, "--commit-interval", 0.05,
+                "--max-in-flight", 4)
+    process = subprocess.Popen([sys.executable, "-m", "cbgen", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("part-*.jsonl"))) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert run_cli(args) == 0
+    assert json.loads((out / "run.json").read_text())["counts"]["resumed_requests"] > 0
+    assert _written(out) == reference_job
+
+
+# when it applies --------------------------------------------------------------------------------------------------
+
+
+def test_unseeded_jobs_are_not_invariant_unless_asked(tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}])
+    common = [str(prompts), "--model", str(tiny_model_dir), "--max-new-tokens", "2", "-q"]
+    assert run_cli(["run", *common, "-o", str(tmp_path / "plain")]) == 0
+    assert json.loads((tmp_path / "plain" / "run.json").read_text())["batch_invariant"] == {
+        "on": False, "why": "off: not a seeded job (--batch-invariant turns it on)"}
+    assert run_cli(["run", *common, "-o", str(tmp_path / "asked"), "--batch-invariant"]) == 0
+    assert json.loads((tmp_path / "asked" / "run.json").read_text())["batch_invariant"]["on"] is True
+    assert run_cli(["run", *common, "-o", str(tmp_path / "seeded-off"), "--seed", "1", "--temperature", "1",
+                    "--no-batch-invariant"]) == 0
+    manifest = json.loads((tmp_path / "seeded-off" / "run.json").read_text())
+    assert manifest["batch_invariant"]["on"] is False and manifest["attention"] == "per-sequence"
+
+
+def test_asked_where_it_cannot_apply_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}])
+    code = run_cli(["run", str(prompts), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir),
+                    "--attn-implementation", "sdpa", "--batch-invariant", "-q"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--batch-invariant does not apply here" in err and "drop the flag" in err and "Traceback" not in err
