@@ -5,9 +5,13 @@
    against `model.generate` one prompt at a time (float32 where the attention allows it; bfloat16 for flash, where
    tokens may drift with batch composition, so the share that agrees is reported), and the KV cache the engine sized
    from free device memory read back from run.json.
-2. `cbgen bench` on a random-weight 1B Llama shape in bfloat16: the mixed and shared-prefix workloads through cbgen,
+2. Batch invariance: the same 16 prompts (seeded samples with logprobs, and greedy) at up to 16 and at 3 requests
+   per batch, shuffled, in bfloat16 with the attention cbgen picks on this device, bitwise compared: with the stock
+   numerics, with cbgen's fixed-shape linear tiles (cbgen.model.invariant; the attention stays the device's), and,
+   where it applies (cbgen's CPU attention), with --batch-invariant.
+3. `cbgen bench` on a random-weight 1B Llama shape in bfloat16: the mixed and shared-prefix workloads through cbgen,
    plain `generate_batch` and static batching.
-3. One table of all of it.
+4. One table of all of it.
 
     python benchmarks/gpu_check.py                      # on a CUDA machine
     python benchmarks/gpu_check.py --device cpu --quick # the script's own plumbing, on any machine (no graphs/flash)
@@ -92,6 +96,42 @@ def smoke(work: Path, device: str, graphs: list[bool], quick: bool) -> list[dict
     return rows
 
 
+def invariance(device: str, quick: bool) -> list[dict]:
+    """Sequences identical at two batch sizes (tokens / tokens and logprobs), stock, with linear tiles, and with
+    --batch-invariant where it applies."""
+    from contextlib import nullcontext
+
+    import cbgen
+    from cbgen.model.invariant import batch_invariant_linear
+
+    rng = random.Random(1)
+    rows = [{"id": str(i), "input_ids": [rng.randrange(1, 49152) for _ in range(rng.randint(8, 120))]}
+            for i in range(16)]
+    shuffled = rows[:]
+    random.Random(2).shuffle(shuffled)
+    new = 8 if quick else 32
+    results = []
+    variants = [("stock", False, False), ("linear tiles", False, True)]
+    if device == "cpu":  # cbgen's CPU attention applies to this model: the whole of --batch-invariant
+        variants.append(("--batch-invariant", True, False))
+    for name, invariant, tiles in variants:
+        with cbgen.Generator(model=SMOKE_MODEL, device=device, dtype="bfloat16", progress=False,
+                             batch_invariant=invariant) as generator:
+            for label, settings in (("seeded", dict(temperature=1.0, seed=3, num_return_sequences=2)), ("greedy", {})):
+                with batch_invariant_linear(generator.loaded.model) if tiles else nullcontext():
+                    first, second = [{(r.id, r.sample_index): (r.token_ids, r.logprobs)
+                                      for r in generator.generate(order, max_new_tokens=new, logprobs=True,
+                                                                  max_requests_per_batch=limit, **settings)}
+                                     for order, limit in ((rows, 16), (shuffled, 3))]
+                tokens = sum(first[k][0] == second[k][0] for k in first)
+                both = sum(first[k] == second[k] for k in first)
+                results.append({"check": f"invariance {label}, {name}, bfloat16",
+                                "result": f"{tokens}/{len(first)} / {both}/{len(first)}",
+                                "detail": "sequences identical at 16 and 3 requests per batch: tokens / tokens and "
+                                          f"logprobs; attention {generator.loaded.attn_implementation}"})
+    return results
+
+
 def bench(work: Path, device: str, quick: bool) -> list[dict]:
     from cbgen.cli import run_cli
 
@@ -127,6 +167,7 @@ def main() -> None:
                        f"{args.device == 'cuda' and torch.cuda.is_bf16_supported()}"}]
     with tempfile.TemporaryDirectory(prefix="cbgen-gpu-check-") as tmp:
         rows += smoke(Path(tmp), args.device, graphs, args.quick)
+        rows += invariance(args.device, args.quick)
         if not args.skip_bench:
             rows += bench(Path(tmp), args.device, args.quick)
     table = Table(title=f"cbgen GPU check ({time.perf_counter() - started:.0f} s)", title_justify="left")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import cbgen
 from cbgen.cli import run_cli
@@ -75,10 +76,40 @@ def test_the_block_puts_the_model_back(tiny_model_dir, tmp_path):
     head = model.get_output_embeddings()
     vars(head)["forward"] = own = lambda x: x  # as the chunked vocabulary projection installs its own
     with batch_invariant_linear(model):
-        assert "forward" in vars(model) and "forward" not in vars(head)
+        assert "forward" in vars(model) and vars(head)["forward"] is not own
         assert set(model.get_experts_implementation().values()) == {"eager"}
     assert "forward" not in vars(model) and vars(head)["forward"] is own
     assert model.get_experts_implementation() == before
+    assert all("forward" not in vars(m) for m in model.modules() if m is not head)
+
+
+class _CountLinear(TorchFunctionMode):
+    """Counts the `F.linear` calls that reach it: inside the block, only those no tile served."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        self.calls += func is torch.nn.functional.linear
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3-moe", "mixtral"])
+def test_every_linear_of_a_forward_pass_runs_in_tiles(name, tiny_model_dir, tmp_path):
+    """Dense models through their nn.Linear layers, MoE models' routers and experts too: a forward pass inside the
+    block leaves no F.linear to the stock matmul (and outside it, the same pass does call it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_folder(name, tiny_model_dir, tmp_path))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        with _CountLinear() as outside:
+            expected = model(ids).logits
+        with batch_invariant_linear(model), _CountLinear() as inside:
+            tiled = model(ids).logits
+    assert outside.calls > 0 and inside.calls == 0
+    torch.testing.assert_close(tiled, expected, atol=1e-4, rtol=1e-4)
 
 
 PROMPTS = [("Tell me about the river number " + "and its long banks " * (i % 5) + str(i)) for i in range(10)]

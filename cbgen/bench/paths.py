@@ -2,10 +2,10 @@
 with `model.generate`, measured side by side in one process, model load excluded from all.
 
 Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
-(input order, no gate), `cbgen-onednn` (the `cbgen` path with every float32 linear layer through oneDNN, on the same
-loaded model), `generate_batch` (transformers' entry point, same ContinuousBatchingConfig), `static-B`
-(`model.generate` on left-padded batches of B prompts, in input order) and `llamacpp` (the same token ids through
-llama.cpp: cbgen.bench.llamacpp).
+(input order, no gate), `cbgen-invariant` (the `cbgen` path with --batch-invariant), `cbgen-onednn` (the `cbgen`
+path with every float32 linear layer through oneDNN, on the same loaded model), `generate_batch` (transformers' entry
+point, same ContinuousBatchingConfig), `static-B` (`model.generate` on left-padded batches of B prompts, in input
+order) and `llamacpp` (the same token ids through llama.cpp: cbgen.bench.llamacpp).
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ from cbgen.records import PromptRecord, Request
 from cbgen.request_settings import RequestSettings
 
 
-def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True) -> JobConfig:
+def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
+         invariant: bool = False) -> JobConfig:
     job = JobConfig()
     job.generation.max_new_tokens = workload.max_new_tokens
     job.batching = dict(batching)
     job.run.prefix_gating = prefix_gating
+    job.model.batch_invariant = invariant or None
     return job
 
 
@@ -66,14 +68,14 @@ class Bench:
         self.loaded = loaded
         self.batching = batching or {}
 
-    def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False
-              ) -> tuple[JobConfig, JobPlan, list[Request]]:
+    def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
+              invariant: bool = False) -> tuple[JobConfig, JobPlan, list[Request]]:
         """The plan `cbgen run` would make for these prompts (cbgen.planning), under the workload's schema when
         `constrained`, and the requests rendered as it renders them."""
         from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
         from cbgen.prompts import Renderer
 
-        job = _job(workload, self.batching, prefix_gating)
+        job = _job(workload, self.batching, prefix_gating, invariant)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -82,10 +84,12 @@ class Bench:
         facts = InputFacts(used_settings(None, records), head, len(head), whole=True, ids=IdChoice(None, "bench"))
         return job, plan_job(job, facts, self.loaded, rendering), list(head)
 
-    def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False) -> Measurement:
+    def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
+              invariant: bool = False) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
-        `cbgen run` does it while reading)."""
-        job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained)
+        `cbgen run` does it while reading). `invariant`: with --batch-invariant (path cbgen-invariant)."""
+        job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
+                                         invariant=invariant)
         grammars = plan.steps.make_grammars(self.loaded.tokenizer) if plan.steps is not None else None
         engine = Engine.for_tokenizer(self.loaded.model, self.loaded.tokenizer, plan.engine.settings,
                                       grammars=grammars)
@@ -106,6 +110,8 @@ class Bench:
             stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
+        if invariant:
+            path = path.replace("cbgen", "cbgen-invariant", 1)
         extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens}
         if grammars is not None:
             path += "-json-schema"
@@ -283,6 +289,15 @@ def run_suite(
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
             elif path == "generate_batch":
                 measured = [bench.generate_batch(workload)]
+            elif path == "cbgen-invariant":
+                if workload.schema is not None:
+                    continue
+                bench.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", invariant=True)
+                measured = [bench.cbgen(workload, invariant=True)]
+                reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
+                if reference is not None:
+                    measured[0].extra["same_tokens_as_cbgen"] = same_share(measured[0].extra["tokens"],
+                                                                           reference.extra["tokens"])
             elif path == "cbgen-onednn":
                 measured = bench.cbgen_onednn(workload, [m for m in results if m.workload == workload.name])
             elif path == "llamacpp":

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from cbgen.errors import CbgenError
 
-PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-onednn", "generate_batch", "static", "llamacpp")
+PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-invariant", "cbgen-onednn", "generate_batch", "static",
+         "llamacpp")
 
 
 def _split(value: str) -> list[str]:

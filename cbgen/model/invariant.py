@@ -9,9 +9,9 @@ logits in another batch. Measured on a 2-core Intel Xeon (Sapphire Rapids, AMX),
 every shape does, and the MLP down projection (576 x 1536) also changes with the thread count (1 against 2), which
 is what a `--data-parallel` replica runs with.
 
-**How.** Inside `batch_invariant_linear(model)`, every `torch.nn.functional.linear` that the model's forward pass
-calls (nn.Linear layers, MoE routers, MoE experts run "eager") is computed as matmuls of exactly `TILE_ROWS` rows,
-the last tile zero-padded. One shape means one kernel. Measured there, for every linear shape of the embedded model,
+**How.** Inside `batch_invariant_linear(model)`, every linear layer of the model's forward pass (its nn.Linear
+layers; in MoE models also the routers and the experts, run "eager") is computed as matmuls of exactly `TILE_ROWS`
+rows, the last tile zero-padded. One shape means one kernel. Measured there, for every linear shape of the embedded model,
 25 random (row count 1-1,100, row place) cases each: no row moved; in bfloat16 no row moved with the thread count
 either, with torch's matmul. In float32 torch's matmul still moved with the thread count, oneDNN's did not (and does
 not need the weights prepacked), so float32 tiles run through oneDNN where the torch build has it.
@@ -90,19 +90,29 @@ def _experts_implementation(model: torch.nn.Module) -> Any:
         return None
 
 
+def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return fixed_shape_linear(x, self.weight, self.bias)
+
+
 @contextmanager
 def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, the model's forward pass (whichever thread calls it) computes every linear layer in
-    fixed-shape tiles, and MoE experts run "eager" (one matmul per expert, which the tiles then fix; the fused
-    grouped matmuls split by the batch's routing). Everything is put back on exit."""
+    """Inside the block, the model computes every linear layer in fixed-shape tiles: each `nn.Linear` through its own
+    forward (replacing, for the block, any the layer had: the float32 vocabulary projection in column chunks,
+    --onednn-linear), and, in a model with MoE experts, every other `F.linear` of its forward pass (routers, the
+    experts' matmuls) through a torch function mode, with the experts run "eager" (one matmul per expert; the fused
+    grouped matmuls split by the batch's routing). The mode costs Python time on every operator (about 10 % of a
+    decode step of the embedded model), which is why dense models, whose linear layers are all `nn.Linear`, do
+    without it. Everything is put back on exit."""
     experts = _experts_implementation(model)
     switch = experts is not None and set(experts.values()) != {"eager"}
     if switch:
         getattr(model, "set_experts_implementation")("eager")  # noqa: B009 - a method of transformers' models only
-    # linear layers with a forward of their own (the float32 vocabulary projection in column chunks, --onednn-linear)
-    # call their matmul directly: back to nn.Linear's, which the tiles then serve
-    own = {module: vars(module).pop("forward") for module in model.modules()
-           if isinstance(module, torch.nn.Linear) and "forward" in vars(module)}
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    own = {module: vars(module)["forward"] for module in linears if "forward" in vars(module)}
+    for module in linears:
+        vars(module)["forward"] = types.MethodType(_tiled_forward, module)
     had_forward = "forward" in vars(model)
     forward = model.forward
 
@@ -110,15 +120,20 @@ def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
         with _FixedShapeMode():
             return forward(*args, **kwargs)
 
-    vars(model)["forward"] = types.MethodType(invariant_forward, model)
+    if experts is not None:
+        vars(model)["forward"] = types.MethodType(invariant_forward, model)
     try:
         yield
     finally:
-        if had_forward:
-            vars(model)["forward"] = forward
-        else:
-            vars(model).pop("forward", None)
+        if experts is not None:
+            if had_forward:
+                vars(model)["forward"] = forward
+            else:
+                vars(model).pop("forward", None)
         if switch:
             getattr(model, "set_experts_implementation")(experts)  # noqa: B009
-        for module, module_forward in own.items():
-            vars(module)["forward"] = module_forward
+        for module in linears:
+            if module in own:
+                vars(module)["forward"] = own[module]
+            else:
+                vars(module).pop("forward", None)
