@@ -13,8 +13,8 @@ is what a `--data-parallel` replica runs with.
 layers; in MoE models also the routers and the experts, run "eager") is computed as matmuls of exactly `TILE_ROWS`
 rows, the last tile zero-padded. One shape means one kernel. Measured there, for every linear shape of the embedded
 model, 25 random (row count 1-1,100, row place) cases each: no row moved; in bfloat16 no row moved with the thread
-count either, with torch's matmul. In float32 torch's matmul still moved with the thread count, oneDNN's did not (and does
-not need the weights prepacked), so float32 tiles run through oneDNN where the torch build has it.
+count either, with torch's matmul. In float32 torch's matmul still moved with the thread count, oneDNN's did not
+(and does not need the weights prepacked), so float32 tiles run through oneDNN where the torch build has it.
 
 The cost, per call against one stock call (same machine): 1.1-1.3x at 64 rows, 1.5-2x at 512 rows in bfloat16; the
 vocabulary projection is faster in tiles (0.6-0.9x). Whole jobs: docs/performance.md.
