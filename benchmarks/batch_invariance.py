@@ -48,7 +48,7 @@ def linear_table(dtype: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    from cbgen.model.invariant import fixed_shape_linear
+    from cbgen.model.invariant import fixed_shape_linear, pack
 
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -58,6 +58,7 @@ def linear_table(dtype: str) -> None:
     print(f"\nlinear shapes of SmolLM2-135M ({dtype}): rows moved of 30 random (rows, place) cases; time vs stock")
     for out_features, in_features in ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)):
         module.weight = torch.randn(out_features, in_features, dtype=kind)
+        packed = pack(module.weight)  # as cbgen runs float32 tiles: over prepacked weights
         moved = {"stock": 0, "fixed": 0}
         for _ in range(30):
             count = rng.randint(1, 700)
@@ -65,8 +66,8 @@ def linear_table(dtype: str) -> None:
             rows = x[:count, :in_features]
             alone = x[row:row + 1, :in_features]
             moved["stock"] += not torch.equal(F.linear(rows, module.weight)[row], F.linear(alone, module.weight)[0])
-            moved["fixed"] += not torch.equal(fixed_shape_linear(rows, module.weight)[row],
-                                              fixed_shape_linear(alone, module.weight)[0])
+            moved["fixed"] += not torch.equal(fixed_shape_linear(rows, module.weight, None, packed)[row],
+                                              fixed_shape_linear(alone, module.weight, None, packed)[0])
         ratios = []
         for count, repeats in ((64, 20), (512, 5)):
             rows = x[:count, :in_features]
@@ -76,7 +77,7 @@ def linear_table(dtype: str) -> None:
             stock = time.perf_counter() - start
             start = time.perf_counter()
             for _ in range(repeats):
-                fixed_shape_linear(rows, module.weight)
+                fixed_shape_linear(rows, module.weight, None, packed)
             ratios.append((time.perf_counter() - start) / stock)
         print(f"  {out_features:>6} x {in_features:<5} moved: stock {moved['stock']:>2}, "
               f"fixed-shape {moved['fixed']:>2}   time: {ratios[0]:.2f}x at 64 rows, {ratios[1]:.2f}x at 512 rows")

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import cbgen
 from cbgen.cli import run_cli
-from cbgen.model.invariant import TILE_ROWS, batch_invariant_linear, fixed_shape_linear
+from cbgen.model.invariant import TILE_ROWS, batch_invariant_linear, fixed_shape_linear, pack
 from cbgen.outputs import read_shards
 from tests.helpers import write_jsonl
 from tests.model.test_architectures import ARCHITECTURES, BASE
@@ -37,6 +37,8 @@ def test_fixed_shape_linear_gives_a_row_the_same_bits_in_any_batch(dtype, shape)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype)
     rows = torch.randn(300, in_features, generator=generator).to(dtype)
+    packed = pack(weight)
+    assert (packed is None) == (dtype != torch.float32 or not torch.backends.mkldnn.is_available())
     rng = random.Random(1)
     for _ in range(12):
         count = rng.choice([1, 2, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, rng.randint(1, 300)])
@@ -45,15 +47,19 @@ def test_fixed_shape_linear_gives_a_row_the_same_bits_in_any_batch(dtype, shape)
         alone = batch[place : place + 1]
         together = fixed_shape_linear(batch, weight, bias)
         assert torch.equal(together[place], fixed_shape_linear(alone, weight, bias)[0])
+        if packed is not None:  # float32 layers run over prepacked weights: the same property there
+            in_tiles = fixed_shape_linear(batch, weight, bias, packed)
+            assert torch.equal(in_tiles[place], fixed_shape_linear(alone, weight, bias, packed)[0])
+            torch.testing.assert_close(in_tiles, together, atol=1e-3, rtol=1e-4)
         tolerance = {"atol": 0.5, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-3, "rtol": 1e-4}
         torch.testing.assert_close(together, torch.nn.functional.linear(batch, weight, bias), **tolerance)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = fixed_shape_linear(rows[:100], weight)
+        one_thread = fixed_shape_linear(rows[:100], weight, packed=packed)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one_thread, fixed_shape_linear(rows[:100], weight))
+    assert torch.equal(one_thread, fixed_shape_linear(rows[:100], weight, packed=packed))
 
 
 def _folder(name: str, tiny_model_dir: Path, root: Path) -> Path:
@@ -206,6 +212,7 @@ def test_a_job_in_shards_and_in_replicas(tiny_model_dir, job_prompts, tmp_path, 
     assert _written(sharded / "merged") == reference_job
     out = tmp_path / "replicas"
     assert run_cli(_job(tiny_model_dir, job_prompts, out, "--data-parallel", 2)) == 0  # one thread each
+    assert json.loads((out / "run.json").read_text())["batch_invariant"]["on"] is True
     assert _written(out) == reference_job
 
 

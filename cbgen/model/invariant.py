@@ -13,8 +13,9 @@ is what a `--data-parallel` replica runs with.
 layers; in MoE models also the routers and the experts, run "eager") is computed as matmuls of exactly `TILE_ROWS`
 rows, the last tile zero-padded. One shape means one kernel. Measured there, for every linear shape of the embedded
 model, 25 random (row count 1-1,100, row place) cases each: no row moved; in bfloat16 no row moved with the thread
-count either, with torch's matmul. In float32 torch's matmul still moved with the thread count, oneDNN's did not
-(and does not need the weights prepacked), so float32 tiles run through oneDNN where the torch build has it.
+count either, with torch's matmul. In float32 torch's matmul still moved with the thread count, oneDNN's did not,
+so float32 tiles run through oneDNN where the torch build has it, over weights prepacked when the block starts (a
+second copy of a float32 model's linear weights while it runs).
 
 The cost, per call against one stock call (same machine): 1.1-1.3x at 64 rows, 1.5-2x at 512 rows in bfloat16; the
 vocabulary projection is faster in tiles (0.6-0.9x). Whole jobs: docs/performance.md.
@@ -38,18 +39,21 @@ def _onednn(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` as matmuls of TILE_ROWS rows each: the same bits for a row whatever the rest."""
+def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` as matmuls of TILE_ROWS rows each: the same bits for a row whatever the rest.
+    `packed`: the float32 weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile."""
     rows = x.reshape(-1, x.shape[-1])
     count, out_features = rows.shape[0], weight.shape[0]
     out = rows.new_empty(count, out_features)
     onednn = _onednn(rows.dtype, rows.device)
     transposed = weight.t()
     full = count - count % TILE_ROWS
+    dnn_weight = packed if packed is not None else weight
 
     def tile(source: torch.Tensor, target: torch.Tensor) -> None:
         if onednn:
-            target.copy_(torch.ops.mkldnn._linear_pointwise(source, weight, None, "none", [], ""))
+            target.copy_(torch.ops.mkldnn._linear_pointwise(source, dnn_weight, None, "none", [], ""))
         else:
             torch.mm(source, transposed, out=target)
 
@@ -90,10 +94,20 @@ def _experts_implementation(model: torch.nn.Module) -> Any:
         return None
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight prepacked for oneDNN's float32 tiles, or None where tiles do not run through oneDNN. Measured on
+    the embedded model's shapes: a tile over the plain weight cost up to 4.5x one stock call at 512 rows (oneDNN
+    reorders the weight at every call), over the packed one 0.9-1.4x."""
+    if not _onednn(weight.dtype, weight.device):
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE_ROWS)
+
+
 def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    return fixed_shape_linear(x, self.weight, self.bias)
+    return fixed_shape_linear(x, self.weight, self.bias, self._cbgen_tile_packed)
 
 
 @contextmanager
@@ -112,6 +126,7 @@ def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
     own = {module: vars(module)["forward"] for module in linears if "forward" in vars(module)}
     for module in linears:
+        vars(module)["_cbgen_tile_packed"] = pack(module.weight)  # float32: a second copy of the weights meanwhile
         vars(module)["forward"] = types.MethodType(_tiled_forward, module)
     had_forward = "forward" in vars(model)
     forward = model.forward
@@ -133,6 +148,7 @@ def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
         if switch:
             getattr(model, "set_experts_implementation")(experts)  # noqa: B009
         for module in linears:
+            vars(module).pop("_cbgen_tile_packed", None)
             if module in own:
                 vars(module)["forward"] = own[module]
             else:
