@@ -194,6 +194,7 @@ class _Run:
         if isinstance(engine, ReplicaPool):
             self.summary.replicas = {"count": len(engine.specs), "lost": engine.lost}
         rows = output_rows(self.job, plan, loaded, self.source.name)
+        self.progress.watch(engine.live, self.job.generation.max_new_tokens)
         self._write(engine.run(prepared(self.job, planned), self.stop), rows, total)
         self._finish(plan, engine, loaded, planned.grammars)
         return self.summary
@@ -327,8 +328,9 @@ class _Run:
         for group in groups:
             writer.write_group(rows(group))
             failed = summary.add_request(group)
-            self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens,
-                                  sum(len(c.token_ids) for c in group), failed)
+            lengths = [len(c.token_ids) for c in group]
+            self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens, sum(lengths), failed,
+                                  () if by_request else lengths)
             if time.perf_counter() - last_commit >= job.run.commit_interval:
                 writer.commit()
                 last_commit = time.perf_counter()

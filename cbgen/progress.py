@@ -3,13 +3,22 @@ plain log lines (cbgen.cli.display)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+# The tokens generated so far by each unfinished sequence in the engine (cbgen.engine.Engine.live)
+LiveLengths = Callable[[], list[int]]
 
 
 class ProgressSink(Protocol):
     def stage(self, message: str) -> None: ...
     def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None: ...
-    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
+    def watch(self, live: LiveLengths, cap: int) -> None:
+        """Before `start`: where to read unfinished sequences' tokens, and the most new tokens a sequence may have:
+        the rate and time left then follow the tokens as the engine produces them (cbgen.pace)."""
+    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int,
+                lengths: Sequence[int] = ()) -> None:
+        """`lengths`: the generated tokens of each finished sequence, when sequences are the unit."""
     def finish(self) -> None: ...
 
 
@@ -18,7 +27,9 @@ class NullProgress:
 
     def stage(self, message: str) -> None: ...
     def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None: ...
-    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None: ...
+    def watch(self, live: LiveLengths, cap: int) -> None: ...
+    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int,
+                lengths: Sequence[int] = ()) -> None: ...
     def finish(self) -> None: ...
 
 
@@ -42,7 +53,10 @@ class BarProgress:
 
         self.bar = tqdm(total=total, unit=unit, desc=verb, disable=False)
 
-    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
+    def watch(self, live: LiveLengths, cap: int) -> None: ...
+
+    def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int,
+                lengths: Sequence[int] = ()) -> None:
         self.generated += generated_tokens
         if self.bar is not None:
             self.bar.update(done)

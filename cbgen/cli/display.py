@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -16,12 +17,12 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 from rich.text import Text
 
-from cbgen.progress import NullProgress, plural
+from cbgen.pace import Pace
+from cbgen.progress import LiveLengths, NullProgress, plural
 from cbgen.summary import RunSummary
 
 if TYPE_CHECKING:
@@ -29,23 +30,57 @@ if TYPE_CHECKING:
 
 
 class _Counters:
+    """What the display shows: counts from finished results, and the pace (cbgen.pace) of the tokens the engine
+    produces, read from `live` at most every REFRESH seconds, when the job gave one and sequences are the unit."""
+
+    REFRESH = 0.25
+
     def __init__(self) -> None:
         self.done = 0
         self.failed = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.started = time.perf_counter()
+        self.live: LiveLengths | None = None
+        self.cap = 1
+        self.pace: Pace | None = None
+        self.read = 0.0
 
-    def add(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
+    def start(self, total: int | None, unit: str) -> None:
+        self.started = time.perf_counter()
+        if self.live is not None and unit == "sequence":
+            self.pace = Pace(total, self.cap)
+
+    def add(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int,
+            lengths: Sequence[int]) -> None:
         self.done += sequences
         self.prompt_tokens += prompt_tokens
         self.generated_tokens += generated_tokens
         self.failed += failed
+        if self.pace is not None:
+            self.pace.finished(lengths)
+
+    def _observe(self) -> None:
+        now = time.perf_counter()
+        if self.pace is not None and self.live is not None and now - self.read >= self.REFRESH:
+            self.read = now
+            self.pace.observe(self.live())
 
     @property
     def tokens_per_second(self) -> float:
+        self._observe()
+        if self.pace is not None:
+            return self.pace.rate()
         elapsed = time.perf_counter() - self.started
         return self.generated_tokens / elapsed if elapsed > 0 else 0.0
+
+    def seconds_left(self, total: int | None) -> float | None:
+        self._observe()
+        if self.pace is not None:
+            return self.pace.eta()
+        if not total or not self.done:
+            return None
+        return (time.perf_counter() - self.started) / self.done * (total - self.done)
 
 
 class _TokensPerSecond(ProgressColumn):
@@ -56,6 +91,22 @@ class _TokensPerSecond(ProgressColumn):
     def render(self, task) -> Text:
         failed = f", {self.counters.failed} failed" if self.counters.failed else ""
         return Text(f"{self.counters.tokens_per_second:,.1f} tok/s{failed}", style="cyan")
+
+
+class _TimeLeft(ProgressColumn):
+    """The time left: from the tokens still to come where the pace is known, else from finished requests."""
+
+    def __init__(self, counters: _Counters) -> None:
+        super().__init__()
+        self.counters = counters
+
+    def render(self, task) -> Text:
+        left = self.counters.seconds_left(int(task.total) if task.total is not None else None)
+        if left is None:
+            return Text("-:--:--", style="progress.remaining")
+        minutes, seconds = divmod(int(left), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")  # as the elapsed column
 
 
 class RichProgress:
@@ -72,7 +123,7 @@ class RichProgress:
             _TokensPerSecond(self.counters),
             TimeElapsedColumn(),
             TextColumn("ETA"),
-            TimeRemainingColumn(),
+            _TimeLeft(self.counters),
             console=console,
             transient=False,
         )
@@ -81,13 +132,17 @@ class RichProgress:
     def stage(self, message: str) -> None:
         self.console.log(message)
 
+    def watch(self, live: LiveLengths, cap: int) -> None:
+        self.counters.live, self.counters.cap = live, cap
+
     def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None:
-        self.counters.started = time.perf_counter()
+        self.counters.start(total, unit)
         self.progress.start()
         self.task = self.progress.add_task(f"{verb} ({unit}s)", total=total)
 
-    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
-        self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
+    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int,
+                lengths: Sequence[int] = ()) -> None:
+        self.counters.add(sequences, prompt_tokens, generated_tokens, failed, lengths)
         if self.task is not None:
             self.progress.advance(self.task, sequences)
 
@@ -111,15 +166,20 @@ class PlainProgress:
     def stage(self, message: str) -> None:
         self._line(message)
 
+    def watch(self, live: LiveLengths, cap: int) -> None:
+        self.counters.live, self.counters.cap = live, cap
+
     def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None:
         self.total = total
         self.unit = unit
         self.verb = verb
-        self.counters.started = self.last = time.perf_counter()
+        self.counters.start(total, unit)
+        self.last = time.perf_counter()
         self._line(f"{verb} {plural(total, unit) if total is not None else f'all {unit}s'}")
 
-    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int) -> None:
-        self.counters.add(sequences, prompt_tokens, generated_tokens, failed)
+    def advance(self, sequences: int, prompt_tokens: int, generated_tokens: int, failed: int,
+                lengths: Sequence[int] = ()) -> None:
+        self.counters.add(sequences, prompt_tokens, generated_tokens, failed, lengths)
         now = time.perf_counter()
         if now - self.last >= self.interval:
             self.last = now
@@ -131,10 +191,9 @@ class PlainProgress:
     def _report(self) -> None:
         c = self.counters
         done = f"{c.done}/{self.total}" if self.total else str(c.done)
-        eta = ""
+        left = c.seconds_left(self.total)
+        eta = f", ETA {_duration(left)}" if left is not None and c.done < (self.total or 0) else ""
         elapsed = time.perf_counter() - c.started
-        if self.total and c.done:
-            eta = f", ETA {_duration(elapsed / c.done * (self.total - c.done))}"
         noun = self.unit if (self.total or c.done) == 1 else f"{self.unit}s"
         self._line(f"{done} {noun}, "
                    f"{c.tokens_per_second:.1f} {'scored' if self.verb == 'scoring' else 'generated'} tok/s, "

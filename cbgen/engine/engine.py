@@ -21,6 +21,7 @@ from cbgen.engine.manager import (
     ManagerSpec,
     attention_scope,
     drain,
+    live_lengths,
     loop_error,
     start_manager,
     stop_manager,
@@ -214,6 +215,11 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------------------ #
     # the manager
+
+    def live(self) -> list[int]:
+        """The tokens generated so far by each unfinished sequence (cbgen.pace); callable from any thread."""
+        manager = self._manager
+        return live_lengths(manager) if manager is not None else []
 
     def _start(self) -> None:
         self._manager, facts = start_manager(self.model, self.settings.spec, self.control)

@@ -106,6 +106,17 @@ def drain(manager: ContinuousBatchingManager) -> Iterator[GenerationOutput]:
         yield result
 
 
+def live_lengths(manager: ContinuousBatchingManager) -> list[int]:
+    """The tokens generated so far by each sequence the manager is running, for the progress display: read from its
+    scheduler (transformers' own structure, read without a lock from another thread, so a snapshot up to a step old);
+    empty when it cannot be read."""
+    try:
+        active = manager.batch_processor.scheduler.active_requests  # type: ignore[union-attr]
+        return [len(state.generated_tokens) for state in list(active.values())]
+    except (AttributeError, RuntimeError):  # no batch processor yet; the dict changed while copied
+        return []
+
+
 def loop_error(manager: ContinuousBatchingManager) -> str:
     """Why a manager's generation loop stopped, as a message for the requests it took down."""
     fatal = getattr(manager.background_thread_status, "fatal_error", None)

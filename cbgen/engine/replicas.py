@@ -133,6 +133,10 @@ class ReplicaPool:
         self.lost: dict[int, str] = {}  # replica -> why it was lost
         self._context = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
 
+    def live(self) -> list[int]:
+        """Unfinished sequences' tokens: the replicas do not report theirs, so progress counts finished ones."""
+        return []
+
     def run(self, requests: Iterable[Request], stop: threading.Event | None = None) -> Iterator[list[Completion]]:
         stop = stop or threading.Event()
         ctx = self._context

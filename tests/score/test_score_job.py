@@ -120,7 +120,7 @@ def test_a_stopped_job_resumes_each_row_exactly_once(tiny_model_dir, tmp_path):
     class StopAfterTen(NullProgress):
         done = 0
 
-        def advance(self, done, prompt_tokens, generated_tokens, failed):
+        def advance(self, done, prompt_tokens, generated_tokens, failed, lengths=()):
             self.done += done
             if self.done >= 10:
                 stop.set()
