@@ -13,8 +13,8 @@ from cbgen.config import cpu
 
 
 @pytest.mark.parametrize(("flags", "kind"), [
-    ({"avx2", "avx512f", "avx512_bf16"}, "amx"),
-    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "amx"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "avx512-bf16"),  # AMD Zen 4 and 5: bf16 units without AMX
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "amx-bf16"),
     ({"avx2", "avx512f", "avx512bw"}, "avx512"),
     ({"avx2", "fma", "sse4_2"}, "avx2"),
     ({"neon", "asimd"}, "other"),
@@ -26,7 +26,8 @@ def test_kind_from_flags(flags, kind):
 
 def test_rows_pick_bfloat16_only_with_bf16_units():
     assert {kind: row.dtype for kind, row in cpu.CPU_ROWS.items()} == {
-        "amx": "bfloat16", "avx512": "float32", "avx2": "float32", "other": "float32"}
+        "amx-bf16": "bfloat16", "avx512-bf16": "bfloat16", "avx512": "float32", "avx2": "float32",
+        "other": "float32"}
     assert all(row.measured_on and row.per_sequence and row.stock for row in cpu.CPU_ROWS.values())
 
 
