@@ -175,3 +175,17 @@ def test_scoring_workload_measures_the_scorer_against_padded_forward_passes(tiny
         # the same logprobs, summed per completion, text or choice, computed the plain way (float32)
         assert rows[path]["max_abs_diff_vs_cbgen"] < 1e-3
         assert rows[path]["padded_tokens"] >= rows[path]["prompt_tokens"]
+
+
+def test_sampling_workload_runs_cbgen_greedy_sampled_and_seeded(tiny_model_dir, tmp_path):
+    """The sampling workload runs only cbgen, four ways, and the batch-invariant path beside cbgen compares tokens."""
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "sampling,fixed",
+                    "--paths", "cbgen,cbgen-invariant,static", "--static-batch-sizes", "4", "-o", str(out)])
+    assert code == 0
+    rows = {(r["workload"], r["path"]): r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert set(rows) == {("sampling", "cbgen"), ("sampling", "cbgen-sampled"), ("sampling", "cbgen-seeded"),
+                         ("sampling", "cbgen-seeded-invariant"), ("fixed", "cbgen"), ("fixed", "cbgen-invariant"),
+                         ("fixed", "static-4")}
+    assert all(row["generated_tokens"] > 0 and row["token_time_vs_cbgen"] > 0 for row in rows.values())
+    assert 0.0 <= rows["fixed", "cbgen-invariant"]["same_tokens_as_cbgen"] <= 1.0

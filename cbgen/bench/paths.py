@@ -29,14 +29,19 @@ from cbgen.prompts import LOOKAHEAD, prefix_aware_order
 from cbgen.records import PromptRecord, Request
 from cbgen.request_settings import RequestSettings
 
+# the sampling workload's variants: path suffix, temperature, seed, --batch-invariant
+SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0.8, 1, False),
+            ("-seeded-invariant", 0.8, 1, True))
+
 
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
-         invariant: bool = False) -> JobConfig:
+         invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None)) -> JobConfig:
     job = JobConfig()
     job.generation.max_new_tokens = workload.max_new_tokens
+    job.generation.temperature, job.generation.seed = sampling
     job.batching = dict(batching)
     job.run.prefix_gating = prefix_gating
-    job.model.batch_invariant = invariant or None
+    job.model.batch_invariant = invariant
     return job
 
 
@@ -69,13 +74,14 @@ class Bench:
         self.batching = batching or {}
 
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
-              invariant: bool = False) -> tuple[JobConfig, JobPlan, list[Request]]:
+              invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None)
+              ) -> tuple[JobConfig, JobPlan, list[Request]]:
         """The plan `cbgen run` would make for these prompts (cbgen.planning), under the workload's schema when
         `constrained`, and the requests rendered as it renders them."""
         from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
         from cbgen.prompts import Renderer
 
-        job = _job(workload, self.batching, prefix_gating, invariant)
+        job = _job(workload, self.batching, prefix_gating, invariant, sampling)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -85,11 +91,13 @@ class Bench:
         return job, plan_job(job, facts, self.loaded, rendering), list(head)
 
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
-              invariant: bool = False) -> Measurement:
+              invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None)
+              ) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
-        `cbgen run` does it while reading). `invariant`: with --batch-invariant (path cbgen-invariant)."""
+        `cbgen run` does it while reading). `invariant`: --batch-invariant (True: path cbgen-invariant) or not;
+        `sampling`: the temperature and seed (default: greedy)."""
         job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
-                                         invariant=invariant)
+                                         invariant=invariant, sampling=sampling)
         grammars = plan.steps.make_grammars(self.loaded.tokenizer) if plan.steps is not None else None
         engine = Engine.for_tokenizer(self.loaded.model, self.loaded.tokenizer, plan.engine.settings,
                                       grammars=grammars)
@@ -110,7 +118,7 @@ class Bench:
             stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
-        if invariant:
+        if invariant and sampling == (None, None):
             path = path.replace("cbgen", "cbgen-invariant", 1)
         extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens}
         if grammars is not None:
@@ -121,6 +129,18 @@ class Bench:
             extra["stopped"] = len(stopped)
         return Measurement(workload.name, path, seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated, extra)
+
+    def sampling(self, workload: BenchWorkload) -> list[Measurement]:
+        """The workload greedy, sampled, seeded and seeded batch-invariant (SAMPLING), each after a warm-up of its
+        own: what sampling costs per generated token against greedy decoding."""
+        measured = []
+        for suffix, temperature, seed, invariant in SAMPLING:
+            self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", invariant=invariant,
+                       sampling=(temperature, seed))
+            m = self.cbgen(workload, invariant=invariant, sampling=(temperature, seed))
+            m.path += suffix
+            measured.append(m)
+        return measured
 
     def structured(self, workload: BenchWorkload, order: str = "gated") -> list[Measurement]:
         """The workload under its schema, then as free text capped request by request at the constrained answer's
@@ -283,8 +303,15 @@ def run_suite(
         # so that no path pays them for the others
         bench.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input")
         for path in paths:
-            if workload.schema is not None and not path.startswith("cbgen"):
+            if (workload.schema is not None or workload.sampling) and not path.startswith("cbgen"):
                 continue  # only cbgen can follow a schema; the structured workload compares cbgen with itself
+            if workload.sampling:  # cbgen with itself, greedy against sampled
+                if path == "cbgen":
+                    for m in bench.sampling(workload):
+                        results.append(m)
+                        if on_result:
+                            on_result(m)
+                continue
             if path == "static":
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
             elif path == "generate_batch":

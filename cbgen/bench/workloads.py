@@ -10,6 +10,9 @@ seed per workload):
                  capped at the length of its constrained answer, so that both do the same work; only cbgen paths run
   fixed          plain-text prompts of exactly 128 tokens, 64 new tokens each (end-of-sequence still stops a request):
                  the shape of llama.cpp's `llama-batched-bench -npp 128 -ntg 64 -npl 64`, for the llamacpp path
+  sampling       64 requests for short Python functions, 128 new tokens, run by cbgen greedy (`cbgen`), sampled at
+                 temperature 0.8 (`cbgen-sampled`), and seeded (`cbgen-seeded`, without batch invariance, then
+                 `cbgen-seeded-invariant` with it, the default of a seeded job): what sampling costs per token
   scoring        nothing generated (cbgen score): half the rows judge an answer by the logprobs of the labels 1-5,
                  a quarter score a completion after its question, a quarter a document on its own; cbgen's scorer
                  against a plain loop of the model's forward over padded batches (cbgen.bench.scoring)
@@ -44,6 +47,7 @@ class BenchWorkload:
     # own), and whether they are choices
     continuations: list[tuple[tuple[int, ...], ...]] | None = None
     choices: list[bool] | None = None
+    sampling: bool = False  # the sampling workload's: the cbgen path runs greedy, sampled and seeded
 
     def cap(self, i: int) -> int:
         return self.caps[i] if self.caps else self.max_new_tokens
@@ -61,11 +65,11 @@ def _chat(tokenizer, user: str, system: str | None = None) -> list[int]:
 
 SIZES = {  # requests per workload; "small" fits a 2-core CPU in a few minutes per path
     "tiny": {"mixed": 4, "shared-prefix": 8, "long-prompt": 2, "many-small": 8, "structured": 4, "fixed": 4,
-             "scoring": 8},
+             "scoring": 8, "sampling": 4},
     "small": {"mixed": 96, "shared-prefix": 64, "long-prompt": 8, "many-small": 128, "structured": 64, "fixed": 64,
-              "scoring": 128},
+              "scoring": 128, "sampling": 64},
     "medium": {"mixed": 128, "shared-prefix": 256, "long-prompt": 32, "many-small": 512, "structured": 256,
-               "fixed": 256, "scoring": 512},
+               "fixed": 256, "scoring": 512, "sampling": 256},
 }
 ROLES = "nurse pilot chef teacher farmer engineer painter librarian".split()
 CITIES = "Paris Lagos Osaka Lima Oslo Denver Cairo Perth".split()
@@ -127,6 +131,12 @@ def build_workloads(tokenizer, size: str = "small", names: Sequence[str] | None 
             out.append(BenchWorkload(name, [_plain(tokenizer, rng, length) for _ in range(n)], new))
         elif name == "scoring":
             out.append(_scoring(tokenizer, rng, n, scale))
+        elif name == "sampling":
+            tasks = ("reverses a string", "sums a list", "counts vowels", "checks for a palindrome", "merges two "
+                     "sorted lists", "finds the largest number", "removes duplicates", "computes a factorial")
+            prompts = [_chat(tokenizer, f"Write a Python function that {tasks[i % 8]} (variant {i}).")
+                       for i in range(n)]
+            out.append(BenchWorkload(name, prompts, 128 if size != "tiny" else 8, sampling=True))
         else:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(counts)}")
     return out

@@ -28,7 +28,8 @@ def bench(
     size: Annotated[str, typer.Option(help="tiny | small | medium: requests per workload.")] = "small",
     workloads: Annotated[str, typer.Option(help="Comma-separated workloads, from: mixed, shared-prefix, long-prompt, "
                                            "many-small, structured (cbgen with and without a JSON schema), fixed "
-                                           "(128-token prompts, 64 new tokens: llama-batched-bench's shape), scoring "
+                                           "(128-token prompts, 64 new tokens: llama-batched-bench's shape), sampling "
+                                           "(cbgen greedy against sampled and seeded, per token), scoring "
                                            "(cbgen score's scorer as the cbgen path, against the model's forward "
                                            "over padded batches as the static path).")] = (
         "mixed,shared-prefix,long-prompt,many-small"

@@ -1,19 +1,17 @@
-"""The seeded draw: Gumbel-max with noise from (seed, sample index, position) alone draws exactly from the softmax
-of the scores, and the same inputs give the same draw."""
+"""The seeded draw: the inverse-CDF draw with a uniform number from (seed, sample index, position) alone draws exactly
+from the softmax of the scores, the same inputs give the same draw, and a row draws the same in any batch."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from cbgen.control.processor import gumbel_noise
+from cbgen.control.processor import inverse_cdf_draw, uniform
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, float("-inf")])  # the last one is masked
 
 
 def draw(seed: int, index: int, position: int) -> int:
-    return int(torch.argmax(LOGITS + gumbel_noise(seed, index, position, LOGITS.numel())))
+    return int(inverse_cdf_draw(LOGITS[None], torch.tensor([uniform(seed, index, position)], dtype=torch.float64)))
 
 
 def test_draws_follow_the_distribution():
@@ -34,7 +32,21 @@ def test_a_draw_is_a_function_of_seed_index_and_position_alone():
     assert [draw(7, 0, p) for p in range(50)] == [draw(7, 0, p) for p in range(50)]
     assert [draw(7, 0, p) for p in range(50)] != [draw(7, 1, p) for p in range(50)]  # another sample
     assert [draw(7, 0, p) for p in range(50)] != [draw(8, 0, p) for p in range(50)]  # another seed
-    assert math.isfinite(float(gumbel_noise(7, 0, 0, 10).sum()))
+    assert all(0.0 <= uniform(7, 0, p) < 1.0 for p in range(1000))
+
+
+def test_a_row_draws_the_same_alone_and_in_any_batch():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(64, 49152, generator=generator) * 3
+    scores[:, ::7] = float("-inf")  # masked tokens, as top-k, top-p or a grammar leave them
+    uniforms = torch.tensor([uniform(5, 0, p) for p in range(64)], dtype=torch.float64)
+    together = inverse_cdf_draw(scores, uniforms)
+    assert all(int(inverse_cdf_draw(scores[i : i + 1], uniforms[i : i + 1])) == together[i] for i in range(0, 64, 9))
+    assert bool((together % 7 != 0).all())  # never a masked token
+    # a uniform number at the very top still lands on a token that can be drawn
+    last = torch.full((1, 8), float("-inf"))
+    last[0, 2] = 0.0
+    assert int(inverse_cdf_draw(last, torch.tensor([1 - 2**-53], dtype=torch.float64))) == 2
 
 
 def test_bitmask_unpacking_matches_the_bit_layout():
