@@ -285,14 +285,18 @@ class _Run:
         tp = self.tp
         # said before importing torch and transformers, which take seconds of their own
         self.progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
-        from cbgen.model.load import load_model
+        from cbgen.model.load import gguf_unconverted, load_model
 
         if tp is not None:
             from cbgen.distributed import LOAD
 
             tp.send(LOAD)
+        # --data-parallel: the replicas load the weights; this process reads, renders and plans, which needs the
+        # tokenizer and the model's structure only (unless a GGUF is still to convert: converted once, here, for all)
+        replicas_only = self.job.run.data_parallel > 1 and self.job.kind != "score" and self.models is None \
+            and not gguf_unconverted(self.job.model)
         loaded = self.models.load(self.job.model) if self.models is not None and tp is None \
-            else load_model(self.job.model, tp)
+            else load_model(self.job.model, tp, weights=not replicas_only)
         release_gc()  # the libraries and the model exist now: later collections skip them
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded

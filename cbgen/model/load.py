@@ -162,6 +162,16 @@ def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype,
     return model, tokenizer, status
 
 
+def gguf_unconverted(settings: ModelSection) -> bool:
+    """Whether loading the model's weights would convert a GGUF file that the converted-GGUF cache does not hold yet
+    (then the first load writes it, and later ones read it)."""
+    source = resolve_source(settings.model)
+    if not source.gguf_file or not settings.use_cache:
+        return False
+    entry = model_entry(resolve_dtype(settings.dtype, resolve_device(settings.device)))
+    return GgufCache(default_cache_dir(settings), source.gguf_path).find(entry) is None
+
+
 def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> LoadedModel:
     """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given;
     without `weights`, the model's structure only (see `_structure`). Raises CbgenError for anything the user can

@@ -129,3 +129,22 @@ def test_replicas_of_a_killed_job_exit_too(tiny_model_dir, prompts, tmp_path):
     job.kill()  # kill -9 of the main process: nobody is left to give the replicas work
     job.communicate(timeout=60)
     assert replicas and not wait_gone(replicas)
+
+
+def test_the_main_process_loads_no_weights(tiny_model_dir, prompts, tmp_path, monkeypatch):
+    """The replicas load the model; the main process reads, renders and plans from its structure (on torch's meta
+    device) and its tokenizer only."""
+    import cbgen.model.load as load
+
+    asked = []
+    real = load.load_model
+
+    def recording(settings, tp=None, *, weights=True):
+        asked.append(weights)
+        return real(settings, tp, weights=weights)
+
+    monkeypatch.setattr(load, "load_model", recording)
+    assert run_cli(["run", str(prompts), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir), "--dtype",
+                    "float32", "--max-new-tokens", "4", "--data-parallel", "2", "-q"]) == 0
+    assert asked == [False]
+    assert len(tokens(tmp_path / "out")) == 16
