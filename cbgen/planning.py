@@ -83,7 +83,8 @@ def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: 
     columns = OutputColumns.decide(job, facts.used, replies=rendering.template is not None)
     sampling = SamplingPlan.build(job, facts.used, vocab_size)
     do_sample = bool(sampling.generation_fields()["do_sample"])
-    steps = StepPlan.decide(job, facts.used, columns, do_sample, vocab_size, rendering.template)
+    steps = StepPlan.decide(job, facts.used, columns, do_sample, vocab_size, rendering.template,
+                            own_draws=loaded.device == "cpu" and job.model.tp_size == 1)
     workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole)
     engine = plan_engine(job, loaded, workload, sampling, steps, job.run.data_parallel)
     return JobPlan(rendering.template, rendering.render, sampling, steps, workload, engine, columns, facts.ids)

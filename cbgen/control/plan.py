@@ -38,9 +38,13 @@ class StepPlan:
 
     @classmethod
     def decide(cls, job: JobConfig, used: Set[str], columns: OutputColumns, do_sample: bool, vocab_size: int,
-               response_template: ResponseTemplate | None = None) -> StepPlan | None:
+               response_template: ResponseTemplate | None = None, own_draws: bool = False) -> StepPlan | None:
         """The step control a job needs, or None when it needs none (generation is then transformers' alone).
-        `used`: the row settings its input carries; `columns`: what its rows record (logprobs, top logprobs)."""
+        `used`: the row settings its input carries; `columns`: what its rows record (logprobs, top logprobs);
+        `own_draws`: cbgen draws every sampled token itself, seeded or not (on CPU in one process: transformers'
+        own draw, a softmax and torch.multinomial over the vocabulary, took 130 ms of a 64-sequence step there, where
+        cbgen's vectorised inverse-CDF draw takes 9; with tensor parallelism every rank must draw alike, and on a GPU
+        the step control would turn CUDA graphs off)."""
         g = job.generation
         try:
             fmt = job_format(g)
@@ -49,7 +53,7 @@ class StepPlan:
         top = g.top_logprobs or (MAX_TOP_LOGPROBS if "top_logprobs" in used else 0)
         plan = cls(vocab_size, fmt, fmt is not None or "response_format" in used, do_sample, columns.logprobs,
                    top if columns.top_logprobs else 0, g.seed is not None or "seed" in used, response_template)
-        return plan if plan.formats or plan.capture or (plan.seeds and plan.do_sample) else None
+        return plan if plan.formats or plan.capture or (plan.do_sample and (plan.seeds or own_draws)) else None
 
     def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None,
                        grammars: Grammars | None) -> tuple[dict[str, Any], ResponseFormat | None]:

@@ -78,6 +78,10 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
 
         install(manager, control)
     manager.warmup()
+    if control is not None:
+        from cbgen.control.processor import take_over_sampling
+
+        take_over_sampling(manager, control)
     cache = getattr(manager.batch_processor, "cache", None)
     resolved = manager.continuous_batching_config
     facts = CacheFacts(

@@ -58,3 +58,28 @@ def test_bitmask_unpacking_matches_the_bit_layout():
     assert blocked.shape == (2, 70)
     assert blocked[0].logical_not().nonzero().flatten().tolist() == [0, 2, *range(64, 70)]
     assert blocked[1].logical_not().nonzero().flatten().tolist() == [*range(32), 63, 64]
+
+
+def test_cbgen_draws_an_unseeded_sampled_job_itself_on_cpu(tiny_model_dir, tmp_path):
+    """An unseeded sampled job on CPU runs through the step control's draw (transformers' own, a softmax and
+    torch.multinomial over the vocabulary, was most of a sampled step), and the manager's runner takes the argmax of
+    the one token it leaves."""
+    import json
+    from types import SimpleNamespace
+
+    from cbgen.cli import run_cli
+    from cbgen.control.processor import StepControl, take_over_sampling
+    from cbgen.outputs import read_shards
+    from tests.helpers import write_jsonl
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"Say {i}."} for i in range(4)])
+    out = tmp_path / "out"
+    assert run_cli(["run", str(prompts), "-o", str(out), "--model", str(tiny_model_dir), "--temperature", "0.9",
+                    "--max-new-tokens", "6", "-q"]) == 0
+    assert json.loads((out / "run.json").read_text())["step_control"]["draws"] == "per request"
+    assert len(list(read_shards(out))) == 4
+
+    manager = SimpleNamespace(batch_processor=SimpleNamespace(model_runner=SimpleNamespace(do_sample=True)))
+    sampled = StepControl(vocab_size=8, grammars=None, do_sample=True, capture=False, top_logprobs=0)
+    take_over_sampling(manager, sampled)
+    assert manager.batch_processor.model_runner.do_sample is False
