@@ -130,6 +130,18 @@ class Bench:
         return Measurement(workload.name, path, seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated, extra)
 
+    def cbgen_invariant(self, workload: BenchWorkload, earlier: Sequence[Measurement]) -> list[Measurement]:
+        """The cbgen path with --batch-invariant (none under a schema), after a warm-up of its own; it adds the share
+        of requests whose greedy tokens equal the cbgen path's, when that ran earlier on this workload."""
+        if workload.schema is not None:
+            return []
+        self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", invariant=True)
+        measured = self.cbgen(workload, invariant=True)
+        reference = next((m for m in earlier if m.path == "cbgen"), None)
+        if reference is not None:
+            measured.extra["same_tokens_as_cbgen"] = same_share(measured.extra["tokens"], reference.extra["tokens"])
+        return [measured]
+
     def sampling(self, workload: BenchWorkload) -> list[Measurement]:
         """The workload greedy, sampled, seeded and seeded batch-invariant (SAMPLING), each after a warm-up of its
         own: what sampling costs per generated token against greedy decoding."""
@@ -306,25 +318,13 @@ def run_suite(
             if (workload.schema is not None or workload.sampling) and not path.startswith("cbgen"):
                 continue  # only cbgen can follow a schema; the structured workload compares cbgen with itself
             if workload.sampling:  # cbgen with itself, greedy against sampled
-                if path == "cbgen":
-                    for m in bench.sampling(workload):
-                        results.append(m)
-                        if on_result:
-                            on_result(m)
-                continue
-            if path == "static":
+                measured = bench.sampling(workload) if path == "cbgen" else []
+            elif path == "static":
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
             elif path == "generate_batch":
                 measured = [bench.generate_batch(workload)]
             elif path == "cbgen-invariant":
-                if workload.schema is not None:
-                    continue
-                bench.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", invariant=True)
-                measured = [bench.cbgen(workload, invariant=True)]
-                reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
-                if reference is not None:
-                    measured[0].extra["same_tokens_as_cbgen"] = same_share(measured[0].extra["tokens"],
-                                                                           reference.extra["tokens"])
+                measured = bench.cbgen_invariant(workload, [m for m in results if m.workload == workload.name])
             elif path == "cbgen-onednn":
                 measured = bench.cbgen_onednn(workload, [m for m in results if m.workload == workload.name])
             elif path == "llamacpp":
