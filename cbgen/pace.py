@@ -20,6 +20,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 WINDOW = 20.0  # seconds of produced tokens the rate is measured over
 
 
@@ -37,6 +39,7 @@ class Pace:
         self.live: list[int] = []  # tokens so far of each unfinished sequence, as last observed
         self.samples: deque[tuple[float, int]] = deque([(self.started, 0)])
         self.longest_remaining = 0.0  # expected tokens left of the unfinished sequence furthest from its end
+        self._to_come: float | None = None  # the estimate for the latest observation
 
     @property
     def produced(self) -> int:
@@ -55,6 +58,7 @@ class Pace:
         self._sample()
 
     def _sample(self) -> None:
+        self._to_come = None
         now = self.clock()
         self.samples.append((now, self.produced))
         while len(self.samples) > 2 and self.samples[1][0] < now - WINDOW:
@@ -65,33 +69,43 @@ class Pace:
         (first, tokens_then), now = self.samples[0], self.clock()
         return (self.produced - tokens_then) / (now - first) if now > first else 0.0
 
-    def _survival(self) -> list[float]:
-        """S(t), t = 0..cap: the estimated share of sequences still generating after t tokens."""
-        censored = Counter(min(g, self.cap) for g in self.live)
-        at_risk = sum(self.lengths.values()) + len(self.live)
-        survival, s = [1.0] * (self.cap + 1), 1.0
-        longest = max(self.lengths) if self.lengths else 0
-        for t in range(1, self.cap + 1):
-            if t <= longest and at_risk > 0:
-                s *= 1 - self.lengths[t] / at_risk
-            survival[t] = s if t < self.cap else 0.0  # nothing runs past its cap
-            at_risk -= self.lengths[t] + censored[t]
+    def _survival(self) -> np.ndarray:
+        """S(t), t = 0..cap: the estimated share of sequences still generating after t tokens (an unfinished one
+        with g tokens is at risk up to g)."""
+        events = np.zeros(self.cap + 1)
+        for length, count in self.lengths.items():
+            events[length] = count
+        live = np.minimum(np.asarray(self.live, dtype=np.int64), self.cap)
+        censored = np.bincount(live, minlength=self.cap + 1)[: self.cap + 1]
+        gone = np.concatenate(([0.0], np.cumsum(events + censored)[:-1]))
+        at_risk = events.sum() + len(live) - gone
+        survival = np.cumprod(np.where(at_risk > 0, 1 - events / np.maximum(at_risk, 1), 1.0))
+        survival[self.cap] = 0.0  # nothing runs past its cap
         return survival
 
     def tokens_to_come(self) -> float | None:
-        """Generated tokens the job still needs, by the estimate above; None when the total is unknown."""
+        """Generated tokens the job still needs, by the estimate above; None when the total is unknown. Worked out
+        once per new observation (a display asks several times a second)."""
         if self.total is None:
             return None
-        waiting = max(self.total - self.done - len(self.live), 0)
+        if self._to_come is None:
+            self._to_come = self._estimate(self.total)
+        return self._to_come
+
+    def _estimate(self, total: int) -> float:
+        waiting = max(total - self.done - len(self.live), 0)
+        live = np.minimum(np.asarray(self.live, dtype=np.int64), self.cap)
         if not self.lengths:  # nothing finished yet: every sequence to its cap
-            return waiting * self.cap + sum(max(self.cap - g, 0) for g in self.live)
+            remaining = (self.cap - live).astype(float)
+            self.longest_remaining = float(remaining.max(initial=0.0))
+            return waiting * self.cap + float(remaining.sum())
         survival = self._survival()
-        tail = [0.0] * (self.cap + 2)  # tail[t] = sum of survival[t:cap]: expected tokens from t on, times S(t)
-        for t in range(self.cap - 1, -1, -1):
-            tail[t] = tail[t + 1] + survival[t]
-        remaining = [tail[g] / survival[g] if survival[g] > 0 else 0.0 for g in (min(g, self.cap) for g in self.live)]
-        self.longest_remaining = max(remaining, default=0.0)
-        return waiting * tail[0] + sum(remaining)
+        # tail[t] = sum of S(u) for u = t..cap-1: the expected tokens from t on, times S(t)
+        tail = np.concatenate((np.cumsum(survival[: self.cap][::-1])[::-1], [0.0]))
+        alive = survival[live]
+        remaining = np.divide(tail[live], alive, out=np.zeros(len(live)), where=alive > 0)
+        self.longest_remaining = float(remaining.max(initial=0.0))
+        return waiting * float(tail[0]) + float(remaining.sum())
 
     def eta(self) -> float | None:
         """Seconds left, or None when it cannot be estimated yet (no tokens, or the total unknown)."""
