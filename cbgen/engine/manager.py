@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.attention import per_sequence_attention
 from cbgen.attention.softcap import softcapped_paged_eager
+from cbgen.engine.cache_memory import lazy_cache_memory
 from cbgen.model.invariant import batch_invariant_linear
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class CacheFacts:
     page_size: int
     num_blocks: int | None
     prefix_sharing: bool  # block sharing is only ever allowed: the cache turns it off for sliding-window layers
+    resident: str = "all at start"  # "as used": the cache came from an anonymous mapping (cbgen.engine.cache_memory)
     resolved_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,7 +79,8 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
         from cbgen.control.processor import install
 
         install(manager, control)
-    manager.warmup()
+    with lazy_cache_memory(model.device.type) as lazy:
+        manager.warmup()
     if control is not None:
         from cbgen.control.processor import take_over_sampling
 
@@ -88,6 +91,7 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
         page_size=resolved.page_size,
         num_blocks=getattr(cache, "num_blocks", None) or resolved.num_blocks,
         prefix_sharing=bool(getattr(cache, "use_prefix_sharing", resolved.allow_block_sharing)),
+        resident="as used" if lazy else "all at start",
         resolved_config={k: v for k, v in vars(resolved).items()
                          if isinstance(v, (int, float, str, bool, tuple, type(None)))},
     )

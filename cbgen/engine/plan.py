@@ -19,7 +19,7 @@ from cbgen.engine.engine import EngineSettings
 from cbgen.engine.manager import ManagerSpec
 from cbgen.errors import CbgenError
 from cbgen.model.load import PER_SEQUENCE, LoadedModel
-from cbgen.prompts import LOOKAHEAD
+from cbgen.prompts import LOOKAHEAD, prefix_key
 from cbgen.records import Request
 from cbgen.sampling import SamplingPlan
 
@@ -41,6 +41,7 @@ class WorkloadShape:
     max_new_tokens: int  # the most any request asks for
     num_return_sequences: int  # the most any request asks for
     requests: int | None  # in the whole job; None when unknown (stdin)
+    shared_pages: bool = True  # some requests read ahead share a first KV page, or ask for several sequences
 
     @classmethod
     def of(cls, job: JobConfig, head: Sequence[Request], total: int | None, *, whole: bool = False) -> WorkloadShape:
@@ -49,10 +50,12 @@ class WorkloadShape:
         g = job.generation
         runnable = [r for r in head if r.error is None and r.input_ids is not None]
         asked = [r.record.settings for r in runnable]
+        n = max([g.num_return_sequences, *(s.get("n") or 0 for s in asked)])
+        keys = [key for r in runnable if (key := prefix_key(r.input_ids or [], page_size(job.batching)))]
         return cls(longest_prompt=max((len(r.input_ids or ()) for r in runnable), default=1),
                    max_new_tokens=max([g.max_new_tokens, *(s.get("max_new_tokens") or 0 for s in asked)]),
-                   num_return_sequences=max([g.num_return_sequences, *(s.get("n") or 0 for s in asked)]),
-                   requests=max(len(runnable), 1) if whole else total)
+                   num_return_sequences=n, requests=max(len(runnable), 1) if whole else total,
+                   shared_pages=n > 1 or len(set(keys)) < len(keys))
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
     kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)
+    kv_cache["block_sharing"] = sharing_choice(batching, loaded, workload)
     if steps is not None:
         # the step control runs in Python between the forward pass and sampling: the synchronous loop it needs
         batching.setdefault("use_cuda_graph", False)
@@ -224,6 +228,21 @@ def size_kv_cache(batching: dict[str, Any], loaded: LoadedModel, workload: Workl
     # transformers checks the cache against a share of free memory (0.6 on CPU); cbgen has already bounded it
     batching.setdefault("max_memory_percent", 0.9)
     return sizing | {"chosen_by": "cbgen", "reason": reason, "bytes": num_blocks * block_bytes}
+
+
+def sharing_choice(batching: dict[str, Any], loaded: LoadedModel, workload: WorkloadShape) -> str:
+    """Turns transformers' block sharing off on CPU where it cannot pay, and says why. The cache keeps every completed
+    block of a finished request for reuse until it runs out of free blocks; since cbgen's cache takes RAM only as
+    pages are written (cbgen.engine.cache_memory), blocks kept that no request can reuse would grow a job's memory
+    to the whole cache. A block is reused only by a request with the same first page, so with one sequence per
+    request and no two prompts read ahead sharing their first page, nothing is lost."""
+    if "allow_block_sharing" in batching:
+        return f"{'on' if batching['allow_block_sharing'] else 'off'} (batching.allow_block_sharing)"
+    if loaded.device != "cpu" or workload.shared_pages:
+        return "on"
+    batching["allow_block_sharing"] = False
+    return (f"off: no two of the first {LOOKAHEAD} prompts share a first page and each asks for one sequence, so no "
+            "block could be reused (batching.allow_block_sharing: true turns it on)")
 
 
 def make_cb_config(batching: dict[str, Any], job: JobConfig, *, per_request: bool = False) -> ContinuousBatchingConfig:

@@ -180,6 +180,7 @@ class ReplicaPool:
         self.stats.restarts += stats.restarts
         self.stats.attention = stats.attention
         self.stats.num_blocks = stats.num_blocks
+        self.stats.kv_resident = stats.kv_resident
         self.stats.resolved_config = stats.resolved_config
 
 
