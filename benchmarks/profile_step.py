@@ -25,6 +25,7 @@ from transformers.generation.continuous_batching import continuous_api as api
 from cbgen.bench import Bench, BenchWorkload, build_workloads, matmul_flops
 from cbgen.config import ModelSection
 from cbgen.model import dtype_name
+from cbgen.model.linear import linear_kind
 from cbgen.model.load import load_model
 
 BUCKETS = (  # first match wins; operator names as torch.profiler reports them
@@ -104,7 +105,9 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-requests-per-batch", type=int, default=None)
     parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
-    parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
+    linear = parser.add_mutually_exclusive_group()
+    linear.add_argument("--onednn-linear", action="store_true", default=None, help="As for cbgen run.")
+    linear.add_argument("--stock-linear", dest="onednn_linear", action="store_false", help="As for cbgen run.")
     parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
                         "sequences (the full batch of 64, and the tail as requests finish).")
     args = parser.parse_args()
@@ -120,7 +123,7 @@ def main() -> None:
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
-          f"batching {batching or 'defaults'}, onednn linear {args.onednn_linear}")
+          f"batching {batching or 'defaults'}, linear layers {linear_kind(loaded.model)}")
     measured = bench.cbgen(fixed, "gated")
     print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")
     show("prefill steps (prompt chunks, with any decode tokens)", _profiles["prefill"], args.top)

@@ -163,10 +163,10 @@ class Bench:
         return [self.cbgen(free, order), constrained]
 
     def cbgen_onednn(self, workload: BenchWorkload, earlier: Sequence[Measurement]) -> list[Measurement]:
-        """The cbgen path with every float32 linear layer through oneDNN (cbgen.model.linear.onednn_linear): weights
-        packed and first calls made before the clock, the model as it was afterwards. Each row adds the share of
-        requests whose greedy tokens equal those of the same path without oneDNN, when it ran earlier on this
-        workload (`earlier`)."""
+        """The cbgen path with every float32 or bfloat16 linear layer through oneDNN
+        (cbgen.model.linear.onednn_linear): weights packed and first calls made before the clock, the model as it was
+        afterwards. Each row adds the share of requests whose greedy tokens equal those of the same path without
+        oneDNN, when it ran earlier on this workload (`earlier`)."""
         from cbgen.model.linear import onednn_linear
 
         with onednn_linear(self.loaded.model):

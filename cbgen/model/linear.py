@@ -1,5 +1,6 @@
-"""How float32 linear layers run on CPU: the vocabulary projection in column chunks (on by default, where bitwise the
-same), and every linear layer through oneDNN (`--onednn-linear`), an opt-in alternative to torch's default matmul.
+"""How linear layers run on CPU: the float32 vocabulary projection in column chunks (on by default, where bitwise
+the same), and linear layers through oneDNN with prepacked weights (by default for bfloat16 on CPUs with bf16
+units; `--onednn-linear` for float32), instead of torch's default matmul.
 
 **Vocabulary projection in column chunks.** MKL's sgemm computes a decode step's projection onto a large vocabulary
 (64 x 576 x 49,152 for the embedded model) far below its rate on smaller matrices; the same product computed 2,048
@@ -8,20 +9,25 @@ rows, so prompt-sized batches keep one matmul). Every column's dot product is th
 free to pick kernels by shape, so it is switched on only after a probe at load time finds it bitwise equal to the
 plain matmul on this machine, with the model's own weights, at several row counts.
 
-**oneDNN.**
+**oneDNN with prepacked weights.**
 
-torch computes a float32 `nn.Linear` on CPU with MKL's sgemm. On a 2-core AMD EPYC (AVX2), MKL reached 36 GFLOP/s
-on the vocabulary projection of a 64-sequence decode step (64 x 576 x 49,152) where oneDNN, given the weights
-prepacked once into its own layout, reached 101; the MLP projections gained 1.2-1.5x at 1,024 rows. Whole jobs of
-the embedded SmolLM2-135M ran 0.98-1.22x as fast: in one `cbgen bench` run of five workloads (path cbgen-onednn,
-docs/performance.md, "Against llama.cpp on an AVX2 CPU") 0.98x on the fixed 64 x (128 + 64) one, 1.06-1.11x on the
-others, with the same greedy tokens for all 360 requests.
+torch hands a bfloat16 CPU matmul to oneDNN too, but with the weight in torch's layout, which oneDNN reorders into
+its own on every call. Reordered once at load, the matmuls of a 64-sequence decode step of the embedded model ran
+1.3-2.2x as fast (2-core Intel Xeon with AMX: the vocabulary projection 9.9 -> 4.4 ms, the MLP's down projection 193
+-> 88 us), with results bitwise those of the stock call at 64 rows. At other row counts the sums may be blocked
+differently, so results can differ in the last bit (a greedy token can then flip at a near-tie), as they already do
+between batch sizes on the stock path. So it is the default for bfloat16 where the CPU has bf16 units (AVX-512 BF16
+or AMX: torch's `_is_mkldnn_bf16_supported`); elsewhere bfloat16 is emulated and the stock path stays.
 
-Two properties differ from the default, which is why it is not: the prepacked weights are a second copy (the
-parameters stay, for tied embeddings and saving), and the sums run in another order than MKL's, so logits differ in
-the last bits and a greedy token can flip at a near-tie (measured: none in 520 requests). In exchange each row's
-result no longer depends on how many rows share the matmul (measured: bitwise the same for 1 to 1,024 rows; MKL's
-are not), so a request's tokens do not depend on which requests were batched with it.
+For float32, torch uses MKL's sgemm. On a 2-core AMD EPYC (AVX2), MKL reached 36 GFLOP/s on the vocabulary projection
+of a 64-sequence decode step where oneDNN with prepacked weights reached 101; the MLP projections gained 1.2-1.5x at
+1,024 rows. Whole jobs of the embedded SmolLM2-135M ran 0.98-1.22x as fast (docs/performance.md, "Against llama.cpp
+on an AVX2 CPU"), with the same greedy tokens for all 360 requests. In float32 each row's result no longer depends on
+how many rows share the matmul (measured: bitwise the same for 1 to 1,024 rows; MKL's are not), but the sums run in
+another order than MKL's, so it is opt-in (`--onednn-linear`).
+
+Either way the prepacked weights are a second copy (the parameters stay, for tied embeddings, batch-invariant tiles
+and saving): about 270 MB for the embedded model in bfloat16.
 """
 
 from __future__ import annotations
@@ -39,12 +45,21 @@ PROBE_ROWS = (1, 3, 17, 64, CHUNK_ROWS)
 PACK_ROWS = 64  # the batch-size hint oneDNN packs for: a decode step's rows; results do not depend on it
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def bf16_units() -> bool:
+    """Whether oneDNN computes bfloat16 natively here (AVX-512 BF16 or AMX), not by emulation."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_available() and supported is not None and bool(supported())
+
+
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+    if x.dtype != self._cbgen_packed.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
         return torch.nn.functional.linear(x, self.weight, self.bias)  # anything else: the stock path
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, self._cbgen_packed, self.bias, "none", [], "")
@@ -52,10 +67,11 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_onednn_linear(model: torch.nn.Module) -> int:
-    """Runs every float32 CPU `nn.Linear` of `model` through oneDNN with prepacked weights; returns how many."""
+    """Runs every float32 or bfloat16 CPU `nn.Linear` of `model` through oneDNN with prepacked weights; returns how
+    many."""
     count = 0
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or module.weight.dtype != torch.float32:
+        if type(module) is not torch.nn.Linear or module.weight.dtype not in PACKED_DTYPES:
             continue
         if module.weight.device.type != "cpu":
             continue
@@ -72,10 +88,10 @@ def uses_onednn_linear(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def onednn_linear(model: torch.nn.Module) -> Iterator[int]:
-    """Every float32 CPU `nn.Linear` of `model` through oneDNN inside the block, and back as it was after it (the
-    chunked vocabulary projection included): how `cbgen bench`'s cbgen-onednn path measures the lever against the
-    default on one loaded model. Yields how many layers it switched; none when the model already runs through
-    oneDNN (--onednn-linear), which the block then leaves alone."""
+    """Every float32 or bfloat16 CPU `nn.Linear` of `model` through oneDNN inside the block, and back as it was after
+    it (the chunked vocabulary projection included): how `cbgen bench`'s cbgen-onednn path measures the lever against
+    the stock path on one loaded model (loaded with --stock-linear). Yields how many layers it switched; none when the
+    model already runs through oneDNN, which the block then leaves alone."""
     if uses_onednn_linear(model):
         yield 0
         return

@@ -128,14 +128,28 @@ def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtyp
 
 
 def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
-    from cbgen.model.linear import onednn_available, use_onednn_linear
+    from cbgen.model.linear import PACKED_DTYPES, onednn_available, use_onednn_linear
 
-    if device != "cpu" or dtype != torch.float32 or tp is not None:
-        raise CbgenError("--onednn-linear applies to float32 on CPU in one process: add --device cpu --dtype float32, "
+    if device != "cpu" or dtype not in PACKED_DTYPES or tp is not None:
+        raise CbgenError("--onednn-linear applies to float32 or bfloat16 on CPU in one process: add --device cpu, "
                          "without --tp")
     if not onednn_available():
         raise CbgenError("--onednn-linear: this torch build has no oneDNN (mkldnn) linear; drop the flag")
     use_onednn_linear(model)
+
+
+def _linear_layers(model, settings: ModelSection, device: str, dtype: torch.dtype, tp) -> None:
+    """How the linear layers run (cbgen.model.linear): --onednn-linear as asked, else prepacked bfloat16 where the CPU
+    has bf16 units, else the float32 vocabulary projection in chunks where that is bitwise the same."""
+    from cbgen.model.linear import bf16_units, chunk_vocab_projection, use_onednn_linear
+
+    one_cpu_process = device == "cpu" and tp is None
+    if settings.onednn_linear:
+        _use_onednn(model, device, dtype, tp)
+    elif settings.onednn_linear is None and one_cpu_process and dtype == torch.bfloat16 and bf16_units():
+        use_onednn_linear(model)
+    elif one_cpu_process and dtype == torch.float32:
+        chunk_vocab_projection(model)
 
 
 def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, attn: str | None,
@@ -219,11 +233,7 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     except ValueError as e:
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
-    if weights and settings.onednn_linear:
-        _use_onednn(model, device, dtype, tp)
-    elif weights and device == "cpu" and dtype == torch.float32 and tp is None:
-        from cbgen.model.linear import chunk_vocab_projection
-
-        chunk_vocab_projection(model)
+    if weights:
+        _linear_layers(model, settings, device, dtype, tp)
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)

@@ -1,7 +1,7 @@
 """cbgen.model.linear: the vocabulary projection in column chunks is bitwise the plain matmul, and is switched on only
-where a probe finds it so; --onednn-linear: float32 linear layers through oneDNN's prepacked matmul give the stock
-results to rounding, each row's result independent of how many rows share the matmul, and the same greedy tokens
-through the engine as through model.generate."""
+where a probe finds it so; --onednn-linear (and bfloat16's default on CPUs with bf16 units): linear layers through
+oneDNN's prepacked matmul give the stock results to rounding, in float32 each row's result independent of how many
+rows share the matmul, and the same greedy tokens through the engine as through model.generate."""
 
 from __future__ import annotations
 
@@ -120,10 +120,37 @@ def test_run_records_the_chunked_vocabulary_projection(tiny_model_dir, tmp_path)
     assert manifest["model"]["linear"] == f"stock, vocabulary in {linear.VOCAB_CHUNK}-column chunks"
 
 
-def test_onednn_linear_refuses_bfloat16(tiny_model_dir, tmp_path, capsys):
+def test_bfloat16_linear_layers_are_prepacked_by_default_where_the_cpu_has_bf16_units(tiny_model_dir, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9, 10]}) + "\n" for i in range(4)))
+    kinds = {}
+    for flag in ("", "--onednn-linear", "--stock-linear"):
+        out = tmp_path / f"out{flag}"
+        assert run_cli(["run", str(source), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "bfloat16",
+                        "--device", "cpu", "--max-new-tokens", "4", "-q", *([flag] if flag else [])]) == 0
+        manifest = json.loads((out / "run.json").read_text())
+        assert manifest["counts"]["succeeded"] == 4
+        kinds[flag] = manifest["model"]["linear"]
+    assert kinds == {"": "onednn" if linear.bf16_units() else "stock", "--onednn-linear": "onednn",
+                     "--stock-linear": "stock"}
+
+
+def test_prepacked_bfloat16_layers_give_the_stock_results_to_rounding():
+    model = tiny_llama().to(torch.bfloat16)
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        stock = [model.model.layers[0].mlp.gate_proj(x[:rows]) for rows in (1, 7, 64)]
+        assert use_onednn_linear(model) == 15 and linear_kind(model) == "onednn"
+        ours = [model.model.layers[0].mlp.gate_proj(x[:rows]) for rows in (1, 7, 64)]
+    for a, b in zip(stock, ours):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_onednn_linear_refuses_what_it_cannot_pack(tiny_model_dir, tmp_path, capsys):
     source = tmp_path / "p.jsonl"
     source.write_text(json.dumps({"input_ids": [7, 8, 9]}) + "\n")
     code = run_cli(["run", str(source), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir), "--dtype",
-                    "bfloat16", "--onednn-linear", "-q"])
+                    "float16", "--onednn-linear", "-q"])
     assert code != 0
-    assert "--onednn-linear applies to float32 on CPU" in capsys.readouterr().err
+    assert "--onednn-linear applies to float32 or bfloat16 on CPU" in capsys.readouterr().err
