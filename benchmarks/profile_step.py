@@ -10,6 +10,7 @@ module calls, scheduling, input preparation).
 
     python benchmarks/profile_step.py
     python benchmarks/profile_step.py --top 15 --max-batch-tokens 2048
+    python benchmarks/profile_step.py --timing-only --onednn-linear   # step times only, unprofiled
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def bucket(name: str) -> str:
 _profiles: dict[str, list] = defaultdict(list)  # "prefill" | "decode" -> (wall seconds, key_averages) per step
 
 
-def _instrument(min_decode: int) -> None:
-    """Profile each generation step where it runs, and file it as prefill or decode."""
+def _instrument(min_decode: int, timing_only: bool = False) -> None:
+    """Profile each generation step where it runs (or only time it: `timing_only`), and file it as prefill or
+    decode."""
     step = getattr(api.ContinuousBatchProcessor, "_generation_step", None)
     if step is None:
         raise SystemExit("profile_step.py: this transformers has no ContinuousBatchProcessor._generation_step to wrap")
@@ -64,6 +66,11 @@ def _instrument(min_decode: int) -> None:
         kind = ("decode" if io.num_q_tokens == io.num_request_in_batch else "prefill")
         if kind == "decode" and io.num_request_in_batch < min_decode:
             return step(self, model)
+        if timing_only:
+            start = time.perf_counter()
+            result = step(self, model)
+            _profiles[kind].append((time.perf_counter() - start, []))
+            return result
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             result = step(self, model)
@@ -105,13 +112,13 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-requests-per-batch", type=int, default=None)
     parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
-    linear = parser.add_mutually_exclusive_group()
-    linear.add_argument("--onednn-linear", action="store_true", default=None, help="As for cbgen run.")
-    linear.add_argument("--stock-linear", dest="onednn_linear", action="store_false", help="As for cbgen run.")
+    parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
     parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
                         "sequences (the full batch of 64, and the tail as requests finish).")
+    parser.add_argument("--timing-only", action="store_true", help="Time the steps without the profiler (which slows "
+                        "them): the true step times, without the breakdown.")
     args = parser.parse_args()
-    _instrument(args.min_decode)
+    _instrument(args.min_decode, args.timing_only)
     loaded = load_model(ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}

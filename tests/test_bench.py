@@ -149,14 +149,14 @@ def test_a_constrained_workload_stops_in_valid_json(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_onednn_path_is_skipped_with_its_reason_off_float32(tiny_model_dir, tmp_path, capsys):
+def test_onednn_path_is_skipped_with_its_reason_off_float32_and_bfloat16(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
-    code = run_cli(["bench", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--device", "cpu", "--size", "tiny",
+    code = run_cli(["bench", "--model", str(tiny_model_dir), "--dtype", "float16", "--device", "cpu", "--size", "tiny",
                     "--workloads", "fixed", "--paths", "cbgen,cbgen-onednn", "-o", str(out)])
     assert code == 0
     data = json.loads((out / "bench.json").read_text())
     assert {r["path"] for r in data["rows"]} == {"cbgen"}
-    assert "float32 on CPU" in data["meta"]["skipped"]["cbgen-onednn"]
+    assert "float32 or bfloat16 on CPU" in data["meta"]["skipped"]["cbgen-onednn"]
     assert "cbgen-onednn path skipped" in capsys.readouterr().err
 
 

@@ -40,10 +40,10 @@ def bench(
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
     max_requests_per_batch: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
     page_size: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
-    onednn_linear: Annotated[Optional[bool], typer.Option(  # noqa: UP045
-        "--onednn-linear/--stock-linear", help="As for cbgen run: linear layers through oneDNN with prepacked "
-        "weights (default: for bfloat16 on CPUs with bf16 units). --stock-linear with the cbgen-onednn path measures "
-        "the lever side by side.")] = None,
+    onednn_linear: Annotated[bool, typer.Option(
+        "--onednn-linear/--stock-linear", help="As for cbgen run: float32 or bfloat16 linear layers through oneDNN "
+        "with prepacked weights, on every path (the cbgen-onednn path measures it beside the stock layers).")]
+    = False,
     llamacpp_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="GGUF", help="The GGUF file the llamacpp path runs. Default, for the embedded model: its f32 (or bf16, "
         "as --dtype) conversion made by benchmarks/build_llamacpp.sh.")] = None,
@@ -146,7 +146,7 @@ def _onednn_unready(loaded) -> str | None:
     if not onednn_available():
         return "this torch build has no oneDNN (mkldnn) linear"
     if uses_onednn_linear(loaded.model):
-        return "every path already runs through oneDNN (--onednn-linear, or bfloat16's default): add --stock-linear"
+        return "--onednn-linear already runs every path through oneDNN"
     return None
 
 

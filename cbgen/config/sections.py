@@ -59,12 +59,12 @@ class ModelSection:
         "Default: $CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen (~/.cache/cbgen).")
     use_cache: bool = setting(
         True, "Use (and fill) the converted-GGUF cache; off dequantizes the GGUF file on every run.")
-    onednn_linear: bool | None = setting(
-        None, "On CPU, run the linear layers through oneDNN with weights prepacked once at load, instead of torch's "
-        "default matmul. Default: on for bfloat16 where the CPU has bf16 units (AVX-512 BF16 or AMX: a decode step's "
-        "matmuls 1.3-2.2x as fast), off for float32 (there: 1.06-1.22x a whole job on AVX2, but sums run in another "
-        "order than MKL's). Costs a second copy of the weights; results can differ from the stock path in the last "
-        "bit, so a greedy token can differ at a near-tie.")
+    onednn_linear: bool = setting(
+        False, "On CPU, run the float32 or bfloat16 linear layers through oneDNN with weights prepacked once at load, "
+        "instead of torch's default matmul. float32 on AVX2: 1.06-1.22x a whole job. bfloat16 with bf16 units: each "
+        "decode-sized matmul 1.3-2.2x as fast, whole jobs within noise (0.81-1.04x). Costs a second copy of the "
+        "weights; results can differ from the stock path in the last bit, so a greedy token can differ at a "
+        "near-tie.")
     batch_invariant: bool | None = setting(
         None, "Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's attention in a "
         "call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same whatever shares "

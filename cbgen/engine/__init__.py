@@ -6,4 +6,5 @@
     admission.py  what may enter and when: requests that never fit, the prefix gate
     stops.py      stop strings
     manager.py    one manager's life (also served by tensor-parallel followers)
+    cache_memory.py  the KV cache's RAM on CPU, taken as pages are written
 """

@@ -1,6 +1,6 @@
 """How linear layers run on CPU: the float32 vocabulary projection in column chunks (on by default, where bitwise
-the same), and linear layers through oneDNN with prepacked weights (by default for bfloat16 on CPUs with bf16
-units; `--onednn-linear` for float32), instead of torch's default matmul.
+the same), and float32 or bfloat16 linear layers through oneDNN with prepacked weights (`--onednn-linear`), an
+opt-in alternative to torch's default matmul.
 
 **Vocabulary projection in column chunks.** MKL's sgemm computes a decode step's projection onto a large vocabulary
 (64 x 576 x 49,152 for the embedded model) far below its rate on smaller matrices; the same product computed 2,048
@@ -13,18 +13,17 @@ plain matmul on this machine, with the model's own weights, at several row count
 
 torch hands a bfloat16 CPU matmul to oneDNN too, but with the weight in torch's layout, which oneDNN reorders into
 its own on every call. Reordered once at load, the matmuls of a 64-sequence decode step of the embedded model ran
-1.3-2.2x as fast (2-core Intel Xeon with AMX: the vocabulary projection 9.9 -> 4.4 ms, the MLP's down projection 193
--> 88 us), with results bitwise those of the stock call at 64 rows. At other row counts the sums may be blocked
-differently, so results can differ in the last bit (a greedy token can then flip at a near-tie), as they already do
-between batch sizes on the stock path. So it is the default for bfloat16 where the CPU has bf16 units (AVX-512 BF16
-or AMX: torch's `_is_mkldnn_bf16_supported`); elsewhere bfloat16 is emulated and the stock path stays.
+1.3-2.2x as fast, each timed alone (2-core Intel Xeon with AMX: the vocabulary projection 9.9 -> 4.4 ms, the MLP's
+down projection 193 -> 88 us), bitwise the stock result at 64 rows. Whole jobs did not follow: in a step the weights
+stream from memory, and `benchmarks/prepacked_linear.py` (stock and prepacked alternating on one loaded model, the
+fixed workload) gave time ratios 0.81, 0.985 and 1.04, so for bfloat16 it stays opt-in.
 
 For float32, torch uses MKL's sgemm. On a 2-core AMD EPYC (AVX2), MKL reached 36 GFLOP/s on the vocabulary projection
 of a 64-sequence decode step where oneDNN with prepacked weights reached 101; the MLP projections gained 1.2-1.5x at
 1,024 rows. Whole jobs of the embedded SmolLM2-135M ran 0.98-1.22x as fast (docs/performance.md, "Against llama.cpp
 on an AVX2 CPU"), with the same greedy tokens for all 360 requests. In float32 each row's result no longer depends on
 how many rows share the matmul (measured: bitwise the same for 1 to 1,024 rows; MKL's are not), but the sums run in
-another order than MKL's, so it is opt-in (`--onednn-linear`).
+another order than MKL's, so it is opt-in too.
 
 Either way the prepacked weights are a second copy (the parameters stay, for tied embeddings, batch-invariant tiles
 and saving): about 270 MB for the embedded model in bfloat16.
@@ -50,12 +49,6 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def bf16_units() -> bool:
-    """Whether oneDNN computes bfloat16 natively here (AVX-512 BF16 or AMX), not by emulation."""
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return onednn_available() and supported is not None and bool(supported())
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:

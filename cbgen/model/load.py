@@ -139,16 +139,13 @@ def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
 
 
 def _linear_layers(model, settings: ModelSection, device: str, dtype: torch.dtype, tp) -> None:
-    """How the linear layers run (cbgen.model.linear): --onednn-linear as asked, else prepacked bfloat16 where the CPU
-    has bf16 units, else the float32 vocabulary projection in chunks where that is bitwise the same."""
-    from cbgen.model.linear import bf16_units, chunk_vocab_projection, use_onednn_linear
+    """How the linear layers run (cbgen.model.linear): through oneDNN with --onednn-linear, else the float32 vocabulary
+    projection in chunks where that is bitwise the same."""
+    from cbgen.model.linear import chunk_vocab_projection
 
-    one_cpu_process = device == "cpu" and tp is None
     if settings.onednn_linear:
         _use_onednn(model, device, dtype, tp)
-    elif settings.onednn_linear is None and one_cpu_process and dtype == torch.bfloat16 and bf16_units():
-        use_onednn_linear(model)
-    elif one_cpu_process and dtype == torch.float32:
+    elif device == "cpu" and tp is None and dtype == torch.float32:
         chunk_vocab_projection(model)
 
 

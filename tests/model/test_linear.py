@@ -1,7 +1,7 @@
 """cbgen.model.linear: the vocabulary projection in column chunks is bitwise the plain matmul, and is switched on only
-where a probe finds it so; --onednn-linear (and bfloat16's default on CPUs with bf16 units): linear layers through
-oneDNN's prepacked matmul give the stock results to rounding, in float32 each row's result independent of how many
-rows share the matmul, and the same greedy tokens through the engine as through model.generate."""
+where a probe finds it so; --onednn-linear: float32 and bfloat16 linear layers through oneDNN's prepacked matmul
+give the stock results to rounding, in float32 each row's result independent of how many rows share the matmul,
+and the same greedy tokens through the engine as through model.generate."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_run_records_the_chunked_vocabulary_projection(tiny_model_dir, tmp_path)
     assert manifest["model"]["linear"] == f"stock, vocabulary in {linear.VOCAB_CHUNK}-column chunks"
 
 
-def test_bfloat16_linear_layers_are_prepacked_by_default_where_the_cpu_has_bf16_units(tiny_model_dir, tmp_path):
+def test_bfloat16_linear_layers_are_prepacked_when_asked(tiny_model_dir, tmp_path):
     source = tmp_path / "p.jsonl"
     source.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9, 10]}) + "\n" for i in range(4)))
     kinds = {}
@@ -131,8 +131,7 @@ def test_bfloat16_linear_layers_are_prepacked_by_default_where_the_cpu_has_bf16_
         manifest = json.loads((out / "run.json").read_text())
         assert manifest["counts"]["succeeded"] == 4
         kinds[flag] = manifest["model"]["linear"]
-    assert kinds == {"": "onednn" if linear.bf16_units() else "stock", "--onednn-linear": "onednn",
-                     "--stock-linear": "stock"}
+    assert kinds == {"": "stock", "--onednn-linear": "onednn", "--stock-linear": "stock"}
 
 
 def test_prepacked_bfloat16_layers_give_the_stock_results_to_rounding():
