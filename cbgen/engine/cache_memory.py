@@ -2,7 +2,7 @@
 
 transformers allocates the paged cache as one `torch.zeros` tensor when the manager warms up, which writes (and so
 makes resident) every byte of it: a cache sized for 128 requests of 425 prompt + 256 new tokens is 3.0 GB on SmolLM2,
-resident from the first second, while most answers stop within 50 tokens. Memory from an anonymous mapping reads as
+resident from the first second, however few of its pages the requests fill. Memory from an anonymous mapping reads as
 zeros too (the kernel guarantees it) but costs no RAM until a page is written; the cache's pool hands out its
 highest free sector first and takes freed ones back last-in first-out, so the pages written stay about as many as the
 requests in flight really fill. Same zeros, same tensor shape and dtype: only when the RAM is taken changes.
@@ -12,6 +12,7 @@ Only a CPU `torch.zeros` of at least `LAZY_MIN_BYTES`, called while the manager 
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,9 +31,7 @@ def _size(args: tuple[Any, ...]) -> tuple[int, ...] | None:
 
 def mapped_zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor over a fresh anonymous mapping: no RAM is taken until a page of it is written."""
-    numel = 1
-    for n in size:
-        numel *= n
+    numel = math.prod(size)
     nbytes = max(numel * dtype.itemsize, 1)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # the tensor holds a reference to the mapping, which is unmapped when the last tensor over it goes
@@ -50,7 +49,7 @@ class _LazyZeros(TorchFunctionMode):
             size, dtype = _size(args), kwargs.get("dtype") or torch.get_default_dtype()
             device = torch.device(kwargs.get("device") or "cpu")
             if size is not None and device.type == "cpu":
-                tensor_bytes = dtype.itemsize * int(torch.Size(size).numel())
+                tensor_bytes = dtype.itemsize * math.prod(size)
                 if tensor_bytes >= LAZY_MIN_BYTES:
                     self.served.append(tensor_bytes)
                     return mapped_zeros(size, dtype)

@@ -23,7 +23,7 @@ of a 64-sequence decode step where oneDNN with prepacked weights reached 101; th
 1,024 rows. Whole jobs of the embedded SmolLM2-135M ran 0.98-1.22x as fast (docs/performance.md, "Against llama.cpp
 on an AVX2 CPU"), with the same greedy tokens for all 360 requests. In float32 each row's result no longer depends on
 how many rows share the matmul (measured: bitwise the same for 1 to 1,024 rows; MKL's are not), but the sums run in
-another order than MKL's, so it is opt-in too.
+another order than MKL's, so a greedy token can flip at a near-tie (measured: none in 520 requests): opt-in too.
 
 Either way the prepacked weights are a second copy (the parameters stay, for tied embeddings, batch-invariant tiles
 and saving): about 270 MB for the embedded model in bfloat16.
@@ -83,7 +83,7 @@ def uses_onednn_linear(model: torch.nn.Module) -> bool:
 def onednn_linear(model: torch.nn.Module) -> Iterator[int]:
     """Every float32 or bfloat16 CPU `nn.Linear` of `model` through oneDNN inside the block, and back as it was after
     it (the chunked vocabulary projection included): how `cbgen bench`'s cbgen-onednn path measures the lever against
-    the stock path on one loaded model (loaded with --stock-linear). Yields how many layers it switched; none when the
+    the stock path on one loaded model. Yields how many layers it switched; none when the
     model already runs through oneDNN, which the block then leaves alone."""
     if uses_onednn_linear(model):
         yield 0
