@@ -137,11 +137,9 @@ def _llamacpp_ready(explicit: str | None, loaded):
 
 def _onednn_unready(loaded) -> str | None:
     """Why the cbgen-onednn path cannot run on this model and machine, or None."""
-    import torch
+    from cbgen.model.linear import PACKED_DTYPES, onednn_available, uses_onednn_linear
 
-    from cbgen.model.linear import onednn_available, uses_onednn_linear
-
-    if loaded.device != "cpu" or loaded.dtype not in (torch.float32, torch.bfloat16):
+    if loaded.device != "cpu" or loaded.dtype not in PACKED_DTYPES:
         return "oneDNN's linear layers are for float32 or bfloat16 on CPU: add --device cpu"
     if not onednn_available():
         return "this torch build has no oneDNN (mkldnn) linear"

@@ -138,17 +138,6 @@ def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
     use_onednn_linear(model)
 
 
-def _linear_layers(model, settings: ModelSection, device: str, dtype: torch.dtype, tp) -> None:
-    """How the linear layers run (cbgen.model.linear): through oneDNN with --onednn-linear, else the float32 vocabulary
-    projection in chunks where that is bitwise the same."""
-    from cbgen.model.linear import chunk_vocab_projection
-
-    if settings.onednn_linear:
-        _use_onednn(model, device, dtype, tp)
-    elif device == "cpu" and tp is None and dtype == torch.float32:
-        chunk_vocab_projection(model)
-
-
 def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, attn: str | None,
                trust_remote_code: bool):
     """The model's structure without its weights (on torch's meta device: no memory, no dequantization), and its
@@ -230,7 +219,11 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     except ValueError as e:
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
-    if weights:
-        _linear_layers(model, settings, device, dtype, tp)
+    if weights and settings.onednn_linear:
+        _use_onednn(model, device, dtype, tp)
+    elif weights and device == "cpu" and dtype == torch.float32 and tp is None:
+        from cbgen.model.linear import chunk_vocab_projection
+
+        chunk_vocab_projection(model)
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)
