@@ -40,23 +40,25 @@ def test_only_big_cpu_zeros_are_served_lazily():
         small = torch.zeros(16, dtype=torch.uint8)
         ones = torch.ones(4)
         preset = torch.zeros(cache_memory.LAZY_MIN_BYTES // 4, requires_grad=True)  # not a plain request: left alone
-    assert served == [cache_memory.LAZY_MIN_BYTES]
+    assert [len(m) for m in served.mappings.values()] == [cache_memory.LAZY_MIN_BYTES]
+    assert list(served.mappings) == [big.data_ptr()]
     assert int(big.count_nonzero()) == 0 and int(small.count_nonzero()) == 0 and float(ones.sum()) == 4
     assert preset.requires_grad
     with lazy_cache_memory("cuda") as served:  # other devices: nothing changes (the call is not even made here)
         torch.zeros(cache_memory.LAZY_MIN_BYTES, dtype=torch.uint8)
-    assert served == []
+    assert not served
 
 
 @pytest.mark.parametrize("seed", [None, 3])
 def test_a_job_on_a_lazily_taken_cache_writes_what_a_zeroed_one_does(tiny_model_dir, tmp_path, monkeypatch, seed):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": str(i), "prompt": "word " * (3 + 5 * i)} for i in range(6)])
-    extra = ["--seed", str(seed), "--temperature", "0.9"] if seed is not None else []
+    # seeded with two samples each: the copies share their prompt's blocks, and finished blocks are kept for reuse
+    extra = ["--seed", str(seed), "--temperature", "0.9", "-n", "2"] if seed is not None else []
 
     def run(out: str) -> tuple[list, dict]:
         assert run_cli(["run", str(prompts), "-o", str(tmp_path / out), "--model", str(tiny_model_dir), "--dtype",
                         "float32", "--max-new-tokens", "12", "--logprobs", "-q", *extra]) == 0
-        rows = sorted(read_shards(tmp_path / out), key=lambda r: r["id"])
+        rows = sorted(read_shards(tmp_path / out), key=lambda r: (r["id"], r["token_ids"]))
         return [(r["id"], r["token_ids"], r["logprobs"]) for r in rows], json.loads(
             (tmp_path / out / "run.json").read_text())["kv_cache"]
 
@@ -64,7 +66,7 @@ def test_a_job_on_a_lazily_taken_cache_writes_what_a_zeroed_one_does(tiny_model_
     lazy_rows, lazy_kv = run("lazy")
     monkeypatch.setattr(cache_memory, "LAZY_MIN_BYTES", 1 << 60)  # nothing served lazily: transformers' own zeros
     zeroed_rows, zeroed_kv = run("zeroed")
-    assert lazy_kv["resident"] == "as used" and zeroed_kv["resident"] == "all at start"
+    assert lazy_kv["resident"] == "as used, returned when freed" and zeroed_kv["resident"] == "all at start"
     assert lazy_rows == zeroed_rows and all(tokens for _, tokens, _ in lazy_rows)
 
 
@@ -84,3 +86,55 @@ def test_block_sharing_stays_on_only_where_a_block_can_be_reused(tiny_model_dir,
     manifest = json.loads((tmp_path / "out" / "run.json").read_text())
     assert manifest["kv_cache"]["block_sharing"].split(" ")[0].rstrip(":") == sharing
     assert manifest["continuous_batching"]["allow_block_sharing"] is (sharing == "on")
+
+
+def mapping_resident(address: int) -> int:
+    """The resident bytes of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+@pytest.mark.parametrize("give_back", [True, False])
+def test_blocks_freed_into_the_pool_give_their_pages_back(tiny_model_dir, monkeypatch, give_back):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    from cbgen.engine.manager import ManagerSpec, start_manager, stop_manager
+
+    monkeypatch.setattr(cache_memory, "LAZY_MIN_BYTES", MiB)  # the tiny model's cache: 64 blocks of 128 KiB
+    if not give_back:
+        monkeypatch.setattr(cache_memory.LazyCache, "return_freed_blocks", lambda self, cache: False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    spec = ManagerSpec(GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None),
+                       ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, allow_block_sharing=False))
+    manager, facts = start_manager(model, spec)
+    cache = manager.batch_processor.cache
+    address, block = cache.cache_tensor.data_ptr(), cache.cache_tensor.numel() // (cache.num_blocks + 2)
+    try:
+        prompts = [[100 + 7 * i + j for j in range(300)] for i in range(6)]  # 340 tokens each: 2 blocks of 256
+        for i, ids in enumerate(prompts):
+            manager.add_request(ids, request_id=f"r{i}", max_new_tokens=40)
+        results = {}
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=60)
+            assert result is not None, "the manager stopped before every request finished"
+            results[result.request_id] = result.generated_tokens
+        written = 6 * 340 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x heads x head_dim x float32
+        resident = mapping_resident(address)
+    finally:
+        for _ in stop_manager(manager):
+            pass
+    assert all(len(tokens) == 40 for tokens in results.values())
+    if give_back:  # every block is free again: only the two never-allocated trash sectors may hold pages
+        assert facts.resident == "as used, returned when freed"
+        assert resident <= 2 * block
+    else:
+        assert facts.resident == "as used"
+        assert resident >= 0.9 * written

@@ -58,7 +58,7 @@ class EngineStats:
     started: bool = False  # a manager ran (not when every request was refused before admission)
     restarts: int = 0
     num_blocks: int | None = None
-    kv_resident: str | None = None  # "as used" or "all at start" (cbgen.engine.manager.CacheFacts.resident)
+    kv_resident: str | None = None  # "all at start", "as used" or "as used, returned when freed" (CacheFacts.resident)
     attention: str = "stock"  # what attention ran (cbgen.engine.manager.attention_scope)
     resolved_config: dict = field(default_factory=dict)
 

@@ -46,7 +46,9 @@ class CacheFacts:
     page_size: int
     num_blocks: int | None
     prefix_sharing: bool  # block sharing is only ever allowed: the cache turns it off for sliding-window layers
-    resident: str = "all at start"  # "as used": the cache came from an anonymous mapping (cbgen.engine.cache_memory)
+    # "as used": the cache came from an anonymous mapping (cbgen.engine.cache_memory), "as used, returned when freed":
+    # and the blocks the pool takes back free give their pages back
+    resident: str = "all at start"
     resolved_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,12 +88,13 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
 
         take_over_sampling(manager, control)
     cache = getattr(manager.batch_processor, "cache", None)
+    returned = bool(lazy) and lazy.return_freed_blocks(cache)
     resolved = manager.continuous_batching_config
     facts = CacheFacts(
         page_size=resolved.page_size,
         num_blocks=getattr(cache, "num_blocks", None) or resolved.num_blocks,
         prefix_sharing=bool(getattr(cache, "use_prefix_sharing", resolved.allow_block_sharing)),
-        resident="as used" if lazy else "all at start",
+        resident="as used, returned when freed" if returned else "as used" if lazy else "all at start",
         resolved_config={k: v for k, v in vars(resolved).items()
                          if isinstance(v, (int, float, str, bool, tuple, type(None)))},
     )
