@@ -14,11 +14,14 @@ layers; in MoE models also the routers and the experts, run "eager") is computed
 rows, the last tile zero-padded. One shape means one kernel. Measured there, for every linear shape of the embedded
 model, 25 random (row count 1-1,100, row place) cases each: no row moved; in bfloat16 no row moved with the thread
 count either, with torch's matmul. In float32 torch's matmul still moved with the thread count, oneDNN's did not,
-so float32 tiles run through oneDNN where the torch build has it, over weights prepacked when the block starts (a
-second copy of a float32 model's linear weights while it runs).
+so float32 tiles run through oneDNN where the torch build has it, over weights prepacked when the block starts.
+bfloat16 tiles do the same on CPUs with bf16 units: torch hands them to oneDNN anyway, but reorders the weight into
+oneDNN's layout at every call, and one tile shape is exactly what a prepacked weight serves best. Either way the
+packed weights are a second copy of the linear weights while the block runs (about 270 MB for the embedded model).
 
-The cost, per call against one stock call (same machine): 1.1-1.3x at 64 rows, 1.5-2x at 512 rows in bfloat16; the
-vocabulary projection is faster in tiles (0.6-0.9x). Whole jobs: docs/performance.md.
+The cost, per call against one stock call (same machine, bfloat16, the embedded model's shapes): over torch's matmul
+1.05-1.2x at 64 rows and 1.5-3x at 512; over prepacked weights 0.7-1.0x at 64 rows (the 576 x 576 projection 1.8x)
+and 0.6-1.3x at 512. Whole jobs: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -31,41 +34,54 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from cbgen.config.cpu import cpu_row
 from cbgen.model.linear import onednn_available
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
 
 
 def _onednn(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether float32 tiles over a plain weight run through oneDNN (torch's own matmul moved with the thread count)."""
     return dtype == torch.float32 and device.type == "cpu" and onednn_available()
+
+
+def _packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a layer's tiles run over its weight prepacked for oneDNN: float32 (above), and bfloat16 on a CPU with
+    bf16 units, where torch hands each tile to oneDNN anyway but reorders the weight at every call."""
+    if dtype == torch.bfloat16:
+        return device.type == "cpu" and onednn_available() and cpu_row().dtype == "bfloat16"
+    return _onednn(dtype, device)
 
 
 def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` as matmuls of TILE_ROWS rows each: the same bits for a row whatever the rest.
-    `packed`: the float32 weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile."""
+    `packed`: the weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile."""
     rows = x.reshape(-1, x.shape[-1])
     count, out_features = rows.shape[0], weight.shape[0]
-    out = rows.new_empty(count, out_features)
-    onednn = _onednn(rows.dtype, rows.device)
+    onednn = packed is not None or _onednn(rows.dtype, rows.device)
     transposed = weight.t()
     full = count - count % TILE_ROWS
     dnn_weight = packed if packed is not None else weight
 
-    def tile(source: torch.Tensor, target: torch.Tensor) -> None:
-        if onednn:
-            target.copy_(torch.ops.mkldnn._linear_pointwise(source, dnn_weight, None, "none", [], ""))
-        else:
-            torch.mm(source, transposed, out=target)
+    def tile(source: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        if not onednn:
+            return torch.mm(source, transposed, out=target) if target is not None else torch.mm(source, transposed)
+        result = torch.ops.mkldnn._linear_pointwise(source, dnn_weight, None, "none", [], "")
+        return target.copy_(result) if target is not None else result
 
-    for start in range(0, full, TILE_ROWS):
-        tile(rows[start : start + TILE_ROWS], out[start : start + TILE_ROWS])
+    padded = None
     if full < count:  # the last rows, in a zero-padded tile of the same shape
-        source = rows.new_zeros(TILE_ROWS, rows.shape[1])
-        source[: count - full] = rows[full:]
-        target = rows.new_empty(TILE_ROWS, out_features)
-        tile(source, target)
-        out[full:] = target[: count - full]
+        padded = rows.new_zeros(TILE_ROWS, rows.shape[1])
+        padded[: count - full] = rows[full:]
+    if full == 0 and padded is not None:  # one tile (a decode step): its rows are the result, no copy out
+        out = tile(padded)[:count]
+    else:
+        out = rows.new_empty(count, out_features)
+        for start in range(0, full, TILE_ROWS):
+            tile(rows[start : start + TILE_ROWS], out[start : start + TILE_ROWS])
+        if padded is not None:
+            out[full:] = tile(padded)[: count - full]
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
@@ -99,7 +115,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight prepacked for oneDNN's float32 tiles, or None where tiles do not run through oneDNN. Measured on
     the embedded model's shapes: a tile over the plain weight cost up to 4.5x one stock call at 512 rows (oneDNN
     reorders the weight at every call), over the packed one 0.9-1.4x."""
-    if not _onednn(weight.dtype, weight.device):
+    if not _packs(weight.dtype, weight.device):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE_ROWS)
