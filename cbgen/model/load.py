@@ -146,20 +146,36 @@ def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype,
 
     kwargs = {"trust_remote_code": trust_remote_code}
     status = None
+    folder: str | Path | None = None  # where the weights' own generation_config.json would be
     if source.random_weights:
         config, tokenizer, status = _random_shape(source, cache_root)
     elif source.gguf_file:
         cache = GgufCache(cache_root, source.gguf_path) if cache_root else None
         tokenizer, status = gguf_tokenizer(source.gguf_path, cache)
-        converted = cache.find(model_entry(dtype)) if cache is not None else None
-        config = (AutoConfig.from_pretrained(converted, **kwargs) if converted is not None
+        folder = cache.find(model_entry(dtype)) if cache is not None else None
+        config = (AutoConfig.from_pretrained(folder, **kwargs) if folder is not None
                   else AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file, **kwargs))
     else:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
         config = AutoConfig.from_pretrained(source.location, **kwargs)
+        folder = source.location
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn, **kwargs)
+    # from_config derives the generation config from the model's config; loading the weights reads the checkpoint's
+    # generation_config.json, whose stop tokens and defaults the plan must see too (Llama 3's lists <|eot_id|>)
+    saved = _saved_generation_config(folder) if folder is not None else None
+    if saved is not None:
+        model.generation_config = saved
     return model, tokenizer, status
+
+
+def _saved_generation_config(folder: str | Path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError):  # none saved: the one derived from the config is what loading would use too
+        return None
 
 
 def gguf_unconverted(settings: ModelSection) -> bool:

@@ -148,3 +148,22 @@ def test_config_with_a_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path
     cache_dir = str(tmp_path_factory.getbasetemp() / "model-cache")
     with pytest.raises(CbgenError, match="vocab_size 1000 is smaller than the SmolLM2 tokenizer's 49152"):
         model_load.load_model(ModelSection(model=str(path), cache_dir=cache_dir))
+
+
+def test_the_structure_alone_plans_with_the_checkpoints_generation_config(tmp_path, tiny_model_dir):
+    """A dry run and a --data-parallel main process load no weights, but they plan the job (stop tokens, sampling
+    defaults) and must see the checkpoint's generation_config.json as loading the weights does."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7], "temperature": 0.6,
+                                                               "do_sample": True}))
+    settings = ModelSection(model=str(folder), dtype="float32", device="cpu")
+    structure = model_load.load_model(settings, weights=False)
+    loaded = model_load.load_model(settings)
+    assert next(structure.model.parameters()).device.type == "meta"
+    for config in (structure.model.generation_config, loaded.model.generation_config):
+        assert config.eos_token_id == [eos, 7] and config.temperature == 0.6
