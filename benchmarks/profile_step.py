@@ -11,6 +11,7 @@ module calls, scheduling, input preparation).
     python benchmarks/profile_step.py
     python benchmarks/profile_step.py --top 15 --max-batch-tokens 2048
     python benchmarks/profile_step.py --timing-only --onednn-linear   # step times only, unprofiled
+    python benchmarks/profile_step.py --batch-invariant               # a seeded job's numerics
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
     parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
                         "sequences (the full batch of 64, and the tail as requests finish).")
+    parser.add_argument("--batch-invariant", action="store_true", help="Profile the batch-invariant numerics (a "
+                        "seeded job's default).")
     parser.add_argument("--timing-only", action="store_true", help="Time the steps without the profiler (which slows "
                         "them): the true step times, without the breakdown.")
     args = parser.parse_args()
@@ -124,14 +127,16 @@ def main() -> None:
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     bench = Bench(loaded, batching)
     fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
-    bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input")
+    invariant = args.batch_invariant
+    bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input", invariant=invariant)
     _profiles.clear()
     dtype = dtype_name(loaded.dtype)
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
-          f"batching {batching or 'defaults'}, linear layers {linear_kind(loaded.model)}")
-    measured = bench.cbgen(fixed, "gated")
+          f"batching {batching or 'defaults'}, linear layers {linear_kind(loaded.model)}"
+          f"{', batch-invariant' if invariant else ''}")
+    measured = bench.cbgen(fixed, "gated", invariant=invariant)
     print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")
     show("prefill steps (prompt chunks, with any decode tokens)", _profiles["prefill"], args.top)
     show(f"decode steps at >= {args.min_decode} sequences", _profiles["decode"], args.top)
