@@ -35,20 +35,6 @@ def _size(args: tuple[Any, ...]) -> tuple[int, ...] | None:
     return tuple(shape) if all(isinstance(n, int) and n >= 0 for n in shape) else None
 
 
-def _mapping(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-def _over(buffer: mmap.mmap, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # the tensor holds a reference to the mapping, which is unmapped when the last tensor over it goes
-    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(size)).view(size)
-
-
-def mapped_zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor over a fresh anonymous mapping: no RAM is taken until a page of it is written."""
-    return _over(_mapping(math.prod(size) * dtype.itemsize), size, dtype)
-
-
 class LazyCache:
     """The mappings served while the manager built its cache, by the address of the tensor over each."""
 
@@ -59,15 +45,20 @@ class LazyCache:
         return bool(self.mappings)
 
     def serve(self, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buffer = _mapping(math.prod(size) * dtype.itemsize)
-        tensor = _over(buffer, size, dtype)
+        """A zero tensor over a fresh anonymous mapping: no RAM is taken until a page of it is written."""
+        numel = math.prod(size)
+        buffer = mmap.mmap(-1, max(numel * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # the tensor holds a reference to the mapping, which is unmapped when the last tensor over it goes
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(size)
         self.mappings[tensor.data_ptr()] = buffer
         return tensor
 
     def return_freed_blocks(self, cache: Any) -> bool:
-        """From now on, every block `cache` (transformers' PagedAttentionCache) frees into its pool has its pages
-        handed back to the kernel. False (nothing done) when the cache is not over one of these mappings, or
-        transformers' pool and allocators are not what this was written against."""
+        """Hands back every page of `cache` (transformers' PagedAttentionCache) now, and from now on the pages of
+        every block it frees into its pool. Called after the manager's warm-up, whose dummy requests may have
+        written pages and which ends by resetting the cache: no block is in use or kept then. False (nothing done)
+        when the cache is not over one of these mappings, or transformers' pool and allocators are not what this was
+        written against."""
         tensor, pool = getattr(cache, "cache_tensor", None), getattr(cache, "pool", None)
         if pool is None:
             return False
@@ -81,6 +72,7 @@ class LazyCache:
         if found is None or not views:
             return False
         mapping, base = found, tensor.data_ptr()
+        mapping.madvise(mmap.MADV_DONTNEED)  # what the warm-up wrote
 
         def free_blocks(index: int, block_ids: list[int]) -> None:
             free(index, block_ids)

@@ -112,9 +112,9 @@ def _experts_implementation(model: torch.nn.Module) -> Any:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight prepacked for oneDNN's float32 tiles, or None where tiles do not run through oneDNN. Measured on
-    the embedded model's shapes: a tile over the plain weight cost up to 4.5x one stock call at 512 rows (oneDNN
-    reorders the weight at every call), over the packed one 0.9-1.4x."""
+    """The weight prepacked for oneDNN's tiles (float32; bfloat16 on CPUs with bf16 units), or None where tiles run
+    over the plain weight. Measured on the embedded model's float32 shapes: a tile over the plain weight cost up to
+    4.5x one stock call at 512 rows (oneDNN reorders the weight at every call), over the packed one 0.9-1.4x."""
     if not _packs(weight.dtype, weight.device):
         return None
     with torch.no_grad():
