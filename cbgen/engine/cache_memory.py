@@ -60,10 +60,9 @@ class LazyCache:
         when the cache is not over one of these mappings, or transformers' pool and allocators are not what this was
         written against."""
         tensor, pool = getattr(cache, "cache_tensor", None), getattr(cache, "pool", None)
-        if pool is None:
-            return False
         free = getattr(pool, "free_blocks", None)
-        if not isinstance(tensor, torch.Tensor) or not callable(free) or not hasattr(mmap, "MADV_DONTNEED"):
+        if pool is None or not isinstance(tensor, torch.Tensor) or not callable(free) \
+                or not hasattr(mmap, "MADV_DONTNEED"):
             return False
         views: dict[int, torch.Tensor] = {
             allocator.index: allocator._copy_view for allocator in getattr(cache, "cache_allocators", {}).values()

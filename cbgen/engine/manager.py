@@ -88,7 +88,7 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
 
         take_over_sampling(manager, control)
     cache = getattr(manager.batch_processor, "cache", None)
-    returned = bool(lazy) and lazy.return_freed_blocks(cache)
+    returned = lazy.return_freed_blocks(cache)  # False where nothing was served lazily
     resolved = manager.continuous_batching_config
     facts = CacheFacts(
         page_size=resolved.page_size,
