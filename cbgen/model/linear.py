@@ -27,6 +27,17 @@ another order than MKL's, so a greedy token can flip at a near-tie (measured: no
 
 Either way the prepacked weights are a second copy (the parameters stay, for tied embeddings, batch-invariant tiles
 and saving): about 270 MB for the embedded model in bfloat16.
+
+**bfloat16 row counts in buckets (on by default; `--no-linear-row-buckets`).** oneDNN builds a kernel for every
+(row count, weight shape) it meets and keeps it (two caches of 1,024 entries each), about 0.7 MB each; under
+continuous batching a step's row count is whatever its prompts and decodes add up to. HumanEval's 164 prompts through
+the embedded model met 464 such shapes (108 row counts). In buckets, linear layers compute a few row counts only
+(multiples of `SMALL_STEP` up to `ROW_STEP`, then four per doubling: at most a quarter more rows), the extra rows
+zero and cut from the result: about 100 shapes, and that job's peak RSS 1,678 -> 1,535 MB (2-core Intel Xeon with
+AMX). The padding has a price of its own (the copy; and oneDNN's kernels are not faster at every larger row count),
+which coarser buckets paid: powers of two to 64, then multiples of 64, ran a whole job of varied batches about 10 %
+slower. These did not, within measurement noise (figures: docs/performance.md). A 64-sequence decode step is a
+bucket already.
 """
 
 from __future__ import annotations
@@ -45,6 +56,10 @@ PACK_ROWS = 64  # the batch-size hint oneDNN packs for: a decode step's rows; re
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+ROW_STEP = 64  # row buckets: multiples of SMALL_STEP up to this, then four per doubling
+SMALL_STEP = 8
+BUCKETED_DTYPES = (torch.bfloat16, torch.float16)  # what torch hands to oneDNN, whose kernels are cached per shape
 
 
 def onednn_available() -> bool:
@@ -147,10 +162,43 @@ def chunk_vocab_projection(model: torch.nn.Module) -> bool:
     return True
 
 
+def bucket(rows: int) -> int:
+    """The row count a matmul of `rows` rows runs at with row buckets (see the module)."""
+    step = SMALL_STEP if rows <= ROW_STEP else 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def _bucketed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    padded = bucket(count)
+    if padded == count or x.dtype != self.weight.dtype or torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    out = torch.nn.functional.linear(torch.nn.functional.pad(rows, (0, 0, 0, padded - count)), self.weight, self.bias)
+    return out[:count].view(*x.shape[:-1], out.shape[-1])
+
+
+def bucket_linear_rows(model: torch.nn.Module) -> int:
+    """Runs every bfloat16 or float16 CPU `nn.Linear` of `model` (that has no forward of cbgen's already) at bucketed
+    row counts; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or "forward" in vars(module):
+            continue
+        if module.weight.dtype not in BUCKETED_DTYPES or module.weight.device.type != "cpu":
+            continue
+        vars(module)["forward"] = types.MethodType(_bucketed_forward, module)
+        vars(module)["_cbgen_bucketed"] = True
+        count += 1
+    return count
+
+
 def linear_kind(model: torch.nn.Module) -> str:
     """How the model's linear layers run, for run.json and bench.json."""
     if uses_onednn_linear(model):
         return "onednn"
     if hasattr(_output_head(model), "_cbgen_chunked"):
         return f"stock, vocabulary in {VOCAB_CHUNK}-column chunks"
+    if hasattr(_output_head(model), "_cbgen_bucketed"):
+        return f"stock, rows in buckets (multiples of {SMALL_STEP} to {ROW_STEP}, then four per doubling)"
     return "stock"

@@ -138,6 +138,26 @@ def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
     use_onednn_linear(model)
 
 
+def _set_up_linear(model, settings: ModelSection, device: str, dtype: torch.dtype, tp) -> None:
+    """How the loaded model's linear layers run (cbgen.model.linear): through oneDNN when asked; at bucketed row counts
+    when asked (it must apply) and by default where it applies (bfloat16, float16 on CPU); the float32 vocabulary
+    projection in chunks where the probe allows."""
+    from cbgen.model.linear import BUCKETED_DTYPES, bucket_linear_rows, chunk_vocab_projection
+
+    if settings.onednn_linear:
+        _use_onednn(model, device, dtype, tp)
+    elif settings.linear_row_buckets:
+        if device != "cpu" or dtype not in BUCKETED_DTYPES or tp is not None:
+            raise CbgenError("--linear-row-buckets applies to bfloat16 or float16 on CPU in one process: add --device "
+                             "cpu --dtype bfloat16, without --tp")
+        bucket_linear_rows(model)
+    elif device == "cpu" and tp is None:
+        if dtype == torch.float32:
+            chunk_vocab_projection(model)
+        elif settings.linear_row_buckets is None:
+            bucket_linear_rows(model)
+
+
 def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, attn: str | None,
                trust_remote_code: bool):
     """The model's structure without its weights (on torch's meta device: no memory, no dequantization), and its
@@ -195,6 +215,8 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if settings.onednn_linear and settings.linear_row_buckets:
+        raise CbgenError("--onednn-linear and --linear-row-buckets are two ways to run the linear layers: use one")
     source = resolve_source(settings.model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
@@ -235,11 +257,7 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     except ValueError as e:
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
-    if weights and settings.onednn_linear:
-        _use_onednn(model, device, dtype, tp)
-    elif weights and device == "cpu" and dtype == torch.float32 and tp is None:
-        from cbgen.model.linear import chunk_vocab_projection
-
-        chunk_vocab_projection(model)
+    if weights:
+        _set_up_linear(model, settings, device, dtype, tp)
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)

@@ -9,11 +9,20 @@ import json
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import cbgen.model.linear as linear
 from cbgen.cli import run_cli
-from cbgen.model.linear import chunk_vocab_projection, linear_kind, onednn_linear, use_onednn_linear, uses_onednn_linear
+from cbgen.model.invariant import batch_invariant_linear
+from cbgen.model.linear import (
+    bucket_linear_rows,
+    chunk_vocab_projection,
+    linear_kind,
+    onednn_linear,
+    use_onednn_linear,
+    uses_onednn_linear,
+)
 
 
 def tiny_llama(vocab_size: int = 500) -> LlamaForCausalLM:
@@ -124,14 +133,16 @@ def test_bfloat16_linear_layers_are_prepacked_when_asked(tiny_model_dir, tmp_pat
     source = tmp_path / "p.jsonl"
     source.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9, 10]}) + "\n" for i in range(4)))
     kinds = {}
-    for flag in ("", "--onednn-linear", "--stock-linear"):
+    for flag in ("", "--onednn-linear", "--stock-linear", "--no-linear-row-buckets"):
         out = tmp_path / f"out{flag}"
         assert run_cli(["run", str(source), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "bfloat16",
                         "--device", "cpu", "--max-new-tokens", "4", "-q", *([flag] if flag else [])]) == 0
         manifest = json.loads((out / "run.json").read_text())
         assert manifest["counts"]["succeeded"] == 4
         kinds[flag] = manifest["model"]["linear"]
-    assert kinds == {"": "stock", "--onednn-linear": "onednn", "--stock-linear": "stock"}
+    buckets = "stock, rows in buckets (multiples of 8 to 64, then four per doubling)"  # the default, in bfloat16
+    assert kinds == {"": buckets, "--onednn-linear": "onednn", "--stock-linear": buckets,
+                     "--no-linear-row-buckets": "stock"}
 
 
 def test_prepacked_bfloat16_layers_give_the_stock_results_to_rounding():
@@ -153,3 +164,56 @@ def test_onednn_linear_refuses_what_it_cannot_pack(tiny_model_dir, tmp_path, cap
                     "float16", "--onednn-linear", "-q"])
     assert code != 0
     assert "--onednn-linear applies to float32 or bfloat16 on CPU" in capsys.readouterr().err
+
+
+class _RowCounts(TorchFunctionMode):
+    """Records the row count of every F.linear call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: set[int] = set()
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.rows.add(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_bfloat16_linear_layers_run_at_a_few_row_counts_with_the_stock_results():
+    """oneDNN builds (and keeps) a kernel per row count: bucketed, 1-300 rows make 17 matmul shapes, and every row
+    keeps the stock result to bfloat16 rounding, at the shape it came in."""
+    model = tiny_llama().to(torch.bfloat16)
+    assert bucket_linear_rows(model) == 15 and bucket_linear_rows(tiny_llama()) == 0  # float32: MKL, no such cache
+    layer = model.model.layers[0].mlp.up_proj
+    counts = _RowCounts()
+    with torch.no_grad():
+        for rows in range(1, 301):
+            x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+            stock = torch.nn.functional.linear(x, layer.weight)
+            with counts:
+                ours = layer(x)
+            assert ours.shape == stock.shape == (1, rows, 160)
+            torch.testing.assert_close(ours, stock)
+    assert counts.rows == {8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320}
+
+
+def test_batch_invariant_tiles_replace_the_buckets_and_give_them_back():
+    model = tiny_llama().to(torch.bfloat16)
+    bucket_linear_rows(model)
+    layer = model.model.layers[1].self_attn.o_proj
+    with batch_invariant_linear(model):
+        assert vars(layer)["forward"].__func__ is not linear._bucketed_forward
+    assert vars(layer)["forward"].__func__ is linear._bucketed_forward
+
+
+def test_row_buckets_asked_for_are_refused_where_they_do_not_apply(tiny_model_dir, tmp_path, capsys):
+    source = tmp_path / "p.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9, 10]}) + "\n" for i in range(4)))
+    base = ["run", str(source), "--model", str(tiny_model_dir), "--device", "cpu", "--max-new-tokens", "4", "-q"]
+    assert run_cli([*base, "-o", str(tmp_path / "f32"), "--dtype", "float32"]) == 0  # the default: not in float32
+    manifest = json.loads((tmp_path / "f32" / "run.json").read_text())
+    assert manifest["model"]["linear"] == f"stock, vocabulary in {linear.VOCAB_CHUNK}-column chunks"
+    assert run_cli([*base, "-o", str(tmp_path / "asked"), "--dtype", "float32", "--linear-row-buckets"]) == 2
+    assert "--linear-row-buckets applies to bfloat16 or float16 on CPU" in capsys.readouterr().err
+    assert run_cli([*base, "-o", str(tmp_path / "both"), "--linear-row-buckets", "--onednn-linear"]) == 2
+    assert "use one" in capsys.readouterr().err
