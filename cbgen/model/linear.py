@@ -1,6 +1,6 @@
 """How linear layers run on CPU: the float32 vocabulary projection in column chunks (on by default, where bitwise
-the same), and float32 or bfloat16 linear layers through oneDNN with prepacked weights (`--onednn-linear`), an
-opt-in alternative to torch's default matmul.
+the same), bfloat16 linear layers at a few row counts (on by default), and float32 or bfloat16 linear layers through
+oneDNN with prepacked weights (`--onednn-linear`), an opt-in alternative to torch's default matmul.
 
 **Vocabulary projection in column chunks.** MKL's sgemm computes a decode step's projection onto a large vocabulary
 (64 x 576 x 49,152 for the embedded model) far below its rate on smaller matrices; the same product computed 2,048
