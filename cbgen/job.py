@@ -356,7 +356,8 @@ class _Run:
         if engine is not None:
             summary.engine_restarts = engine.stats.restarts
             summary.attention = engine.stats.attention if engine.stats.started else None
-            summary.kv_cache.update(num_blocks=engine.stats.num_blocks, resident=engine.stats.kv_resident)
+            summary.kv_cache.update(num_blocks=engine.stats.num_blocks, resident=engine.stats.kv_resident,
+                                    dense_attention_mask=engine.stats.dense_mask)
         summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
         if self.job.run.redo and summary.status == Status.COMPLETE:
             end_redo(summary.output_dir)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cbgen.attention import support
+from cbgen.attention.dense_mask import refuse_stock_without_mask
 from cbgen.attention.invariant import attend_invariant
 from cbgen.attention.paged_decode import PageRead, layer_cache, padded_positions, read_requests
 from cbgen.attention.pass_memo import remembered
@@ -201,6 +202,7 @@ def per_sequence_sdpa_forward(
     if _handles(module, query, key, value, dropout, position_bias, cache, kwargs):
         batch = _plan(module, query, key, kwargs)
     if batch is None:
+        refuse_stock_without_mask(is_causal, cache)
         return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, position_bias=position_bias, cache=cache, **kwargs)
 

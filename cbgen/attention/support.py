@@ -111,6 +111,7 @@ class _Slot:
         self.lock = threading.Lock()
         self.depth = 0
         self.previous: Callable[..., Any] | None = None
+        self.function: Callable[..., Any] | None = None  # cbgen's, while installed
 
 
 _SLOTS: dict[str, _Slot] = {name: _Slot() for name in _TRANSFORMERS_DEFAULTS}
@@ -120,6 +121,12 @@ def registered(name: str) -> Callable[..., Any]:
     from transformers import AttentionInterface
 
     return AttentionInterface()[name]  # a fresh instance has no local overrides: this is the global entry
+
+
+def serving(name: str) -> bool:
+    """Whether one of cbgen's functions serves `name` in transformers' attention registry now."""
+    slot = _SLOTS[name]
+    return slot.depth > 0 and slot.function is not None and registered(name) is slot.function
 
 
 def stock(name: str) -> Callable[..., Any]:
@@ -145,6 +152,7 @@ def installed(name: str, function: Callable[..., Any]) -> Iterator[None]:
             current = registered(name)
             slot.previous = None if current is function else current
             AttentionInterface.register(name, function)
+            slot.function = function
         slot.depth += 1
     try:
         yield
@@ -152,7 +160,7 @@ def installed(name: str, function: Callable[..., Any]) -> Iterator[None]:
         with slot.lock:
             slot.depth -= 1
             if slot.depth == 0:
-                previous, slot.previous = stock(name), None
+                previous, slot.previous, slot.function = stock(name), None, None
                 if registered(name) is function:
                     AttentionInterface.register(name, previous)
                 else:

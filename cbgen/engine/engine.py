@@ -59,6 +59,7 @@ class EngineStats:
     restarts: int = 0
     num_blocks: int | None = None
     kv_resident: str | None = None  # "all at start", "as used" or "as used, returned when freed" (CacheFacts.resident)
+    dense_mask: str | None = None  # CacheFacts.dense_mask
     attention: str = "stock"  # what attention ran (cbgen.engine.manager.attention_scope)
     resolved_config: dict = field(default_factory=dict)
 
@@ -233,6 +234,7 @@ class Engine:
         self._prefix_sharing = facts.prefix_sharing
         self.stats.num_blocks = facts.num_blocks
         self.stats.kv_resident = facts.resident
+        self.stats.dense_mask = facts.dense_mask
         self.stats.resolved_config = facts.resolved_config
 
     def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cbgen.attention import per_sequence_attention
+from cbgen.attention.dense_mask import without_dense_mask
 from cbgen.attention.softcap import softcapped_paged_eager
 from cbgen.engine.cache_memory import lazy_cache_memory
 from cbgen.model.invariant import batch_invariant_linear
@@ -49,6 +50,8 @@ class CacheFacts:
     # "as used": the cache came from an anonymous mapping (cbgen.engine.cache_memory), "as used, returned when freed":
     # and the blocks the pool takes back free give their pages back
     resident: str = "all at start"
+    # transformers' dense attention mask for `sdpa` (cbgen.attention.dense_mask): built, or not where nothing reads it
+    dense_mask: str = "built"
     resolved_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,7 +84,8 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
         from cbgen.control.processor import install
 
         install(manager, control)
-    with lazy_cache_memory(model.device.type) as lazy:
+    with lazy_cache_memory(model.device.type) as lazy, \
+            without_dense_mask(manager.continuous_batching_config) as maskless:
         manager.warmup()
     if control is not None:
         from cbgen.control.processor import take_over_sampling
@@ -95,6 +99,7 @@ def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | Non
         num_blocks=getattr(cache, "num_blocks", None) or resolved.num_blocks,
         prefix_sharing=bool(getattr(cache, "use_prefix_sharing", resolved.allow_block_sharing)),
         resident="as used, returned when freed" if returned else "as used" if lazy else "all at start",
+        dense_mask="not built: cbgen's per-sequence attention does not read it" if maskless else "built",
         resolved_config={k: v for k, v in vars(resolved).items()
                          if isinstance(v, (int, float, str, bool, tuple, type(None)))},
     )

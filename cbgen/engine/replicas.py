@@ -181,6 +181,7 @@ class ReplicaPool:
         self.stats.attention = stats.attention
         self.stats.num_blocks = stats.num_blocks
         self.stats.kv_resident = stats.kv_resident
+        self.stats.dense_mask = stats.dense_mask
         self.stats.resolved_config = stats.resolved_config
 
 
