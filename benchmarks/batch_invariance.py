@@ -6,20 +6,35 @@ input order with no batch limit, then shuffled with --max-requests-per-batch 3, 
 --max-batch-tokens 40 (which cuts prompts into chunks). The script counts the sequences of the second and third runs
 whose tokens, and whose tokens and logprobs, are bitwise those of the first; and times the three generations.
 
-Then, per linear shape of the model, whether a row's result moves with the number of rows and its place among them
-(30 random cases), with one stock call and with cbgen's fixed-shape tiles (cbgen.model.invariant), and the tiles'
-time against one stock call at 64 and 512 rows.
+Then the sources one by one: per linear shape of the model, whether a row's result moves with the number of rows and
+its place among them (30 random cases), with one stock call and with cbgen's fixed-shape tiles (cbgen.model.invariant),
+and the tiles' time against one stock call at 64 and 512 rows; and for attention (cbgen.attention.invariant), how
+many of 100 random steps (1-24 requests, 1-5 query heads per KV head, prompt chunks and decode tokens) give some
+request other bits than it gets alone, with query rows padded to a multiple of 8 (cbgen's) and unpadded.
+
+`--isa avx2` (or avx512-no-bf16) runs it all with torch, oneDNN and MKL held to that instruction set and cbgen's
+CPU-kind row to match (see tests/helpers.py OTHER_ISAS): one machine measuring another kind's kernels.
 
     python benchmarks/batch_invariance.py                    # bfloat16 where the CPU has bf16 units
     python benchmarks/batch_invariance.py --dtype float32
+    python benchmarks/batch_invariance.py --dtype float32 --isa avx2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 import types
+
+ISAS = {  # as tests/helpers.py OTHER_ISAS
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "CBGEN_CPU_KIND": "avx2"},
+    "avx512-no-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+                       "MKL_ENABLE_INSTRUCTIONS": "AVX512", "CBGEN_CPU_KIND": "avx512"},
+}
 
 
 def identical(dtype: str, invariant: bool, sample: bool) -> tuple[list[tuple[int, int]], int, float]:
@@ -83,10 +98,77 @@ def linear_table(dtype: str) -> None:
               f"fixed-shape {moved['fixed']:>2}   time: {ratios[0]:.2f}x at 64 rows, {ratios[1]:.2f}x at 512 rows")
 
 
+def attention_table(dtype: str) -> None:
+    import torch
+
+    import cbgen.attention.invariant as invariant
+    from cbgen.attention.per_sequence import _Batch
+
+    kind = getattr(torch, dtype)
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    steps = []
+    for _ in range(100):
+        kv_heads, group, dim = rng.randint(1, 4), rng.randint(1, 5), rng.choice([16, 64, 80, 128])
+        requests = []
+        for _ in range(rng.randint(1, 24)):
+            keys = rng.randint(1, 600)
+            queries = 1 if rng.random() < 0.7 else rng.randint(1, min(keys, 64))
+            requests.append((torch.randn(queries, kv_heads * group, dim, generator=generator).to(kind),
+                             torch.randn(keys, kv_heads, dim, generator=generator).to(kind),
+                             torch.randn(keys, kv_heads, dim, generator=generator).to(kind)))
+        steps.append((requests, rng.choice([None, None, 32])))
+
+    def attend(requests, window):
+        batch = _Batch([], [], [], [], window)
+        q_at = k_at = 0
+        for query, key, _ in requests:
+            batch.q_starts.append(q_at)
+            batch.q_lengths.append(query.shape[0])
+            batch.k_starts.append(k_at)
+            batch.k_lengths.append(key.shape[0])
+            q_at, k_at = q_at + query.shape[0], k_at + key.shape[0]
+        query = torch.cat([q for q, _, _ in requests]).transpose(0, 1).unsqueeze(0)
+        out = query.new_zeros(q_at, query.shape[1], query.shape[-1])
+        invariant.attend_invariant(query, torch.cat([k for _, k, _ in requests]),
+                                   torch.cat([v for _, _, v in requests]), None, batch, None, out)
+        return out
+
+    print(f"\nattention ({dtype}): steps of 100 where some request gets other bits than alone; time of all 100")
+    for rows in (8, 1):
+        invariant.QUERY_ROWS = rows
+        moved = 0
+        start = time.perf_counter()
+        for requests, window in steps:
+            together, at = attend(requests, window), 0
+            for request in requests:
+                length = request[0].shape[0]
+                if not torch.equal(together[at:at + length], attend([request], window)):
+                    moved += 1
+                    break
+                at += length
+        label = "padded to 8 query rows (cbgen)" if rows == 8 else "unpadded"
+        print(f"  {label:<32} moved {moved:>3} of 100   {time.perf_counter() - start:.1f} s")
+    invariant.QUERY_ROWS = 8
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--isa", choices=["native", *ISAS], default="native",
+                        help="hold torch, oneDNN and MKL to another CPU kind's instructions")
+    parser.add_argument("--sources-only", action="store_true", help="the per-source tables, without the jobs")
     args = parser.parse_args()
+    if args.isa != "native" and os.environ.get("ATEN_CPU_CAPABILITY") != ISAS[args.isa]["ATEN_CPU_CAPABILITY"]:
+        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | ISAS[args.isa])
+    import torch
+
+    print(f"torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+          + (f" (held to {args.isa})" if args.isa != "native" else ""))
+    if args.sources_only:
+        linear_table(args.dtype)
+        attention_table(args.dtype)
+        return
     print(f"16 prompts ({args.dtype}): sequences identical to the input-order run, tokens / tokens and logprobs, "
           "shuffled at --max-requests-per-batch 3 | shuffled at --max-batch-tokens 40; time of the three runs")
     for sample in (True, False):
@@ -96,6 +178,7 @@ def main() -> None:
             print(f"  {'seeded' if sample else 'greedy'} {'--batch-invariant' if invariant else 'stock':<18} {shown}"
                   f"   {seconds:.1f} s")
     linear_table(args.dtype)
+    attention_table(args.dtype)
 
 
 if __name__ == "__main__":

@@ -28,3 +28,29 @@ def torchrun_cbgen(*args, processes: int = 2) -> subprocess.CompletedProcess:
          "cbgen", "run", *map(str, args), "--tp", str(processes)],
         env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
+
+
+# Instruction sets other CPU kinds have, imposed on this one: torch's own kernels (ATEN_CPU_CAPABILITY), oneDNN's
+# (ONEDNN_MAX_CPU_ISA), MKL's (MKL_ENABLE_INSTRUCTIONS) and cbgen's CPU-kind row (CBGEN_CPU_KIND). A machine cannot
+# go above what it has: where it lacks one, the kernels run on what it does have.
+OTHER_ISAS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "CBGEN_CPU_KIND": "avx2"},
+    "avx512-no-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+                       "MKL_ENABLE_INSTRUCTIONS": "AVX512", "CBGEN_CPU_KIND": "avx512"},
+}
+
+
+def pytest_under_isa(isa: str, test_file: str, selection: str, examples: int = 60) -> None:
+    """Runs the tests `selection` (-k) of `test_file` in a fresh process held to another CPU kind's instructions
+    (OTHER_ISAS), with `examples` examples per property, and asserts they passed."""
+    env = os.environ | OTHER_ISAS[isa] | {"CBGEN_PROPERTY_EXAMPLES": str(examples)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selection],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+def property_examples(default: int) -> int:
+    """How many examples a fast property draws (CBGEN_PROPERTY_EXAMPLES overrides, for the runs of pytest_under_isa)."""
+    return int(os.environ.get("CBGEN_PROPERTY_EXAMPLES", default))

@@ -18,6 +18,17 @@ subsets of 64 rows at 64 to 1,024 keys, bfloat16 and float32), so the tokens of 
 tokens of one bucket in one call, a chunk's tokens of one bucket in one call over their shared prefix (a stride-0
 view, no copy). Padding slots repeat the request's last key (finite) and are masked, so they add exact zeros.
 
+**Which thread computes a row** matters too, measured on a 2-core AMD EPYC (Zen 4: AVX-512 with BF16, no AMX) and
+under AVX2 (torch, oneDNN and MKL held to AVX2 there): torch's CPU flash attention splits the (batch row, KV head)
+items of a call among its threads, and each thread works in a scratch buffer of its own, laid out one after another,
+`query rows x (keys + head_dim + 2)` floats each. With an odd number of query rows (SmolLM2's three query heads per
+KV head, or one in a model without grouped queries) the second thread's buffer is not 64-byte aligned, and MKL's
+sgemm then sums in another order: float32 rows differed from the same row computed alone in 28 of 60 random batches
+(bfloat16 rarely: one logprob of 32 sequences in a whole job). A row's thread follows the number of rows in the call,
+so its bits followed the batch. Query rows are therefore padded with zero queries to a multiple of `QUERY_ROWS`,
+which keeps every thread's buffer 64-byte aligned (the pad is cut from the result): 0 rows moved in 150 random
+shapes, float32 and bfloat16, natively and under AVX2 (benchmarks/batch_invariance.py, `tests/attention`).
+
 The cost: a prompt's attention runs about four times as long as one causal call (512 tokens, 9.5 ms against 2.3 ms
 per layer in bfloat16); decode attention costs what the padded call cost. Whole jobs: docs/performance.md.
 """
@@ -36,6 +47,7 @@ from cbgen.attention.pass_memo import remembered
 if TYPE_CHECKING:
     from cbgen.attention.per_sequence import _Batch
 
+QUERY_ROWS = 8  # query rows of a call, padded to a multiple of this (see the module): 8 x 4 bytes x (keys + dim + 2)
 KEY_BUCKET = 64  # keys are padded to a multiple of this: a token's call shape changes once every 64 positions
 
 
@@ -82,6 +94,13 @@ def _calls(batch: _Batch, index: torch.Tensor | None) -> list[_Call]:
     return calls
 
 
+def padded_query_rows(group: int, head_dim: int) -> int:
+    """The query rows a call runs with for `group` query heads per KV head: a multiple of QUERY_ROWS, or of twice it
+    where an odd head size would leave a thread's buffer 32 bytes off (see the module)."""
+    step = QUERY_ROWS if head_dim % 2 == 0 else 2 * QUERY_ROWS
+    return -(-group // step) * step
+
+
 def attend_invariant(query: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, index: torch.Tensor | None,
                      batch: _Batch, scaling: float | None, out: torch.Tensor) -> None:
     """Every query token of the batch over its own keys, in calls shaped by its position only (see the module).
@@ -89,16 +108,19 @@ def attend_invariant(query: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Te
     dim]); `index`: the packed key layout's rows in it (or None); `out`: [tokens, heads, dim]."""
     num_heads, num_kv_heads, head_dim = query.shape[1], k_rows.shape[1], query.shape[-1]
     group = num_heads // num_kv_heads
+    rows = padded_query_rows(group, head_dim)
     calls = remembered(("invariant calls", id(batch), id(index)), lambda: _calls(batch, index))
     by_token = query[0].transpose(0, 1)  # [tokens, heads, dim]
     for call in calls:
         n, bucket = call.q_rows.shape[0], call.keys.shape[1]
         q_rows = call.q_rows.to(query.device)
         q = by_token.index_select(0, q_rows).view(n, num_kv_heads, group, head_dim)
+        if rows != group:  # zero queries after the real ones (see the module); their results are dropped
+            q = torch.cat([q, q.new_zeros(n, num_kv_heads, rows - group, head_dim)], dim=2)
         flat = call.keys.flatten().to(k_rows.device)
-        k, v = (rows.index_select(0, flat).view(-1, bucket, num_kv_heads, rows.shape[-1]).transpose(1, 2)
-                for rows in (k_rows, v_rows))
+        k, v = (source.index_select(0, flat).view(-1, bucket, num_kv_heads, source.shape[-1]).transpose(1, 2)
+                for source in (k_rows, v_rows))
         if call.shared:
             k, v = k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=call.mask.to(query.device), scale=scaling)
-        out.index_copy_(0, q_rows, attended.reshape(n, num_heads, -1))
+        out.index_copy_(0, q_rows, attended[:, :, :group].reshape(n, num_heads, -1))

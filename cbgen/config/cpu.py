@@ -12,15 +12,23 @@ The kind is read from the CPU flags (/proc/cpuinfo on Linux), without torch:
 Each row says which machine it was measured on (benchmarks/cpu_tuning.py, the fixed 64 x (128 + 64) workload of
 SmolLM2-135M); rows nobody could measure yet borrow a measured row's batching and say so. `run.json` records the row
 a CPU run used, under "cpu_defaults". Flags and the YAML file override every value.
+
+`CBGEN_CPU_KIND` names a row to use instead of the one the flags give. It is for measuring and testing another kind's
+choices on one machine, together with the variables that hold torch, oneDNN and MKL to that kind's instructions
+(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`; see docs/development.md): a machine can act
+as a smaller kind, never a larger one.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from cbgen.errors import CbgenError
 
 
 @dataclass(frozen=True)
@@ -86,5 +94,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_row() -> CpuRow:
-    """This machine's row of the CPU-kind table."""
+    """This machine's row of the CPU-kind table (or the row `CBGEN_CPU_KIND` names)."""
+    named = os.environ.get("CBGEN_CPU_KIND")
+    if named:
+        if named not in CPU_ROWS:
+            raise CbgenError(f"CBGEN_CPU_KIND={named}: not a CPU kind; use one of {', '.join(CPU_ROWS)}")
+        return CPU_ROWS[named]
     return CPU_ROWS[kind_from_flags(cpu_flags())]

@@ -10,6 +10,7 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.config import cpu
+from cbgen.errors import CbgenError
 
 
 @pytest.mark.parametrize(("flags", "kind"), [
@@ -22,6 +23,16 @@ from cbgen.config import cpu
 ])
 def test_kind_from_flags(flags, kind):
     assert cpu.kind_from_flags(flags) == kind
+
+
+def test_a_named_kind_stands_in_for_the_flags(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert cpu.cpu_row().kind == "avx512-bf16"
+    monkeypatch.setenv("CBGEN_CPU_KIND", "avx2")
+    assert cpu.cpu_row().kind == "avx2" and cpu.cpu_row().dtype == "float32"
+    monkeypatch.setenv("CBGEN_CPU_KIND", "avx3")
+    with pytest.raises(CbgenError, match="CBGEN_CPU_KIND=avx3: not a CPU kind; use one of amx-bf16, "):
+        cpu.cpu_row()
 
 
 def test_rows_pick_bfloat16_only_with_bf16_units():

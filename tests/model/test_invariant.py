@@ -1,0 +1,58 @@
+"""Batch-invariant linear layers (cbgen.model.invariant) as a property: for any row count, a row's place among them,
+layer shape, bias, dtype and thread count, a row's result through the fixed-shape tiles is bitwise the row's result
+alone, and within rounding of the stock layer. In the slow suite the same property runs with torch, oneDNN and MKL
+held to other CPU kinds' instructions (tests.helpers.OTHER_ISAS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cbgen.config.cpu import cpu_row
+from cbgen.model.invariant import TILE_ROWS, fixed_shape_linear, pack
+from tests.helpers import OTHER_ISAS, property_examples, pytest_under_isa
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@st.composite
+def layers(draw):
+    count = draw(st.sampled_from([1, 2, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1]) | st.integers(1, 300))
+    return dict(dtype=draw(st.sampled_from(sorted(DTYPES))),
+                out_features=draw(st.sampled_from([16, 192, 576, 1536, 6144])),
+                in_features=draw(st.sampled_from([24, 64, 576, 1536])), bias=draw(st.booleans()), count=count,
+                place=draw(st.integers(0, count - 1)), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=property_examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers())
+def test_a_row_gets_the_same_bits_in_any_batch(case):
+    dtype = DTYPES[case["dtype"]]
+    generator = torch.Generator().manual_seed(case["seed"])
+    weight = torch.randn(case["out_features"], case["in_features"], generator=generator).to(dtype)
+    bias = torch.randn(case["out_features"], generator=generator).to(dtype) if case["bias"] else None
+    rows = torch.randn(case["count"], case["in_features"], generator=generator).to(dtype)
+    packed = pack(weight)
+    # float32 tiles run over prepacked weights wherever torch has oneDNN; bfloat16 ones on CPUs with bf16 units
+    packs = dtype == torch.float32 or cpu_row().dtype == "bfloat16"
+    assert (packed is None) == (not packs or not torch.backends.mkldnn.is_available())
+    place = case["place"]
+    together = fixed_shape_linear(rows, weight, bias, packed)
+    alone = fixed_shape_linear(rows[place : place + 1], weight, bias, packed)[0]
+    assert torch.equal(together[place], alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fixed_shape_linear(rows, weight, bias, packed)[place], alone)
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = {"atol": 0.5, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-3, "rtol": 1e-4}
+    torch.testing.assert_close(together, torch.nn.functional.linear(rows, weight, bias), **tolerance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(OTHER_ISAS))
+def test_the_property_holds_on_other_instruction_sets(isa):
+    pytest_under_isa(isa, __file__, "test_a_row_gets_the_same_bits_in_any_batch")
