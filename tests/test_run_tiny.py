@@ -106,6 +106,21 @@ def test_several_sequences_per_prompt(tiny_model_dir, chat_file, tmp_path):
         assert sorted(r["sample_index"] for r in rows if r["id"] == f"q{i}") == [0, 1, 2]
 
 
+def test_several_sequences_of_a_one_token_prompt(tiny_model_dir, tmp_path):
+    """transformers forks a prompt's sequences before its last token: a one-token prompt, alone in a step, ran a step
+    of no tokens and took the loop down. Its sequences run as copies, and equal those of the prompt run alone."""
+    source = tmp_path / "p.jsonl"
+    source.write_text("".join(json.dumps({"id": str(i), "input_ids": ids}) + "\n"
+                              for i, ids in enumerate([[5], [6, 7, 8, 9], [10]])))
+    out = tmp_path / "out"
+    assert cbgen(tiny_model_dir, source, "-o", out, "-n", 2, "--temperature", 1.0, "--seed", 7, "--max-new-tokens", 4,
+                 "--max-requests-per-batch", 1) == 0
+    rows = {(r["id"], r["sample_index"]): r for r in read_shards(out)}
+    assert sorted(rows) == [(str(i), k) for i in range(3) for k in range(2)]
+    assert all(r["error"] is None and len(r["token_ids"]) == 4 for r in rows.values())
+    assert rows["0", 0]["token_ids"] != rows["0", 1]["token_ids"]  # still two samples, not one twice
+
+
 def test_bad_rows_become_error_records_and_good_rows_all_answered(tiny_model_dir, tmp_path):
     rows = [
         {"prompt": "good one"},

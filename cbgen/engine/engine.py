@@ -73,6 +73,7 @@ class _InFlight:
     started: float  # time.monotonic() when handed to the manager
     ids: dict[str, int] = field(default_factory=dict)  # manager id of each sequence -> its sample index
     done: dict[int, Completion] = field(default_factory=dict)  # sample index -> completion
+    copies: bool = False  # its sequences run as separate manager requests (cbgen.sequences), not forks
     later: list[str] = field(default_factory=list)  # copies admitted once the first has computed the prompt
     stop: StopStrings | None = None
     checked: dict[int, int] = field(default_factory=dict)  # sample index -> tokens already searched for stops
@@ -283,8 +284,11 @@ class Engine:
         self._counter += 1
         entry = _InFlight(request, self.limits.max_new_for(request), time.monotonic())
         n, job_n = request.n or self.settings.num_return_sequences, self.settings.num_return_sequences
-        entry.ids = sequence_ids(key, n, copies=n != job_n)
-        if n == job_n:
+        # transformers forks a request's sequences before its prompt's last token, so a one-token prompt would run a
+        # step of no tokens, which kills the loop (transformers 5.23): such a prompt's sequences run as copies
+        entry.copies = n != job_n or (n > 1 and len(request.ids) < 2)
+        entry.ids = sequence_ids(key, n, copies=entry.copies)
+        if not entry.copies:
             first = [key]
         else:
             first = list(entry.ids)[:1] if self._prefix_sharing else list(entry.ids)
@@ -304,10 +308,15 @@ class Engine:
         in_flight[key] = entry
 
     def _add(self, entry: _InFlight, manager_id: str, streaming: bool) -> bool:
-        request = entry.request
-        accepted = self.manager.add_request(request.ids, request_id=manager_id,
-                                             max_new_tokens=entry.max_new_tokens,
-                                             streaming=streaming or entry.stop is not None, **request.sampling)
+        request, manager = entry.request, self.manager
+        forks = manager.num_return_sequences
+        if entry.copies:  # one sequence each: the manager forks every request it is given into the job's n
+            manager.num_return_sequences = 1  # read by add_request alone, in this thread
+        try:
+            accepted = manager.add_request(request.ids, request_id=manager_id, max_new_tokens=entry.max_new_tokens,
+                                           streaming=streaming or entry.stop is not None, **request.sampling)
+        finally:
+            manager.num_return_sequences = forks
         return accepted is not None
 
     def _admit_later(self, key: str, in_flight: dict[str, _InFlight]) -> None:
