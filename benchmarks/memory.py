@@ -63,13 +63,13 @@ def prompts(path: Path, n: int) -> Path:
 
 
 STOCK_CACHE = """
-import sys
-from cbgen.attention import dense_mask
+import dataclasses, sys
 from cbgen.cli import run_cli
-from cbgen.engine import cache_memory
+from cbgen.engine import cache_memory, plan
 if "--lazy" not in sys.argv:
     cache_memory.LAZY_MIN_BYTES = 1 << 62  # nothing served lazily: transformers' own torch.zeros
-dense_mask.mask_unneeded = lambda config: False  # transformers' dense attention mask, built as for the stock sdpa
+planned = plan.plan_scope  # transformers' dense attention mask, planned as for the stock sdpa
+plan.plan_scope = lambda *args, **kwargs: dataclasses.replace(planned(*args, **kwargs), dense_mask=True)
 sys.exit(run_cli([a for a in sys.argv[1:] if a != "--lazy"]))
 """
 RUNS = ("stock", "mask", "no-buckets", "cbgen")

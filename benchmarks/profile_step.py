@@ -27,7 +27,6 @@ from transformers.generation.continuous_batching import continuous_api as api
 from cbgen.bench import Bench, BenchWorkload, build_workloads, matmul_flops
 from cbgen.config import ModelSection
 from cbgen.model import dtype_name
-from cbgen.model.linear import linear_kind
 from cbgen.model.load import load_model
 
 BUCKETS = (  # first match wins; operator names as torch.profiler reports them
@@ -125,7 +124,7 @@ def main() -> None:
     loaded = load_model(ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
-    bench = Bench(loaded, batching)
+    bench = Bench(loaded, batching, ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
     fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
     invariant = args.batch_invariant
     bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input", invariant=invariant)
@@ -134,7 +133,7 @@ def main() -> None:
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
-          f"batching {batching or 'defaults'}, linear layers {linear_kind(loaded.model)}"
+          f"batching {batching or 'defaults'}, linear layers {bench.scope().describe()['linear']}"
           f"{', batch-invariant' if invariant else ''}")
     measured = bench.cbgen(fixed, "gated", invariant=invariant)
     print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")

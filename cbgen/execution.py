@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
+    from cbgen.engine.scope import ScopePlan
     from cbgen.model.load import LoadedModel
     from cbgen.outputs.columns import OutputColumns
     from cbgen.outputs.rows import OutputRows
@@ -94,23 +95,27 @@ class PlannedScores:
 
     columns: OutputColumns
     requests: Iterator[ScoreRequest]
+    scope: ScopePlan  # what the scorer runs with (cbgen.engine.scope)
 
 
 def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRecord]) -> PlannedScores:
     """Renders a scoring job's records as `cbgen run` renders prompts, each with what it scores after them."""
+    from cbgen.engine.plan import plan_scoring_scope
     from cbgen.outputs.columns import OutputColumns
     from cbgen.planning import plan_rendering
     from cbgen.prompts import Renderer
     from cbgen.score.requests import ScoreRenderer
 
     renderer = ScoreRenderer(Renderer(loaded.tokenizer, plan_rendering(job, loaded).render))
-    return PlannedScores(OutputColumns.decide(job, frozenset(), replies=False), renderer.render_all(records))
+    return PlannedScores(OutputColumns.decide(job, frozenset(), replies=False), renderer.render_all(records),
+                         plan_scoring_scope(job, loaded))
 
 
-def make_scorer(job: JobConfig, loaded: LoadedModel) -> Scorer:
+def make_scorer(job: JobConfig, loaded: LoadedModel, planned: PlannedScores) -> Scorer:
     from cbgen.score.scorer import Scorer
 
-    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=job.generation.top_logprobs or 0)
+    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=job.generation.top_logprobs or 0,
+                  scope=planned.scope)
 
 
 def score_rows(columns: OutputColumns, loaded: LoadedModel | None) -> ScoreRows:

@@ -205,7 +205,8 @@ class _Run:
 
         planned = plan_scores(self.job, loaded, records)
         record_columns(self.summary.output_dir, planned.columns)
-        scorer = make_scorer(self.job, loaded)
+        self.summary.record_scope(planned.scope)
+        scorer = make_scorer(self.job, loaded, planned)
         self._write(scorer.run(planned.requests, self.stop), score_rows(planned.columns, loaded), total)
         self.summary.scorer = scorer.stats.to_dict()
         self._finish(None, None, loaded, None)
@@ -353,11 +354,11 @@ class _Run:
         self._settle(complete=summary.status == Status.COMPLETE)
         if plan is not None and plan.steps is not None:
             summary.record_step_control(plan.steps, grammars)
-        if engine is not None:
+        if engine is not None and plan is not None:
             summary.engine_restarts = engine.stats.restarts
-            summary.attention = engine.stats.attention if engine.stats.started else None
+            summary.attention = summary.engine_scope["attention"] if engine.stats.started else None
             summary.kv_cache.update(num_blocks=engine.stats.num_blocks, resident=engine.stats.kv_resident,
-                                    dense_attention_mask=engine.stats.dense_mask)
+                                    dense_attention_mask=summary.engine_scope["dense_attention_mask"])
         summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
         if self.job.run.redo and summary.status == Status.COMPLETE:
             end_redo(summary.output_dir)

@@ -12,6 +12,7 @@ from cbgen.records import Completion
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
     from cbgen.control.plan import StepPlan
+    from cbgen.engine.scope import ScopePlan
     from cbgen.inputs.base import IdChoice
     from cbgen.outputs.rundir import DoneIndex
     from cbgen.planning import JobPlan
@@ -46,7 +47,8 @@ class RunSummary:
     kv_cache: dict[str, Any] = field(default_factory=dict)
     batch_invariant: dict[str, Any] = field(default_factory=dict)  # on or off, and why (cbgen.engine.plan)
     engine_restarts: int = 0
-    attention: str | None = None  # "per-sequence" (cbgen's CPU attention) or "stock"
+    attention: str | None = None  # what attention served the engine (cbgen.engine.scope.ATTENTION_KINDS)
+    engine_scope: dict[str, Any] = field(default_factory=dict)  # what cbgen installed for it (ScopePlan.describe)
     ids: IdChoice | None = None  # where request ids come from
     row_settings: frozenset[str] = frozenset()  # the generation settings the input's rows carry
     sampling: dict[str, Any] = field(default_factory=dict)  # per-request sampler stages, from the rows' settings
@@ -59,9 +61,14 @@ class RunSummary:
     def record_plan(self, plan: JobPlan) -> None:
         """What run.json says of the job's plan: how the KV cache was sized and which sampler stages run."""
         self.kv_cache = dict(plan.engine.kv_cache)
-        self.batch_invariant = dict(plan.engine.batch_invariant)
+        self.record_scope(plan.engine.scope)
         self.sampling = {"per_request": plan.sampling.per_request, "stages": sorted(plan.sampling.stages),
                          "row_settings": sorted(self.row_settings)}
+
+    def record_scope(self, scope: ScopePlan) -> None:
+        """What run.json says cbgen installed for the engine (or the scorer), from the plan."""
+        self.engine_scope = scope.describe()
+        self.batch_invariant = dict(self.engine_scope["batch_invariant"])
 
     def record_step_control(self, steps: StepPlan, grammars: Grammars | None) -> None:
         """What run.json says of the step control: formats compiled, logprobs recorded, how tokens were drawn."""

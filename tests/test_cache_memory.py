@@ -37,7 +37,7 @@ def test_mapped_zeros_are_zeros_and_take_no_memory_until_written():
 
 
 def test_only_big_cpu_zeros_are_served_lazily():
-    with lazy_cache_memory("cpu") as served:
+    with lazy_cache_memory() as served:
         big = torch.zeros(cache_memory.LAZY_MIN_BYTES, dtype=torch.uint8, device="cpu")
         small = torch.zeros(16, dtype=torch.uint8)
         ones = torch.ones(4)
@@ -46,7 +46,7 @@ def test_only_big_cpu_zeros_are_served_lazily():
     assert list(served.mappings) == [big.data_ptr()]
     assert int(big.count_nonzero()) == 0 and int(small.count_nonzero()) == 0 and float(ones.sum()) == 4
     assert preset.requires_grad
-    with lazy_cache_memory("cuda") as served:  # other devices: nothing changes (the call is not even made here)
+    with lazy_cache_memory(enabled=False) as served:  # not planned (other devices): nothing changes
         torch.zeros(cache_memory.LAZY_MIN_BYTES, dtype=torch.uint8)
     assert not served
 
@@ -106,14 +106,17 @@ def test_blocks_freed_into_the_pool_give_their_pages_back(tiny_model_dir, monkey
     from transformers.generation import ContinuousBatchingConfig
 
     from cbgen.engine.manager import ManagerSpec, start_manager, stop_manager
+    from cbgen.engine.scope import EngineScope, ScopePlan
 
     monkeypatch.setattr(cache_memory, "LAZY_MIN_BYTES", MiB)  # the tiny model's cache: 64 blocks of 128 KiB
     if not give_back:
-        monkeypatch.setattr(cache_memory.LazyCache, "return_freed_blocks", lambda self, cache: False)
+        monkeypatch.setattr(cache_memory.LazyCache, "return_freed_blocks", lambda self, cache: None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     spec = ManagerSpec(GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None),
-                       ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, allow_block_sharing=False))
-    manager, facts = start_manager(model, spec)
+                       ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, allow_block_sharing=False),
+                       scope=ScopePlan(lazy_kv_cache=True))
+    scope = EngineScope(model, spec.scope).__enter__()
+    manager, facts = start_manager(model, spec, scope)
     cache = manager.batch_processor.cache
     block = cache.cache_tensor.numel() // (cache.num_blocks + 2)
     after_warmup = resident_bytes_of(cache.cache_tensor)  # where a warm-up runs, its dummy requests wrote pages
@@ -131,6 +134,7 @@ def test_blocks_freed_into_the_pool_give_their_pages_back(tiny_model_dir, monkey
     finally:
         for _ in stop_manager(manager):
             pass
+        scope.__exit__(None, None, None)
     assert all(len(tokens) == 40 for tokens in results.values())
     if give_back:  # every block is free again: only the two never-allocated trash sectors may hold pages
         assert facts.resident == "as used, returned when freed"

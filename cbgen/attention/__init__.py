@@ -10,10 +10,10 @@ Why: on CPU the engine runs as `paged|sdpa`, whose attention scores the whole pa
 request with one dense mask: a decode step of P requests of length L costs O(P²·L) and discards (P-1)/P of it, and
 GQA is expanded with `repeat_kv`. That attention was 70% of a decode step at 64 sequences (see DESIGN.md §2).
 
-How it is selected: the engine accepts only `sdpa`, `paged|eager` or flash names, so the function is registered under
-`"sdpa"` with the public `transformers.AttentionInterface.register`, but only inside `per_sequence_attention(model)`,
-which puts the previous function back on exit. The registry is process-wide, so the function serves every `sdpa` call
-while installed and hands each call that it was not built for to the stock function unchanged: calls without a paged
+How it is selected: the engine accepts only `sdpa`, `paged|eager` or flash names, so the function is bound under
+`"sdpa"` for one model, through the public `transformers.AttentionInterface`, inside `per_sequence_attention(model)`
+(cbgen.attention.registry: the name routes each call by its model, so other models keep their own attention). For the
+model it serves, it hands each call that it was not built for to the stock function unchanged: calls without a paged
 cache (plain `model.generate`), other devices, training (dropout), torch.compile tracing, soft-capping, position bias,
 attention sinks or any keyword argument it does not know, attention types other than full and sliding-window, and
 batches whose lengths do not match the layout it expects. It relies on the engine's argument layout, which is checked
@@ -30,7 +30,8 @@ import torch
 
 from cbgen.attention.pass_memo import watch
 from cbgen.attention.per_sequence import batch_invariant_sdpa_forward, per_sequence_sdpa_forward
-from cbgen.attention.support import cpu_attention_available, cpu_attention_unavailable_reason, installed
+from cbgen.attention.registry import bound
+from cbgen.attention.support import cpu_attention_available, cpu_attention_unavailable_reason
 
 __all__ = ["batch_invariant_sdpa_forward", "cpu_attention_available", "cpu_attention_unavailable_reason",
            "per_sequence_attention", "per_sequence_sdpa_forward"]
@@ -44,10 +45,10 @@ def per_sequence_attention(model: torch.nn.Module, *, required: bool = False,
     """Serves the model's continuous-batching attention per sequence while the block runs; yields whether it does.
 
     Enter it around the whole life of a `ContinuousBatchingManager` (its generation thread looks the attention
-    function up at every forward pass). On exit, the function that was registered under "sdpa" before is put back.
-    When the model is not supported (see `cpu_attention_unavailable_reason`), nothing is installed and the block runs
-    on the stock attention; with `required=True` that raises `RuntimeError` instead. `invariant`: every token
-    attended batch-invariantly (cbgen.attention.invariant).
+    function up at every forward pass); on exit the model attends as before. When the model is not supported (see
+    `cpu_attention_unavailable_reason`), nothing is installed and the block runs on the stock attention; with
+    `required=True` that raises `RuntimeError` instead. `invariant`: every token attended batch-invariantly
+    (cbgen.attention.invariant). Another engine holding the same model with the other function raises CbgenError.
     """
     reason = cpu_attention_unavailable_reason(model)
     if reason is not None:
@@ -56,9 +57,9 @@ def per_sequence_attention(model: torch.nn.Module, *, required: bool = False,
         logger.info("per-sequence attention not used: %s", reason)
         yield False
         return
-    unwatch = watch(model)
-    try:
-        with installed("sdpa", batch_invariant_sdpa_forward if invariant else per_sequence_sdpa_forward):
+    with bound(model, "sdpa", batch_invariant_sdpa_forward if invariant else per_sequence_sdpa_forward):
+        unwatch = watch(model)
+        try:
             yield True
-    finally:
-        unwatch()
+        finally:
+            unwatch()

@@ -7,8 +7,11 @@ the work: for HumanEval's 164 prompts on the embedded model (a 512-block cache o
 tokens) it is 1,024 x 132,096 x 2 bytes = 258 MB, resident from the warm-up on (measured with `mincore` and smaps on
 a 2-core Intel Xeon, Sapphire Rapids). The per-sequence attention rebuilds each request's causal (and sliding-window)
 structure from the cumulative sequence lengths and ignores that mask, so while it serves the `sdpa` name and no
-compiled forward pass could reach the stock function, the manager is built without one: transformers then passes
-`is_causal=True` and no mask, and the model makes its own [query tokens, query tokens] mask, which is ignored too.
+compiled forward pass could reach the stock function (the plan decides: cbgen.engine.plan), the manager is built
+without one: transformers then passes `is_causal=True` and no mask, and the model makes its own [query tokens, query
+tokens] mask, which is ignored too. transformers asks one process-wide function whether a config needs the mask;
+while an engine skips it, that function is cbgen's dispatcher (cbgen.shared_patch), which answers for the configs of
+the models whose engines skip it and asks transformers' own for every other.
 
 The stock function cannot attend a paged batch without the engine's mask, so a call the per-sequence path would hand
 it in that state raises instead of attending across requests (`refuse_stock_without_mask`).
@@ -21,46 +24,57 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from cbgen.attention.support import paged_cache_class, serving
+import torch
+
+from cbgen.attention.registry import model_configs
+from cbgen.attention.support import paged_cache_class
+from cbgen.shared_patch import SharedPatch
 
 _lock = threading.Lock()
-_depth = 0
-_original: Any = None
+_skipped: dict[int, int] = {}  # id(config) -> engines skipping its mask
 
 
-def mask_unneeded(cb_config: Any) -> bool:
-    """Whether a manager with this resolved ContinuousBatchingConfig can run without the dense mask: cbgen's
-    per-sequence attention serves `sdpa` now, and no forward pass is compiled."""
-    if paged_cache_class() is None or not serving("sdpa"):
+def _module() -> Any:
+    from transformers.generation.continuous_batching import input_outputs
+
+    return input_outputs
+
+
+def _needed(config: Any) -> bool:
+    """transformers' `attn_mask_is_needed`, answered False for `sdpa` configs whose engine skips the mask."""
+    if id(config) in _skipped and getattr(config, "_attn_implementation", None) == "sdpa":
         return False
-    return all(getattr(cb_config, name, None) is None for name in ("varlen_compile_config", "decode_compile_config"))
+    return _PATCH.original(config)
+
+
+_PATCH = SharedPatch("transformers' attn_mask_is_needed", lambda: _module().attn_mask_is_needed,
+                     lambda value: setattr(_module(), "attn_mask_is_needed", value), _needed)
+
+
+def built_for(config: Any) -> bool:
+    """Whether a manager built now for a model with this config would build the dense mask."""
+    return _module().attn_mask_is_needed(config)
 
 
 @contextmanager
-def without_dense_mask(cb_config: Any) -> Iterator[bool]:
-    """Around the building of a manager's batch processor (its warm-up): where `mask_unneeded(cb_config)`, transformers
-    is told that `sdpa` needs no attention mask, so none is allocated. Yields whether it was."""
-    global _depth, _original
-    if not mask_unneeded(cb_config):
-        yield False
-        return
-    from transformers.generation.continuous_batching import input_outputs
-
+def skipped(model: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, managers built for `model` allocate no dense `sdpa` mask (only cbgen's per-sequence
+    attention may serve it then: the caller's plan says so)."""
+    keys = [id(config) for config in model_configs(model)]
     with _lock:
-        if _depth == 0:
-            _original = input_outputs.attn_mask_is_needed
-            original = _original
-            input_outputs.attn_mask_is_needed = lambda config: (
-                False if getattr(config, "_attn_implementation", None) == "sdpa" else original(config))
-        _depth += 1
+        for key in keys:
+            _skipped[key] = _skipped.get(key, 0) + 1
+    _PATCH.hold()
     try:
-        yield True
+        yield
     finally:
+        _PATCH.release()
         with _lock:
-            _depth -= 1
-            if _depth == 0:
-                input_outputs.attn_mask_is_needed = _original
-                _original = None
+            for key in keys:
+                if _skipped[key] > 1:
+                    _skipped[key] -= 1
+                else:
+                    del _skipped[key]
 
 
 def refuse_stock_without_mask(is_causal: bool | None, cache: Any) -> None:

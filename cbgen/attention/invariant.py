@@ -37,15 +37,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from cbgen.attention.layout import StepLayout
 from cbgen.attention.pass_memo import remembered
-
-if TYPE_CHECKING:
-    from cbgen.attention.per_sequence import _Batch
 
 QUERY_ROWS = 8  # query rows of a call, padded to a multiple of this (see the module): 8 x 4 bytes x (keys + dim + 2)
 KEY_BUCKET = 64  # keys are padded to a multiple of this: a token's call shape changes once every 64 positions
@@ -61,7 +58,7 @@ class _Call:
     shared: bool
 
 
-def _calls(batch: _Batch, index: torch.Tensor | None) -> list[_Call]:
+def _calls(batch: StepLayout, index: torch.Tensor | None) -> list[_Call]:
     """The calls of a forward pass for one layer type: each query token's own keys, grouped by padded length and,
     within a length, by a prefix shared among tokens (a prompt chunk's). `index` maps the packed key layout (each
     request's keys, request by request) to rows of the key source; None: they are the rows."""
@@ -102,7 +99,7 @@ def padded_query_rows(group: int, head_dim: int) -> int:
 
 
 def attend_invariant(query: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, index: torch.Tensor | None,
-                     batch: _Batch, scaling: float | None, out: torch.Tensor) -> None:
+                     batch: StepLayout, scaling: float | None, out: torch.Tensor) -> None:
     """Every query token of the batch over its own keys, in calls shaped by its position only (see the module).
     `query`: [1, heads, tokens, dim]; `k_rows`, `v_rows`: the key and value source, token-major ([rows, kv_heads,
     dim]); `index`: the packed key layout's rows in it (or None); `out`: [tokens, heads, dim]."""

@@ -3,16 +3,15 @@ of a paged continuous batch to its own keys only (see cbgen.attention for why an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from cbgen.attention import support
+from cbgen.attention import registry
 from cbgen.attention.dense_mask import refuse_stock_without_mask
 from cbgen.attention.invariant import attend_invariant
+from cbgen.attention.layout import StepLayout
 from cbgen.attention.paged_decode import PageRead, layer_cache, padded_positions, read_requests
 from cbgen.attention.pass_memo import remembered
 from cbgen.attention.support import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, paged_cache_class
@@ -40,40 +39,6 @@ _KNOWN_KWARGS = frozenset(
 )
 
 
-@dataclass
-class _Batch:
-    """Where each request of a packed batch lies in the query and key tensors (padding sequences left out)."""
-
-    q_starts: list[int]
-    q_lengths: list[int]
-    k_starts: list[int]
-    k_lengths: list[int]
-    window: int | None  # sliding window of this layer, as the stock mask applies it, or None
-
-    # Derived once per batch: the batch is worked out once per forward pass (pass_memo), its layers all read these
-
-    @cached_property
-    def decode(self) -> list[int]:
-        """Single-token queries with a past: attended together."""
-        return [i for i, (q, k) in enumerate(zip(self.q_lengths, self.k_lengths)) if q == 1 and k > 1]
-
-    @cached_property
-    def chunks(self) -> list[int]:
-        """Every other query chunk (a one-token prompt's first step included): attended on its own."""
-        return [i for i, (q, k) in enumerate(zip(self.q_lengths, self.k_lengths)) if q > 1 or k == 1]
-
-    @cached_property
-    def read_end(self) -> int:
-        """Rows of the stock packed read-back the batch reads: none when no request has a past (the engine skips the
-        read-back then)."""
-        return self.k_starts[-1] + self.k_lengths[-1] if self.k_lengths != self.q_lengths else 0
-
-    @cached_property
-    def decode_keys(self) -> tuple[list[int], list[int]]:
-        """The decode requests' starts and lengths in the packed read-back."""
-        return [self.k_starts[i] for i in self.decode], [self.k_lengths[i] for i in self.decode]
-
-
 def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | None:
     """The layer's attention type and the window the stock mask applies to it; None when unsupported."""
     types = layer_types(config)
@@ -90,7 +55,7 @@ def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | Non
     return layer_type, (window if window > 1 else None)  # the stock mask ignores windows of 1
 
 
-def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> _Batch | None:
+def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> StepLayout | None:
     """Reads the packed layout from the engine's arguments, or None when the call is not one this path handles.
     Worked out once per forward pass and layer type (cbgen.attention.pass_memo)."""
     config = getattr(module, "config", None)
@@ -109,7 +74,8 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwarg
     return remembered(memo_key, lambda: _layout(config, layer_type, window, query.shape[2], kwargs))
 
 
-def _layout(config: Any, layer_type: str, window: int | None, num_tokens: int, kwargs: dict[str, Any]) -> _Batch | None:
+def _layout(config: Any, layer_type: str, window: int | None, num_tokens: int,
+            kwargs: dict[str, Any]) -> StepLayout | None:
     """The batch's layout for the layers of one type, from the engine's arguments (the same for every such layer of a
     forward pass)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -120,7 +86,7 @@ def _layout(config: Any, layer_type: str, window: int | None, num_tokens: int, k
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     if bounds_q[0] != 0 or bounds_k[0] != 0 or bounds_q[-1] > num_tokens:
         return None
-    batch = _Batch([], [], [], [], window)
+    batch = StepLayout([], [], [], [], window)
     for i in range(len(bounds_q) - 1):
         q_length, k_length = bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i]
         if q_length == 0 and k_length == 0:
@@ -197,7 +163,7 @@ def per_sequence_sdpa_forward(
     per-request causal (and sliding-window) structure is rebuilt from the cumulative sequence lengths.
     `_invariant`: attend batch-invariantly (see `batch_invariant_sdpa_forward`).
     """
-    stock = support.stock("sdpa")
+    stock = registry.stock("sdpa")
     batch = None
     if _handles(module, query, key, value, dropout, position_bias, cache, kwargs):
         batch = _plan(module, query, key, kwargs)
@@ -240,7 +206,7 @@ def batch_invariant_sdpa_forward(module: Any, query: torch.Tensor, key: torch.Te
     return per_sequence_sdpa_forward(module, query, key, value, attention_mask, _invariant=True, **kwargs)
 
 
-def _attend_invariantly(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch,
+def _attend_invariantly(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: StepLayout,
                         scaling: float | None, out: torch.Tensor, layer: Any, cache: Any,
                         kwargs: dict[str, Any]) -> None:
     """The new KV written (through the layer's cache views, else the stock update), then every token read back from
@@ -259,8 +225,8 @@ def _attend_invariantly(module: Any, query: torch.Tensor, key: torch.Tensor, val
     attend_invariant(query, packed_k[0].transpose(0, 1), packed_v[0].transpose(0, 1), None, batch, scaling, out)
 
 
-def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: _Batch, scaling: float | None,
-                   out: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: StepLayout,
+                   scaling: float | None, out: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Every request over the stock update's packed read-back (each request's past + new KV, request by request):
     the path of layers whose cache this module does not read itself (sliding-window layers, an unexpected layout)."""
     key, value = packed
@@ -280,7 +246,7 @@ def _attend_decode(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    batch: _Batch,
+    batch: StepLayout,
     requests: list[int],
     scaling: float | None,
     out: torch.Tensor,
@@ -359,7 +325,7 @@ def _attend_chunk(
     query: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    batch: _Batch,
+    batch: StepLayout,
     request: int,
     scaling: float | None,
     out: torch.Tensor,

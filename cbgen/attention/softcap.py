@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cbgen.attention import support
+from cbgen.attention import registry, support
 
 PAGED_EAGER = "paged|eager"
 
@@ -38,7 +38,7 @@ def capped_paged_eager_forward(module: Any, query: torch.Tensor, key: torch.Tens
     softcap = kwargs.get("softcap")
     cache = kwargs.get("cache")
     if softcap is None or cache is None:
-        return support.stock(PAGED_EAGER)(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return registry.stock(PAGED_EAGER)(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     kwargs.pop("cache")
     key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
@@ -66,5 +66,5 @@ def softcapped_paged_eager(model: torch.nn.Module) -> Iterator[bool]:
     if not softcap_fix_needed(model):
         yield False
         return
-    with support.installed(PAGED_EAGER, capped_paged_eager_forward):
+    with registry.bound(model, PAGED_EAGER, capped_paged_eager_forward):
         yield True

@@ -1,12 +1,9 @@
-"""Where cbgen's attention functions apply (the transformers versions they were checked against, the models they
-support), and their installation in transformers' process-wide attention registry."""
+"""Where cbgen's attention functions apply: the transformers versions they were checked against, and the models they
+support (their installation: cbgen.attention.registry)."""
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -94,75 +91,3 @@ def cpu_attention_unavailable_reason(model: torch.nn.Module) -> str | None:
 def cpu_attention_available(model: torch.nn.Module) -> bool:
     """True when `per_sequence_attention(model)` would install the per-sequence attention for this model."""
     return cpu_attention_unavailable_reason(model) is None
-
-
-# transformers' own function for each name cbgen may install over, used when nothing else was registered before
-_TRANSFORMERS_DEFAULTS = {
-    "sdpa": ("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
-    "paged|eager": ("transformers.integrations.eager_paged", "eager_paged_attention_forward"),
-}
-
-
-class _Slot:
-    """One name in transformers' process-wide attention registry while cbgen has a function installed under it:
-    counted, so nested or concurrent engines share one installation, and what was there before is kept."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.previous: Callable[..., Any] | None = None
-        self.function: Callable[..., Any] | None = None  # cbgen's, while installed
-
-
-_SLOTS: dict[str, _Slot] = {name: _Slot() for name in _TRANSFORMERS_DEFAULTS}
-
-
-def registered(name: str) -> Callable[..., Any]:
-    from transformers import AttentionInterface
-
-    return AttentionInterface()[name]  # a fresh instance has no local overrides: this is the global entry
-
-
-def serving(name: str) -> bool:
-    """Whether one of cbgen's functions serves `name` in transformers' attention registry now."""
-    slot = _SLOTS[name]
-    return slot.depth > 0 and slot.function is not None and registered(name) is slot.function
-
-
-def stock(name: str) -> Callable[..., Any]:
-    """The function cbgen's own one replaces under `name`: what was registered before, else transformers' own."""
-    previous = _SLOTS[name].previous
-    if previous is not None:
-        return previous
-    import importlib
-
-    module, function = _TRANSFORMERS_DEFAULTS[name]
-    return getattr(importlib.import_module(module), function)
-
-
-@contextmanager
-def installed(name: str, function: Callable[..., Any]) -> Iterator[None]:
-    """Registers `function` under `name` with transformers' public AttentionInterface while the block runs, then
-    puts back what was there (unless someone replaced it meanwhile: then their replacement stays)."""
-    from transformers import AttentionInterface
-
-    slot = _SLOTS[name]
-    with slot.lock:
-        if slot.depth == 0:
-            current = registered(name)
-            slot.previous = None if current is function else current
-            AttentionInterface.register(name, function)
-            slot.function = function
-        slot.depth += 1
-    try:
-        yield
-    finally:
-        with slot.lock:
-            slot.depth -= 1
-            if slot.depth == 0:
-                previous, slot.previous, slot.function = stock(name), None, None
-                if registered(name) is function:
-                    AttentionInterface.register(name, previous)
-                else:
-                    logger.warning("the %r attention was replaced while cbgen's own was installed; leaving the "
-                                   "replacement in place", name)

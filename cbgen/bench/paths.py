@@ -10,6 +10,7 @@ order) and `llamacpp` (the same token ids through llama.cpp: cbgen.bench.llamacp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 
 from cbgen.bench.workloads import BenchWorkload, Measurement
-from cbgen.config import JobConfig, page_size
+from cbgen.config import JobConfig, ModelSection, page_size
 from cbgen.engine.engine import Engine
+from cbgen.engine.scope import ScopePlan
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import IdChoice
 from cbgen.model.load import LoadedModel
@@ -35,8 +37,12 @@ SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0
 
 
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
-         invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None)) -> JobConfig:
+         invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
+         model: ModelSection | None = None, onednn: bool = False) -> JobConfig:
     job = JobConfig()
+    if model is not None:
+        job.model = dataclasses.replace(model)
+    job.model.onednn_linear = job.model.onednn_linear or onednn
     job.generation.max_new_tokens = workload.max_new_tokens
     job.generation.temperature, job.generation.seed = sampling
     job.batching = dict(batching)
@@ -67,21 +73,24 @@ def _useful(tokens: list[int], eos: frozenset[int], cap: int) -> int:
 
 
 class Bench:
-    """Runs workloads through the paths on one loaded model, with one ContinuousBatchingConfig for all CB paths."""
+    """Runs workloads through the paths on one loaded model (loaded with `model`'s settings), with one
+    ContinuousBatchingConfig for all CB paths."""
 
-    def __init__(self, loaded: LoadedModel, batching: dict[str, Any] | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, batching: dict[str, Any] | None = None,
+                 model: ModelSection | None = None) -> None:
         self.loaded = loaded
         self.batching = batching or {}
+        self.model = model
 
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
-              invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None)
-              ) -> tuple[JobConfig, JobPlan, list[Request]]:
+              invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
+              onednn: bool = False) -> tuple[JobConfig, JobPlan, list[Request]]:
         """The plan `cbgen run` would make for these prompts (cbgen.planning), under the workload's schema when
         `constrained`, and the requests rendered as it renders them."""
         from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
         from cbgen.prompts import Renderer
 
-        job = _job(workload, self.batching, prefix_gating, invariant, sampling)
+        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -90,14 +99,18 @@ class Bench:
         facts = InputFacts(used_settings(None, records), head, len(head), whole=True, ids=IdChoice(None, "bench"))
         return job, plan_job(job, facts, self.loaded, rendering), list(head)
 
+    def scope(self) -> ScopePlan:
+        """What the cbgen path installs for its engine on this model (for bench.json)."""
+        return self._plan(BenchWorkload("plan", [[1, 2, 3]], 1))[1].engine.scope
+
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
-              invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None)
-              ) -> Measurement:
+              invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
+              onednn: bool = False) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
         `cbgen run` does it while reading). `invariant`: --batch-invariant (True: path cbgen-invariant) or not;
-        `sampling`: the temperature and seed (default: greedy)."""
+        `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear."""
         job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
-                                         invariant=invariant, sampling=sampling)
+                                         invariant=invariant, sampling=sampling, onednn=onednn)
         grammars = plan.steps.make_grammars(self.loaded.tokenizer) if plan.steps is not None else None
         engine = Engine.for_tokenizer(self.loaded.model, self.loaded.tokenizer, plan.engine.settings,
                                       grammars=grammars)
@@ -154,24 +167,22 @@ class Bench:
             measured.append(m)
         return measured
 
-    def structured(self, workload: BenchWorkload, order: str = "gated") -> list[Measurement]:
+    def structured(self, workload: BenchWorkload, order: str = "gated", onednn: bool = False) -> list[Measurement]:
         """The workload under its schema, then as free text capped request by request at the constrained answer's
         length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks."""
-        constrained = self.cbgen(workload, order, constrained=True)
+        constrained = self.cbgen(workload, order, constrained=True, onednn=onednn)
         caps = [len(tokens) for tokens in constrained.extra["tokens"]]
         free = BenchWorkload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
-        return [self.cbgen(free, order), constrained]
+        return [self.cbgen(free, order, onednn=onednn), constrained]
 
     def cbgen_onednn(self, workload: BenchWorkload, earlier: Sequence[Measurement]) -> list[Measurement]:
-        """The cbgen path with every float32 or bfloat16 linear layer through oneDNN
-        (cbgen.model.linear.onednn_linear): weights packed and first calls made before the clock, the model as it was
-        afterwards. Each row adds the share of requests whose greedy tokens equal those of the same path without
-        oneDNN, when it ran earlier on this workload (`earlier`)."""
-        from cbgen.model.linear import onednn_linear
-
-        with onednn_linear(self.loaded.model):
-            self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input")
-            measured = [self.cbgen(workload)] if workload.schema is None else self.structured(workload)
+        """The cbgen path with every float32 or bfloat16 linear layer through oneDNN (--onednn-linear: its engine
+        packs the weights when it starts, and puts the layers back when it ends), after a warm-up of its own. Each row
+        adds the share of requests whose greedy tokens equal those of the same path without oneDNN, when it ran
+        earlier on this workload (`earlier`)."""
+        self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", onednn=True)
+        measured = ([self.cbgen(workload, onednn=True)] if workload.schema is None
+                    else self.structured(workload, onednn=True))
         for m in measured:
             reference = next((r for r in earlier if r.path == m.path and "tokens" in r.extra), None)
             m.path = m.path.replace("cbgen", "cbgen-onednn", 1)
@@ -299,9 +310,11 @@ def run_suite(
     on_result: Callable[[Measurement], None] | None = None,
     llamacpp_model: Path | None = None,
     llamacpp_parallel: int = 64,
+    model: ModelSection | None = None,
 ) -> list[Measurement]:
-    """`llamacpp_model`: the GGUF file the `llamacpp` path runs (cbgen.bench.llamacpp.find_gguf)."""
-    bench = Bench(loaded, batching)
+    """`llamacpp_model`: the GGUF file the `llamacpp` path runs (cbgen.bench.llamacpp.find_gguf); `model`: the
+    settings `loaded` was loaded with (--onednn-linear applies to every cbgen path)."""
+    bench = Bench(loaded, batching, model)
     results: list[Measurement] = []
     for workload in workloads:
         if workload.continuations is not None:  # nothing generated: the scorer against padded forward passes

@@ -12,7 +12,6 @@ import torch
 from cbgen.bench.paths import Measurement, parameter_count
 from cbgen.errors import CbgenError
 from cbgen.model import dtype_name
-from cbgen.model.linear import linear_kind, uses_onednn_linear
 from cbgen.model.load import LoadedModel
 
 
@@ -69,10 +68,13 @@ def write_outputs(rows: list[dict[str, Any]], meta: dict[str, Any], directory: P
     return json_path, png_path
 
 
-def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[str, Any]) -> dict[str, Any]:
+def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[str, Any],
+             scope: dict[str, Any] | None = None) -> dict[str, Any]:
+    """bench.json's description of the run; `scope`: what the cbgen path installs (ScopePlan.describe)."""
     return {"model": loaded.source.name, "dtype": dtype_name(loaded.dtype), "device": loaded.device,
             "attn_implementation": loaded.attn_implementation, "size": size,
-            "onednn_linear": uses_onednn_linear(loaded.model), "linear": linear_kind(loaded.model),
+            "onednn_linear": bool(scope and scope["linear"].startswith("onednn")),
+            "linear": scope["linear"] if scope else None, "engine_scope": scope,
             "parameters": parameter_count(loaded.model), "matmul_flops": round(peak_flops),
             "matmul_dtype": dtype_name(loaded.dtype),
             "batching_overrides": batching, "torch_threads": torch.get_num_threads(),

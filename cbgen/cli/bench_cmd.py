@@ -65,6 +65,7 @@ def bench(
     Example: cbgen bench --workloads scoring --paths cbgen,static --static-batch-sizes 8,16
     """
     from cbgen.bench import (
+        Bench,
         build_workloads,
         matmul_flops,
         meta_for,
@@ -95,7 +96,7 @@ def bench(
     if "llamacpp" in chosen_paths:
         gguf, reasons["llamacpp"] = _llamacpp_ready(llamacpp_model, loaded)
     if "cbgen-onednn" in chosen_paths:
-        reasons["cbgen-onednn"] = _onednn_unready(loaded)
+        reasons["cbgen-onednn"] = _onednn_unready(loaded, settings)
     skipped = {path: reason for path, reason in reasons.items() if reason}
     for path, reason in skipped.items():
         chosen_paths.remove(path)
@@ -108,9 +109,10 @@ def bench(
         console.log(f"{m.workload:<14} {m.path:<18} {m.seconds:7.2f} s  {m.total_tokens_per_s:8.1f} tok/s")
 
     results = run_suite(loaded, chosen, chosen_paths, [int(b) for b in _split(static_batch_sizes)], batching, show,
-                        llamacpp_model=gguf, llamacpp_parallel=llamacpp_parallel)
+                        llamacpp_model=gguf, llamacpp_parallel=llamacpp_parallel, model=settings)
     rows = summarise(results, flops_per_token, peak)
-    meta = meta_for(loaded, size, peak, batching) | ({"skipped": skipped} if skipped else {})
+    scope = Bench(loaded, batching, settings).scope().describe()
+    meta = meta_for(loaded, size, peak, batching, scope) | ({"skipped": skipped} if skipped else {})
     if gguf is not None:
         meta["llamacpp_model"] = str(gguf)
     json_path, png_path = write_outputs(rows, meta, Path(output_dir))
@@ -135,16 +137,16 @@ def _llamacpp_ready(explicit: str | None, loaded):
     return (None, reason) if reason else (gguf, None)
 
 
-def _onednn_unready(loaded) -> str | None:
+def _onednn_unready(loaded, settings) -> str | None:
     """Why the cbgen-onednn path cannot run on this model and machine, or None."""
-    from cbgen.model.linear import PACKED_DTYPES, onednn_available, uses_onednn_linear
+    from cbgen.model.linear import PACKED_DTYPES, onednn_available
 
     if loaded.device != "cpu" or loaded.dtype not in PACKED_DTYPES:
         return "oneDNN's linear layers are for float32 or bfloat16 on CPU: add --device cpu"
     if not onednn_available():
         return "this torch build has no oneDNN (mkldnn) linear"
-    if uses_onednn_linear(loaded.model):
-        return "--onednn-linear already runs every path through oneDNN"
+    if settings.onednn_linear:
+        return "--onednn-linear already runs every cbgen path through oneDNN"
     return None
 
 

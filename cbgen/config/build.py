@@ -80,6 +80,8 @@ def check_combinations(job: JobConfig) -> None:
     if g.do_sample is False and sampling:
         flags = ", ".join(f"--{s.replace('_', '-')}" for s in sampling)
         raise CbgenError(f"greedy decoding ignores {flags}: drop --greedy (do_sample: false) or drop {flags}")
+    if job.model.onednn_linear and job.model.linear_row_buckets:
+        raise CbgenError("--onednn-linear and --linear-row-buckets are two ways to run the linear layers: use one")
     r = job.run
     if r.redo and job.output.overwrite:
         raise CbgenError("--redo regenerates part of an earlier run, and --overwrite deletes it: give one")

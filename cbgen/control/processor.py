@@ -24,6 +24,7 @@ cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has n
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -263,23 +264,40 @@ class Choose(_Processor):
         return self.control.choose(scores)
 
 
-def take_over_sampling(manager, control: StepControl) -> None:
+def take_over_sampling(manager, control: StepControl) -> Callable[[], None] | None:
     """After `warmup()`: when the control draws the tokens, transformers' own draw (a softmax and torch.multinomial
     over the whole vocabulary, 130 ms of a 64-sequence step on a 2-core CPU) would only find the one token the
     control left possible, so the manager's model runner takes the argmax instead. Its temperature, top-k and top-p
-    stages, built from the generation config, still run before the control's draw."""
+    stages, built from the generation config, still run before the control's draw. Returns what undoes it (None when
+    nothing was changed)."""
     runner = getattr(getattr(manager, "batch_processor", None), "model_runner", None)
-    if control.do_sample and runner is not None and hasattr(runner, "do_sample"):
-        runner.do_sample = False
+    if not control.do_sample or runner is None or not hasattr(runner, "do_sample"):
+        return None
+    before, runner.do_sample = runner.do_sample, False
+
+    def undo() -> None:
+        runner.do_sample = before
+
+    return undo
 
 
-def install(manager, control: StepControl) -> None:
+def install(manager, control: StepControl) -> Callable[[], None]:
     """Puts the control's processors first and last in a manager's processor list, before its batch processor (and
-    the processors' argument storage) is built, that is before `warmup()` or `start()`."""
+    the processors' argument storage) is built, that is before `warmup()` or `start()`. Returns what takes them out
+    again (for a manager that lives on; a destroyed one takes them with it)."""
     mask, choose = control.processors()
     processors = manager.logit_processor
+    before = (processors.tensors_required, processors.do_processing, dict(processors.supported_keys))
     processors.logits_processor.insert(0, mask)
     processors.logits_processor.append(choose)
     processors.tensors_required += 2
     processors.supported_keys.update(mask.supported_kwargs)
     processors.do_processing = True
+
+    def undo() -> None:
+        processors.logits_processor[:] = [p for p in processors.logits_processor if p is not mask and p is not choose]
+        processors.tensors_required, processors.do_processing = before[0], before[1]
+        processors.supported_keys.clear()
+        processors.supported_keys.update(before[2])
+
+    return undo

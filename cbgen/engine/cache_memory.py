@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,23 +53,23 @@ class LazyCache:
         self.mappings[tensor.data_ptr()] = buffer
         return tensor
 
-    def return_freed_blocks(self, cache: Any) -> bool:
+    def return_freed_blocks(self, cache: Any) -> Callable[[], None] | None:
         """Hands back every page of `cache` (transformers' PagedAttentionCache) now, and from now on the pages of
-        every block it frees into its pool. Called after the manager's warm-up, whose dummy requests may have
-        written pages and which ends by resetting the cache: no block is in use or kept then. False (nothing done)
-        when the cache is not over one of these mappings, or transformers' pool and allocators are not what this was
-        written against."""
+        every block it frees into its pool; returns what undoes the latter. Called after the manager's warm-up, whose
+        dummy requests may have written pages and which ends by resetting the cache: no block is in use or kept then.
+        None (nothing done) when the cache is not over one of these mappings, or transformers' pool and allocators
+        are not what this was written against."""
         tensor, pool = getattr(cache, "cache_tensor", None), getattr(cache, "pool", None)
         free = getattr(pool, "free_blocks", None)
         if pool is None or not isinstance(tensor, torch.Tensor) or not callable(free) \
                 or not hasattr(mmap, "MADV_DONTNEED"):
-            return False
+            return None
         views: dict[int, torch.Tensor] = {
             allocator.index: allocator._copy_view for allocator in getattr(cache, "cache_allocators", {}).values()
             if isinstance(getattr(allocator, "_copy_view", None), torch.Tensor)}  # one row per block, in bytes
         found = self.mappings.get(tensor.data_ptr())
         if found is None or not views:
-            return False
+            return None
         mapping, base = found, tensor.data_ptr()
         mapping.madvise(mmap.MADV_DONTNEED)  # what the warm-up wrote
 
@@ -86,7 +86,12 @@ class LazyCache:
                     mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
         pool.free_blocks = free_blocks
-        return True
+
+        def undo() -> None:
+            if vars(pool).get("free_blocks") is free_blocks:
+                del pool.free_blocks
+
+        return undo
 
 
 class _LazyZeros(TorchFunctionMode):
@@ -107,10 +112,11 @@ class _LazyZeros(TorchFunctionMode):
 
 
 @contextmanager
-def lazy_cache_memory(device: str = "cpu") -> Iterator[LazyCache]:
+def lazy_cache_memory(enabled: bool = True) -> Iterator[LazyCache]:
     """Around the manager's warm-up (where transformers builds the cache): big CPU zero tensors come from anonymous
-    mappings. Yields the LazyCache of the mappings served (empty, false, on other devices, where it does nothing)."""
-    if device != "cpu":
+    mappings, in this thread. Yields the LazyCache of the mappings served (empty, false, when not `enabled`: then
+    nothing changes)."""
+    if not enabled:
         yield LazyCache()
         return
     mode = _LazyZeros()

@@ -16,16 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
-from cbgen.engine.manager import (
-    CacheFacts,
-    ManagerSpec,
-    attention_scope,
-    drain,
-    live_lengths,
-    loop_error,
-    start_manager,
-    stop_manager,
-)
+from cbgen.engine.manager import CacheFacts, ManagerSpec, drain, live_lengths, loop_error, start_manager, stop_manager
+from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
 from cbgen.records import Completion, Request
@@ -59,8 +51,6 @@ class EngineStats:
     restarts: int = 0
     num_blocks: int | None = None
     kv_resident: str | None = None  # "all at start", "as used" or "as used, returned when freed" (CacheFacts.resident)
-    dense_mask: str | None = None  # CacheFacts.dense_mask
-    attention: str = "stock"  # what attention ran (cbgen.engine.manager.attention_scope)
     resolved_config: dict = field(default_factory=dict)
 
 
@@ -110,6 +100,7 @@ class Engine:
         self.decode = decode
         self.restartable = restartable
         self._manager: ContinuousBatchingManager | None = None
+        self._scope: EngineScope | None = None  # while `run` runs
         self._prefix_sharing = False
         self._page_size = 0  # the manager's, once it has started
         self._counter = 0
@@ -136,8 +127,8 @@ class Engine:
 
         When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
-        On CPU, attention runs per sequence while the engine runs, where the model allows it (cbgen.attention).
-        The manager (and its KV cache) starts only once a request that can run arrives.
+        Everything the plan installs into transformers and torch (cbgen.engine.scope) is in place while the engine
+        runs, and gone when it ends. The manager (and its KV cache) starts only once a request that can run arrives.
         """
         source = iter(requests)
         for first in source:
@@ -146,16 +137,16 @@ class Engine:
             yield self._reject(first, first.error)
         else:
             return  # nothing could run: no manager, no cache
-        with attention_scope(self.model, self.settings.spec.attention, self.settings.spec.batch_invariant) as running:
-            self.stats.attention = running
-            self._start()
+        with EngineScope(self.model, self.settings.spec.scope) as self._scope:
             try:
+                self._start()
                 yield from self._loop(itertools.chain([first], source), stop or threading.Event())
             finally:
                 if self._manager is not None:
                     for _ in stop_manager(self._manager):
                         pass
                     self._manager = None
+                self._scope = None
 
     # ------------------------------------------------------------------------------------------------------------ #
     # the loop
@@ -225,7 +216,8 @@ class Engine:
         return live_lengths(manager) if manager is not None else []
 
     def _start(self) -> None:
-        self._manager, facts = start_manager(self.model, self.settings.spec, self.control)
+        assert self._scope is not None
+        self._manager, facts = start_manager(self.model, self.settings.spec, self._scope, self.control)
         self.stats.started = True
         self._record(facts)
 
@@ -235,7 +227,6 @@ class Engine:
         self._prefix_sharing = facts.prefix_sharing
         self.stats.num_blocks = facts.num_blocks
         self.stats.kv_resident = facts.resident
-        self.stats.dense_mask = facts.dense_mask
         self.stats.resolved_config = facts.resolved_config
 
     def _stop_now(self, in_flight: dict[str, _InFlight]) -> Iterator[list[Completion]]:

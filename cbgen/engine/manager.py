@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cbgen.attention import per_sequence_attention
-from cbgen.attention.dense_mask import without_dense_mask
-from cbgen.attention.softcap import softcapped_paged_eager
-from cbgen.engine.cache_memory import lazy_cache_memory
-from cbgen.model.invariant import batch_invariant_linear
+from cbgen.engine.scope import EngineScope, ScopePlan
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -35,9 +30,8 @@ class ManagerSpec:
     generation_config: GenerationConfig
     cb_config: ContinuousBatchingConfig
     workload_hints: WorkloadHints | None = None
-    attention: str = "auto"  # cbgen's per-sequence attention: "auto" (where it applies), "required" or "off"
+    scope: ScopePlan = field(default_factory=ScopePlan)  # what cbgen installs for the engine (cbgen.engine.scope)
     control: StepPlan | None = None  # grammar masks, the model's own logprobs, seeded draws
-    batch_invariant: bool = False  # fixed-shape linear tiles and per-token attention calls (cbgen.model.invariant)
 
 
 @dataclass
@@ -50,56 +44,25 @@ class CacheFacts:
     # "as used": the cache came from an anonymous mapping (cbgen.engine.cache_memory), "as used, returned when freed":
     # and the blocks the pool takes back free give their pages back
     resident: str = "all at start"
-    # transformers' dense attention mask for `sdpa` (cbgen.attention.dense_mask): built, or not where nothing reads it
-    dense_mask: str = "built"
     resolved_config: dict[str, Any] = field(default_factory=dict)
 
 
-@contextmanager
-def attention_scope(model: CausalLM, attention: str, invariant: bool = False) -> Iterator[str]:
-    """The attention the manager runs with, around its whole life (its thread looks the function up every step):
-    cbgen's per-sequence attention where asked and applicable, and soft-capping where the model needs it; with
-    `invariant`, batch-invariant attention and linear layers (which cbgen.engine.plan only asks for where the
-    per-sequence attention applies). Yields what runs: "per-sequence", "per-sequence, batch-invariant", "stock", or
-    "stock, soft-capped"."""
-    with ExitStack() as stack:
-        per_sequence = attention != "off" and stack.enter_context(
-            per_sequence_attention(model, required=attention == "required" or invariant, invariant=invariant))
-        capped = stack.enter_context(softcapped_paged_eager(model))
-        if per_sequence and invariant:
-            stack.enter_context(batch_invariant_linear(model))
-            yield "per-sequence, batch-invariant"
-            return
-        yield "per-sequence" if per_sequence else "stock, soft-capped" if capped else "stock"
-
-
-def start_manager(model: CausalLM, spec: ManagerSpec, control: StepControl | None = None
+def start_manager(model: CausalLM, spec: ManagerSpec, scope: EngineScope, control: StepControl | None = None
                   ) -> tuple[ContinuousBatchingManager, CacheFacts]:
-    """A started manager, its cache built by a warm-up so that its real size is known before the first admission.
-    `control` (cbgen.control.processor.StepControl) joins its logits processors first."""
+    """A started manager, its cache built by a warm-up so that its real size is known before the first admission;
+    inside `scope` (entered), which joins `control`'s logits processors and serves its cache (cbgen.engine.scope)."""
     manager = model.init_continuous_batching(generation_config=copy.deepcopy(spec.generation_config),
                                              continuous_batching_config=copy.deepcopy(spec.cb_config),
                                              workload_hints=copy.deepcopy(spec.workload_hints))
-    if control is not None:
-        from cbgen.control.processor import install
-
-        install(manager, control)
-    with lazy_cache_memory(model.device.type) as lazy, \
-            without_dense_mask(manager.continuous_batching_config) as maskless:
+    with scope.building(manager, control) as built:
         manager.warmup()
-    if control is not None:
-        from cbgen.control.processor import take_over_sampling
-
-        take_over_sampling(manager, control)
     cache = getattr(manager.batch_processor, "cache", None)
-    returned = lazy.return_freed_blocks(cache)  # False where nothing was served lazily
     resolved = manager.continuous_batching_config
     facts = CacheFacts(
         page_size=resolved.page_size,
         num_blocks=getattr(cache, "num_blocks", None) or resolved.num_blocks,
         prefix_sharing=bool(getattr(cache, "use_prefix_sharing", resolved.allow_block_sharing)),
-        resident="as used, returned when freed" if returned else "as used" if lazy else "all at start",
-        dense_mask="not built: cbgen's per-sequence attention does not read it" if maskless else "built",
+        resident="as used, returned when freed" if built.returns_freed else "as used" if built.lazy else "all at start",
         resolved_config={k: v for k, v in vars(resolved).items()
                          if isinstance(v, (int, float, str, bool, tuple, type(None)))},
     )
@@ -143,8 +106,8 @@ def serve(model: CausalLM, tokenizer: PreTrainedTokenizerBase, spec: ManagerSpec
     """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
     control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
     control = spec.control.control(tokenizer) if spec.control is not None else None
-    with attention_scope(model, spec.attention, spec.batch_invariant):
-        manager, _ = start_manager(model, spec, control)
+    with EngineScope(model, spec.scope) as scope:
+        manager, _ = start_manager(model, spec, scope, control)
         try:
             while manager.is_running():
                 manager.get_result(timeout=0.5)

@@ -1,8 +1,10 @@
 """Setting the engine up for a job: one path for `cbgen run` and `cbgen bench`, so what is measured is what runs.
 
 From the job's configuration, the loaded model and what the requests read ahead ask for, this decides the
-GenerationConfig, the attention, the CPU batching defaults, the KV-cache size, the ContinuousBatchingConfig and the
-workload hints, and records why.
+GenerationConfig, what cbgen installs for the engine (the attention, batch invariance, how linear layers run, the
+dense mask and the KV cache's memory: a ScopePlan, cbgen.engine.scope), the CPU batching defaults, the KV-cache size,
+the ContinuousBatchingConfig and the workload hints, and records why. Every consumer reads these decisions from the
+plan; none works them out again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from cbgen.config import JobConfig, page_size
 from cbgen.config.cpu import cpu_row
 from cbgen.engine.engine import EngineSettings
 from cbgen.engine.manager import ManagerSpec
+from cbgen.engine.scope import PER_SEQUENCE as PER_SEQUENCE_ATTENTION
+from cbgen.engine.scope import PER_SEQUENCE_INVARIANT, SOFT_CAPPED, STOCK, ScopePlan
 from cbgen.errors import CbgenError
+from cbgen.model import dtype_name
 from cbgen.model.load import PER_SEQUENCE, LoadedModel
 from cbgen.prompts import LOOKAHEAD, prefix_key
 from cbgen.records import Request
@@ -68,7 +73,11 @@ class EnginePlan:
     batching: dict[str, Any]
     kv_cache: dict[str, Any]  # how the KV cache was sized, for run.json
     settings: EngineSettings
-    batch_invariant: dict[str, Any]  # whether the numerics are batch-invariant, and why, for run.json
+
+    @property
+    def scope(self) -> ScopePlan:
+        """What cbgen installs for the engine (cbgen.engine.scope)."""
+        return self.settings.spec.scope
 
 
 def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sampling: SamplingPlan,
@@ -80,14 +89,10 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
     text_config = loaded.model.config.get_text_config()
     max_positions = getattr(text_config, "max_position_embeddings", None)
     generation_config, eos = build_generation_config(job, loaded, sampling)
-    attention = attention_choice(job, loaded)
-    invariant, why = invariance_choice(job, loaded, attention)
     batching = dict(job.batching)
+    attention = attention_choice(job, loaded)
     if loaded.device == "cpu":
-        from cbgen.attention import cpu_attention_available
-
-        per_sequence = attention != "off" and cpu_attention_available(loaded.model)
-        for key, value in cpu_row().batching(per_sequence).items():
+        for key, value in cpu_row().batching(attention == PER_SEQUENCE_ATTENTION).items():
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
@@ -98,15 +103,16 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
         batching.setdefault("use_cuda_graph", False)
         batching.setdefault("use_async_batching", False)
     cb_config = make_cb_config(batching, job, per_request=sampling.per_request)
+    scope = plan_scope(job, loaded, attention, compiled=_compiled(cb_config, generation_config))
     hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
     g = job.generation
     settings = EngineSettings(
-        spec=ManagerSpec(generation_config, cb_config, hints, attention, steps, batch_invariant=invariant),
+        spec=ManagerSpec(generation_config, cb_config, hints, scope, steps),
         max_in_flight=window,
         max_new_tokens=g.max_new_tokens, num_return_sequences=g.num_return_sequences, eos_token_ids=eos,
         max_positions=max_positions, request_timeout=job.run.request_timeout, prefix_gating=job.run.prefix_gating)
-    return EnginePlan(generation_config, eos, batching, kv_cache, settings, {"on": invariant, "why": why})
+    return EnginePlan(generation_config, eos, batching, kv_cache, settings)
 
 
 def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan
@@ -133,18 +139,21 @@ def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingP
 
 
 def attention_choice(job: JobConfig, loaded: LoadedModel) -> str:
-    """Whether the engine uses cbgen's per-sequence attention: "required" when asked for by name (then it must
-    apply), "auto" by default on CPU (where it applies), "off" when another implementation was named."""
-    if job.model.attn_implementation == PER_SEQUENCE:
-        from cbgen.attention import cpu_attention_unavailable_reason
+    """The attention the engine runs with (cbgen.engine.scope.ATTENTION_KINDS, before batch invariance): cbgen's
+    per-sequence attention by default on CPU where it applies, and when asked for by name (then it must apply);
+    transformers' paged eager attention with the soft-cap applied for models that soft-cap their scores; else stock."""
+    from cbgen.attention import cpu_attention_unavailable_reason
+    from cbgen.attention.softcap import softcap_fix_needed
 
+    named = job.model.attn_implementation
+    if named == PER_SEQUENCE:
         reason = cpu_attention_unavailable_reason(loaded.model)
         if reason:
             raise CbgenError(f"--attn-implementation {PER_SEQUENCE} does not apply here: {reason}; use sdpa")
-        return "required"
-    if job.model.attn_implementation is None and loaded.device == "cpu":
-        return "auto"
-    return "off"
+        return PER_SEQUENCE_ATTENTION
+    if named is None and loaded.device == "cpu" and cpu_attention_unavailable_reason(loaded.model) is None:
+        return PER_SEQUENCE_ATTENTION
+    return SOFT_CAPPED if softcap_fix_needed(loaded.model) else STOCK
 
 
 def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tuple[bool, str]:
@@ -156,16 +165,16 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
     reason = None
     if job.model.tp_size > 1:
         reason = "tensor parallelism splits each sum across ranks"
-    elif attention == "off" or loaded.device != "cpu":
-        named = f"--attn-implementation {job.model.attn_implementation}"
-        runs = f"on {loaded.device}" if loaded.device != "cpu" else named
-        reason = f"it needs cbgen's per-sequence CPU attention, and this job runs {runs}"
-    else:
+    elif attention != PER_SEQUENCE_ATTENTION:
         from cbgen.attention import cpu_attention_unavailable_reason
 
-        unavailable = cpu_attention_unavailable_reason(loaded.model)
-        if unavailable:
-            reason = f"it needs cbgen's per-sequence CPU attention, which does not apply: {unavailable}"
+        named = job.model.attn_implementation
+        if loaded.device != "cpu" or named:
+            runs = f"on {loaded.device}" if loaded.device != "cpu" else f"--attn-implementation {named}"
+            reason = f"it needs cbgen's per-sequence CPU attention, and this job runs {runs}"
+        else:
+            reason = ("it needs cbgen's per-sequence CPU attention, which does not apply: "
+                      f"{cpu_attention_unavailable_reason(loaded.model)}")
     if reason is not None:
         if asked:
             raise CbgenError(f"--batch-invariant does not apply here: {reason}; drop the flag")
@@ -175,6 +184,61 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
     if job.generation.seed is not None:
         return True, "on: a seeded job (--no-batch-invariant turns it off)"
     return False, "off: not a seeded job (--batch-invariant turns it on)"
+
+
+def linear_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> str:
+    """How the model's linear layers run (cbgen.model.linear.LINEAR_KINDS): fixed-shape tiles for a batch-invariant
+    job; through oneDNN or in row buckets when asked (each must apply); by default on CPU in one process, float32
+    vocabulary projections in column chunks where this machine computes them bitwise alike, and bfloat16 or float16
+    layers in row buckets."""
+    from cbgen.model import linear
+
+    settings, device, dtype = job.model, loaded.device, loaded.dtype
+    one_process = job.model.tp_size == 1
+    if invariant:
+        return linear.TILES
+    if settings.onednn_linear:
+        if device != "cpu" or dtype not in linear.PACKED_DTYPES or not one_process:
+            raise CbgenError("--onednn-linear applies to float32 or bfloat16 on CPU in one process: add --device cpu, "
+                             "without --tp")
+        if not linear.onednn_available():
+            raise CbgenError("--onednn-linear: this torch build has no oneDNN (mkldnn) linear; drop the flag")
+        return linear.ONEDNN
+    if settings.linear_row_buckets:
+        if device != "cpu" or dtype not in linear.BUCKETED_DTYPES or not one_process:
+            raise CbgenError("--linear-row-buckets applies to bfloat16 or float16 on CPU in one process: add --device "
+                             "cpu --dtype bfloat16, without --tp")
+        return linear.ROW_BUCKETS
+    if device != "cpu" or not one_process:
+        return linear.STOCK
+    if dtype in linear.BUCKETED_DTYPES and settings.linear_row_buckets is None:
+        return linear.ROW_BUCKETS
+    if dtype_name(dtype) == "float32" and linear.vocabulary_chunks_apply(loaded.model):
+        return linear.VOCABULARY_CHUNKS
+    return linear.STOCK
+
+
+def _compiled(cb_config: ContinuousBatchingConfig, generation_config: GenerationConfig) -> bool:
+    """Whether transformers will compile the engine's forward pass (which needs its dense attention mask)."""
+    return (getattr(cb_config, "default_compile_level", 0) or 0) > 0 or any(
+        getattr(cb_config, name, None) is not None for name in ("varlen_compile_config", "decode_compile_config")
+    ) or getattr(generation_config, "compile_config", None) is not None
+
+
+def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled: bool = False) -> ScopePlan:
+    """What cbgen installs for a job's engine (cbgen.engine.scope), given the attention it runs with."""
+    invariant, why = invariance_choice(job, loaded, attention)
+    return ScopePlan(attention=PER_SEQUENCE_INVARIANT if invariant else attention, batch_invariant=invariant,
+                     invariant_why=why, linear=linear_choice(job, loaded, invariant),
+                     dense_mask=attention != PER_SEQUENCE_ATTENTION or compiled,
+                     lazy_kv_cache=loaded.device == "cpu")
+
+
+def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:
+    """What cbgen installs while a scoring job's scorer runs (cbgen.score): its linear layers only; the scorer
+    attends with the model's own attention and masks, one forward pass per batch of rows."""
+    return ScopePlan(attention=STOCK, invariant_why="off: a scoring job runs no continuous batching",
+                     linear=linear_choice(job, loaded, invariant=False))
 
 
 def available_memory_bytes() -> int | None:

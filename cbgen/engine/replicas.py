@@ -178,10 +178,8 @@ class ReplicaPool:
     def _merge_stats(self, stats: EngineStats) -> None:
         self.stats.started = self.stats.started or stats.started
         self.stats.restarts += stats.restarts
-        self.stats.attention = stats.attention
         self.stats.num_blocks = stats.num_blocks
         self.stats.kv_resident = stats.kv_resident
-        self.stats.dense_mask = stats.dense_mask
         self.stats.resolved_config = stats.resolved_config
 
 

@@ -26,6 +26,7 @@ and 0.6-1.3x at 512. Whole jobs: docs/performance.md.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from cbgen.config.cpu import cpu_row
-from cbgen.model.linear import onednn_available
+from cbgen.model.linear import onednn_available, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
 
@@ -121,31 +122,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE_ROWS)
 
 
-def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    return fixed_shape_linear(x, self.weight, self.bias, self._cbgen_tile_packed)
+def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or x.dtype != module.weight.dtype:
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    return fixed_shape_linear(x, module.weight, module.bias, packed)
 
 
 @contextmanager
 def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, the model computes every linear layer in fixed-shape tiles: each `nn.Linear` through its own
-    forward (replacing, for the block, any the layer had: the float32 vocabulary projection in column chunks,
-    --onednn-linear), and, in a model with MoE experts, every other `F.linear` of its forward pass (routers, the
+    """Inside the block, the model computes every linear layer in fixed-shape tiles: each `nn.Linear` through a
+    forward of its own, and, in a model with MoE experts, every other `F.linear` of its forward pass (routers, the
     experts' matmuls) through a torch function mode, with the experts run "eager" (one matmul per expert; the fused
     grouped matmuls split by the batch's routing). The mode costs Python time on every operator (about 10 % of a
     decode step of the embedded model), which is why dense models, whose linear layers are all `nn.Linear`, do
     without it. Everything is put back on exit."""
     experts = _experts_implementation(model)
     switch = experts is not None and set(experts.values()) != {"eager"}
-    if switch:
-        getattr(model, "set_experts_implementation")("eager")  # noqa: B009 - a method of transformers' models only
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
-    own = {module: vars(module)["forward"] for module in linears if "forward" in vars(module)}
-    for module in linears:
-        vars(module)["_cbgen_tile_packed"] = pack(module.weight)  # float32: a second copy of the weights meanwhile
-        vars(module)["forward"] = types.MethodType(_tiled_forward, module)
-    had_forward = "forward" in vars(model)
+    # the packed weights (float32; bfloat16 with bf16 units) are a second copy of the weights while the block runs
+    forwards: dict[torch.nn.Module, object] = {
+        module: functools.partial(_tiled_forward, module, pack(module.weight)) for module in linears}
     forward = model.forward
 
     def invariant_forward(self, *args, **kwargs):
@@ -153,20 +149,12 @@ def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
             return forward(*args, **kwargs)
 
     if experts is not None:
-        vars(model)["forward"] = types.MethodType(invariant_forward, model)
-    try:
-        yield
-    finally:
-        if experts is not None:
-            if had_forward:
-                vars(model)["forward"] = forward
-            else:
-                vars(model).pop("forward", None)
+        forwards[model] = types.MethodType(invariant_forward, model)
+    with replaced_forwards(forwards):
         if switch:
-            getattr(model, "set_experts_implementation")(experts)  # noqa: B009
-        for module in linears:
-            vars(module).pop("_cbgen_tile_packed", None)
-            if module in own:
-                vars(module)["forward"] = own[module]
-            else:
-                vars(module).pop("forward", None)
+            getattr(model, "set_experts_implementation")("eager")  # noqa: B009 - a method of transformers' models only
+        try:
+            yield
+        finally:
+            if switch:
+                getattr(model, "set_experts_implementation")(experts)  # noqa: B009

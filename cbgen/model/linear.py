@@ -2,6 +2,10 @@
 the same), bfloat16 linear layers at a few row counts (on by default), and float32 or bfloat16 linear layers through
 oneDNN with prepacked weights (`--onednn-linear`), an opt-in alternative to torch's default matmul.
 
+Which one a job runs is decided in planning (cbgen.engine.plan, `LINEAR_KINDS`), and `linear_layers(model, kind)`
+installs it on the model's `nn.Linear` modules for the life of one engine (cbgen.engine.scope), putting each module's
+forward back on exit: outside an engine the model computes as transformers built it.
+
 **Vocabulary projection in column chunks.** MKL's sgemm computes a decode step's projection onto a large vocabulary
 (64 x 576 x 49,152 for the embedded model) far below its rate on smaller matrices; the same product computed 2,048
 output columns at a time was 1.8x faster at 49-64 rows and bitwise the same (2-core AMD EPYC, AVX2; no gain at 256
@@ -42,6 +46,7 @@ bucket already.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,72 +59,62 @@ PROBE_ROWS = (1, 3, 17, 64, CHUNK_ROWS)
 
 PACK_ROWS = 64  # the batch-size hint oneDNN packs for: a decode step's rows; results do not depend on it
 
-
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 ROW_STEP = 64  # row buckets: multiples of SMALL_STEP up to this, then four per doubling
 SMALL_STEP = 8
 BUCKETED_DTYPES = (torch.bfloat16, torch.float16)  # what torch hands to oneDNN, whose kernels are cached per shape
 
+# How a job's linear layers run (the plan's `linear`), and what run.json says of each
+STOCK = "stock"
+VOCABULARY_CHUNKS = "vocabulary in chunks"
+ROW_BUCKETS = "row buckets"
+ONEDNN = "onednn"
+TILES = "fixed-shape tiles"  # batch invariance: cbgen.model.invariant
+LINEAR_KINDS = {
+    STOCK: "stock",
+    VOCABULARY_CHUNKS: f"stock, vocabulary in {VOCAB_CHUNK}-column chunks",
+    ROW_BUCKETS: f"stock, rows in buckets (multiples of {SMALL_STEP} to {ROW_STEP}, then four per doubling)",
+    ONEDNN: "onednn, weights prepacked",
+    TILES: "fixed-shape tiles of 64 rows (batch-invariant)",
+}
+
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != self._cbgen_packed.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
-        return torch.nn.functional.linear(x, self.weight, self.bias)  # anything else: the stock path
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's plain CPU `nn.Linear` modules (not subclasses: quantized or tensor-parallel layers keep theirs)."""
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's output projection (transformers' models have one), or None."""
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    return output_embeddings() if callable(output_embeddings) else None
+
+
+# oneDNN with prepacked weights -------------------------------------------------------------------------------------
+
+
+def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != packed.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, module.weight, module.bias)  # anything else: the stock path
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, self._cbgen_packed, self.bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, module.bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def use_onednn_linear(model: torch.nn.Module) -> int:
-    """Runs every float32 or bfloat16 CPU `nn.Linear` of `model` through oneDNN with prepacked weights; returns how
-    many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or module.weight.dtype not in PACKED_DTYPES:
-            continue
-        if module.weight.device.type != "cpu":
-            continue
-        with torch.no_grad():
-            module._cbgen_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
-        vars(module)["forward"] = types.MethodType(_forward, module)  # this module's own forward
-        count += 1
-    return count
+def _onednn(module: torch.nn.Linear):
+    if module.weight.dtype not in PACKED_DTYPES:
+        return None
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+    return functools.partial(_packed_forward, module, packed)
 
 
-def uses_onednn_linear(model: torch.nn.Module) -> bool:
-    return any(hasattr(module, "_cbgen_packed") for module in model.modules())
-
-
-@contextmanager
-def onednn_linear(model: torch.nn.Module) -> Iterator[int]:
-    """Every float32 or bfloat16 CPU `nn.Linear` of `model` through oneDNN inside the block, and back as it was after
-    it (the chunked vocabulary projection included): how `cbgen bench`'s cbgen-onednn path measures the lever against
-    the stock path on one loaded model. Yields how many layers it switched; none when the
-    model already runs through oneDNN, which the block then leaves alone."""
-    if uses_onednn_linear(model):
-        yield 0
-        return
-    saved = {module: module.__dict__.get("forward") for module in model.modules() if type(module) is torch.nn.Linear}
-    try:
-        yield use_onednn_linear(model)
-    finally:
-        for module, forward in saved.items():
-            module.__dict__.pop("_cbgen_packed", None)
-            if forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                vars(module)["forward"] = forward
-
-
-def _chunked_forward(self, x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > CHUNK_ROWS or x.dtype != self.weight.dtype or torch.is_grad_enabled():
-        return torch.nn.functional.linear(x, self.weight)
-    return _chunked(rows, self.weight).view(*x.shape[:-1], self.weight.shape[0])
+# the vocabulary projection in column chunks --------------------------------------------------------------------------
 
 
 def _chunked(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -129,37 +124,40 @@ def _chunked(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _bitwise_same(weight: torch.Tensor) -> bool:
+def _chunked_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > CHUNK_ROWS or x.dtype != module.weight.dtype or torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, module.weight)
+    return _chunked(rows, module.weight).view(*x.shape[:-1], module.weight.shape[0])
+
+
+@functools.lru_cache(maxsize=8)
+def chunks_bitwise_same(out_features: int, in_features: int) -> bool:
+    """Whether this machine computes a float32 projection of this shape in column chunks bitwise as one matmul, at
+    every probed row count (random weights: the kernels follow the shape)."""
     generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
     with torch.no_grad():
         for count in PROBE_ROWS:
-            rows = torch.randn(count, weight.shape[1], generator=generator, dtype=weight.dtype)
+            rows = torch.randn(count, in_features, generator=generator)
             if not torch.equal(_chunked(rows, weight), torch.nn.functional.linear(rows, weight)):
                 return False
     return True
 
 
-def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The model's output projection (transformers' models have one), or None."""
-    output_embeddings = getattr(model, "get_output_embeddings", None)
-    return output_embeddings() if callable(output_embeddings) else None
-
-
-def chunk_vocab_projection(model: torch.nn.Module) -> bool:
-    """Computes the float32 CPU output projection of `model` in column chunks for decode-sized batches, when it is a
-    plain bias-free `nn.Linear` over more than two chunks of vocabulary and the probe finds the result bitwise the
-    same as one matmul's. Returns whether it did."""
+def vocabulary_chunks_apply(model: torch.nn.Module) -> bool:
+    """Whether the model's output projection is a float32 CPU bias-free `nn.Linear` over more than two chunks of
+    vocabulary that this machine computes in chunks bitwise as one matmul (needs only the model's structure)."""
     head = _output_head(model)
-    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head, "_cbgen_packed"):
+    if type(head) is not torch.nn.Linear or head.bias is not None:
         return False
     weight = head.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[0] <= 2 * VOCAB_CHUNK:
+    if weight.dtype != torch.float32 or weight.device.type not in ("cpu", "meta") or weight.shape[0] <= 2 * VOCAB_CHUNK:
         return False
-    if not _bitwise_same(weight.detach()):
-        return False
-    vars(head)["forward"] = types.MethodType(_chunked_forward, head)
-    head._cbgen_chunked = True
-    return True
+    return chunks_bitwise_same(weight.shape[0], weight.shape[1])
+
+
+# bfloat16 rows in buckets ------------------------------------------------------------------------------------------
 
 
 def bucket(rows: int) -> int:
@@ -168,37 +166,56 @@ def bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _bucketed_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _bucketed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
     padded = bucket(count)
-    if padded == count or x.dtype != self.weight.dtype or torch.is_grad_enabled():
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    out = torch.nn.functional.linear(torch.nn.functional.pad(rows, (0, 0, 0, padded - count)), self.weight, self.bias)
+    if padded == count or x.dtype != module.weight.dtype or torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    out = torch.nn.functional.linear(torch.nn.functional.pad(rows, (0, 0, 0, padded - count)), module.weight,
+                                     module.bias)
     return out[:count].view(*x.shape[:-1], out.shape[-1])
 
 
-def bucket_linear_rows(model: torch.nn.Module) -> int:
-    """Runs every bfloat16 or float16 CPU `nn.Linear` of `model` (that has no forward of cbgen's already) at bucketed
-    row counts; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or "forward" in vars(module):
-            continue
-        if module.weight.dtype not in BUCKETED_DTYPES or module.weight.device.type != "cpu":
-            continue
-        vars(module)["forward"] = types.MethodType(_bucketed_forward, module)
-        vars(module)["_cbgen_bucketed"] = True
-        count += 1
-    return count
+# installing one kind for an engine's life --------------------------------------------------------------------------
 
 
-def linear_kind(model: torch.nn.Module) -> str:
-    """How the model's linear layers run, for run.json and bench.json."""
-    if uses_onednn_linear(model):
-        return "onednn"
-    if hasattr(_output_head(model), "_cbgen_chunked"):
-        return f"stock, vocabulary in {VOCAB_CHUNK}-column chunks"
-    if hasattr(_output_head(model), "_cbgen_bucketed"):
-        return f"stock, rows in buckets (multiples of {SMALL_STEP} to {ROW_STEP}, then four per doubling)"
-    return "stock"
+@contextmanager
+def replaced_forwards(forwards: dict[torch.nn.Module, object]) -> Iterator[None]:
+    """Each module computes through its given forward while the block runs. A module that already has a forward of
+    its own (another engine's, another library's) raises RuntimeError: two owners cannot both hold it."""
+    taken = [module for module in forwards if "forward" in vars(module)]
+    if taken:
+        raise RuntimeError(f"{len(taken)} linear layers already have a forward of their own (another engine on this "
+                           "model, or another library's patch)")
+    for module, forward in forwards.items():
+        vars(module)["forward"] = forward
+    try:
+        yield
+    finally:
+        for module, forward in forwards.items():
+            if vars(module).get("forward") is forward:
+                del vars(module)["forward"]
+
+
+@contextmanager
+def linear_layers(model: torch.nn.Module, kind: str) -> Iterator[int]:
+    """The model's linear layers run as `kind` (STOCK, VOCABULARY_CHUNKS, ROW_BUCKETS or ONEDNN) while the block
+    runs; yields how many layers were switched. TILES is cbgen.model.invariant's."""
+    forwards: dict[torch.nn.Module, object] = {}
+    if kind == ONEDNN:
+        for module in _linears(model):
+            forward = _onednn(module)
+            if forward is not None:
+                forwards[module] = forward
+    elif kind == ROW_BUCKETS:
+        forwards = {m: types.MethodType(_bucketed_forward, m) for m in _linears(model)
+                    if m.weight.dtype in BUCKETED_DTYPES}
+    elif kind == VOCABULARY_CHUNKS:
+        head = _output_head(model)
+        if isinstance(head, torch.nn.Linear):
+            forwards = {head: types.MethodType(_chunked_forward, head)}
+    elif kind != STOCK:
+        raise ValueError(f"not a linear kind linear_layers installs: {kind!r}")
+    with replaced_forwards(forwards):
+        yield len(forwards)

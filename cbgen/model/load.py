@@ -127,46 +127,15 @@ def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtyp
     return model, tokenizer, status
 
 
-def _use_onednn(model, device: str, dtype: torch.dtype, tp) -> None:
-    from cbgen.model.linear import PACKED_DTYPES, onednn_available, use_onednn_linear
-
-    if device != "cpu" or dtype not in PACKED_DTYPES or tp is not None:
-        raise CbgenError("--onednn-linear applies to float32 or bfloat16 on CPU in one process: add --device cpu, "
-                         "without --tp")
-    if not onednn_available():
-        raise CbgenError("--onednn-linear: this torch build has no oneDNN (mkldnn) linear; drop the flag")
-    use_onednn_linear(model)
-
-
-def _set_up_linear(model, settings: ModelSection, device: str, dtype: torch.dtype, tp) -> None:
-    """How the loaded model's linear layers run (cbgen.model.linear): through oneDNN when asked; at bucketed row counts
-    when asked (it must apply) and by default where it applies (bfloat16, float16 on CPU); the float32 vocabulary
-    projection in chunks where the probe allows."""
-    from cbgen.model.linear import BUCKETED_DTYPES, bucket_linear_rows, chunk_vocab_projection
-
-    if settings.onednn_linear:
-        _use_onednn(model, device, dtype, tp)
-    elif settings.linear_row_buckets:
-        if device != "cpu" or dtype not in BUCKETED_DTYPES or tp is not None:
-            raise CbgenError("--linear-row-buckets applies to bfloat16 or float16 on CPU in one process: add --device "
-                             "cpu --dtype bfloat16, without --tp")
-        bucket_linear_rows(model)
-    elif device == "cpu" and tp is None:
-        if dtype == torch.float32:
-            chunk_vocab_projection(model)
-        elif settings.linear_row_buckets is None:
-            bucket_linear_rows(model)
-
-
-def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, attn: str | None,
-               trust_remote_code: bool):
-    """The model's structure without its weights (on torch's meta device: no memory, no dequantization), and its
-    tokenizer: what planning a job needs, for a dry run or a main process that never generates."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _tokenizer_and_config(source: ModelSource, cache_root: Path | None, dtype: torch.dtype,
+                          trust_remote_code: bool):
+    """The model's tokenizer and config, its converted-GGUF cache status, and the folder where its weights' own
+    generation_config.json would be (None when there is none): nothing of the weights is read."""
+    from transformers import AutoConfig, AutoTokenizer
 
     kwargs = {"trust_remote_code": trust_remote_code}
     status = None
-    folder: str | Path | None = None  # where the weights' own generation_config.json would be
+    folder: str | Path | None = None
     if source.random_weights:
         config, tokenizer, status = _random_shape(source, cache_root)
     elif source.gguf_file:
@@ -179,8 +148,32 @@ def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype,
         tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
         config = AutoConfig.from_pretrained(source.location, **kwargs)
         folder = source.location
+    return tokenizer, config, status, folder
+
+
+def load_tokenizer(settings: ModelSection):
+    """The model's tokenizer and config alone, as loading it would give them (for planning before any model loads:
+    a pipeline's stages). Raises CbgenError for anything the user can fix."""
+    source = resolve_source(settings.model)
+    dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
+    cache_root = default_cache_dir(settings) if settings.use_cache else None
+    try:
+        tokenizer, config, _, _ = _tokenizer_and_config(source, cache_root, dtype, settings.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise CbgenError(f"--model {source.name}: cannot load its tokenizer: {first_line(e)}") from None
+    return tokenizer, config
+
+
+def _structure(source: ModelSource, cache_root: Path | None, dtype: torch.dtype, attn: str | None,
+               trust_remote_code: bool):
+    """The model's structure without its weights (on torch's meta device: no memory, no dequantization), and its
+    tokenizer: what planning a job needs, for a dry run or a main process that never generates."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, config, status, folder = _tokenizer_and_config(source, cache_root, dtype, trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn, **kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                 trust_remote_code=trust_remote_code)
     # from_config derives the generation config from the model's config; loading the weights reads the checkpoint's
     # generation_config.json, whose stop tokens and defaults the plan must see too (Llama 3's lists <|eot_id|>)
     saved = _saved_generation_config(folder) if folder is not None else None
@@ -215,8 +208,6 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if settings.onednn_linear and settings.linear_row_buckets:
-        raise CbgenError("--onednn-linear and --linear-row-buckets are two ways to run the linear layers: use one")
     source = resolve_source(settings.model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
@@ -257,7 +248,5 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     except ValueError as e:
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
-    if weights:
-        _set_up_linear(model, settings, device, dtype, tp)
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)

@@ -105,11 +105,9 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
     """Writes run.json beside the shards."""
     model: dict[str, Any] = {"name": summary.model}
     if loaded is not None:
-        from cbgen.model.linear import linear_kind
-
         model |= {"device": loaded.device, "dtype": dtype_name(loaded.dtype),
                   "attn_implementation": loaded.attn_implementation, "cache": loaded.cache,
-                  "random_weights": loaded.random_weights, "linear": linear_kind(loaded.model)}
+                  "random_weights": loaded.random_weights, "linear": summary.engine_scope.get("linear")}
     manifest = {
         "format": FORMAT,
         "cbgen_version": __version__,
@@ -122,6 +120,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "ids": summary.ids.to_dict() if summary.ids else None,
         "attention": summary.attention,
         "batch_invariant": summary.batch_invariant or None,
+        "engine_scope": summary.engine_scope or None,  # what cbgen installed into transformers and torch, from the plan
         "config": job.to_dict(),
         "continuous_batching": batching,
         "cpu_defaults": _cpu_defaults(loaded),

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cbgen.engine.scope import EngineScope, ScopePlan
 from cbgen.errors import first_line
 from cbgen.prompts import LOOKAHEAD
 from cbgen.records import Completion, Score
@@ -45,10 +46,13 @@ class ScorerStats:
 
 class Scorer:
     """Scores ScoreRequests on `model`: `top_logprobs` alternatives per scored token on request, at most
-    `batch_tokens` tokens (padding included) per forward pass."""
+    `batch_tokens` tokens (padding included) per forward pass; with what `scope` installs (cbgen.engine.scope: how the
+    linear layers run) while it runs."""
 
-    def __init__(self, model: Any, *, batch_tokens: int, top_logprobs: int = 0, window: int = LOOKAHEAD) -> None:
+    def __init__(self, model: Any, *, batch_tokens: int, top_logprobs: int = 0, window: int = LOOKAHEAD,
+                 scope: ScopePlan | None = None) -> None:
         self.model = model
+        self.scope = scope or ScopePlan()
         self.decoder = decoder_of(model)
         self.head = output_head(model)
         self.batch_tokens = batch_tokens
@@ -65,18 +69,19 @@ class Scorer:
     def run(self, requests: Iterator[ScoreRequest], stop: threading.Event) -> Iterator[list[Completion]]:
         """Each request's result (a one-item list, as the engine yields groups), as its forward pass finishes;
         refused requests at once. Stops between passes once `stop` is set."""
-        window: list[ScoreRequest] = []
-        for request in requests:
-            if stop.is_set():
-                return
-            if request.error is not None:
-                yield [_failed(request, request.error)]
-                continue
-            window.append(request)
-            if len(window) >= self.window:
-                yield from self._score(window, stop)
-                window = []
-        yield from self._score(window, stop)
+        with EngineScope(self.model, self.scope):
+            window: list[ScoreRequest] = []
+            for request in requests:
+                if stop.is_set():
+                    return
+                if request.error is not None:
+                    yield [_failed(request, request.error)]
+                    continue
+                window.append(request)
+                if len(window) >= self.window:
+                    yield from self._score(window, stop)
+                    window = []
+            yield from self._score(window, stop)
 
     def _score(self, window: list[ScoreRequest], stop: threading.Event) -> Iterator[list[Completion]]:
         if not window:

@@ -11,12 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.continuous_batching import PagedAttentionCache, input_outputs
 
-from cbgen.attention import dense_mask, per_sequence_attention, per_sequence_sdpa_forward, support
+from cbgen.attention import dense_mask, per_sequence_sdpa_forward, registry
 from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
 from tests.helpers import write_jsonl
-
-UNCOMPILED = SimpleNamespace(varlen_compile_config=None, decode_compile_config=None)
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +50,38 @@ def test_a_job_without_the_mask_gives_the_stock_attentions_tokens(tiny_model_dir
         assert our_logprobs == pytest.approx(stock_logprobs, abs=1e-5)
 
 
-def test_transformers_is_told_no_mask_only_while_the_per_sequence_attention_serves(llama):
+def test_transformers_is_told_no_mask_for_the_skipping_model_only(llama, tmp_path):
     needed = input_outputs.attn_mask_is_needed
-    with dense_mask.without_dense_mask(UNCOMPILED) as skipped:  # the stock attention serves: keep the mask
-        assert not skipped and input_outputs.attn_mask_is_needed is needed
-    with per_sequence_attention(llama):
-        with dense_mask.without_dense_mask(UNCOMPILED) as skipped:
-            assert skipped
-            assert not input_outputs.attn_mask_is_needed(llama.config)
-            assert input_outputs.attn_mask_is_needed(SimpleNamespace(_attn_implementation="paged|eager"))
-            with dense_mask.without_dense_mask(UNCOMPILED):  # nested: still in place after the inner block
-                pass
-            assert not input_outputs.attn_mask_is_needed(llama.config)
-        assert input_outputs.attn_mask_is_needed is needed
-        assert input_outputs.attn_mask_is_needed(llama.config)
-        compiled = SimpleNamespace(varlen_compile_config=object(), decode_compile_config=None)
-        with dense_mask.without_dense_mask(compiled) as skipped:  # a compiled forward pass: keep the mask
-            assert not skipped and input_outputs.attn_mask_is_needed is needed
+    other = LlamaForCausalLM(llama.config.__class__(**llama.config.to_dict())).eval()  # its own config object
+    other.config._attn_implementation = "sdpa"
+    assert input_outputs.attn_mask_is_needed(llama.config)
+    with dense_mask.skipped(llama):
+        assert not input_outputs.attn_mask_is_needed(llama.config)
+        assert input_outputs.attn_mask_is_needed(other.config)  # another model's engine keeps its mask
+        assert input_outputs.attn_mask_is_needed(SimpleNamespace(_attn_implementation="paged|eager"))
+        with dense_mask.skipped(llama):  # nested: still skipped after the inner block
+            pass
+        assert not dense_mask.built_for(llama.config)
+        with dense_mask.skipped(other):
+            assert not input_outputs.attn_mask_is_needed(other.config)
+        assert input_outputs.attn_mask_is_needed(other.config)
+    assert input_outputs.attn_mask_is_needed is needed and input_outputs.attn_mask_is_needed(llama.config)
+
+
+def test_a_compiled_engine_keeps_the_mask(tiny_model_dir, tmp_path):
+    """The plan keeps the mask where transformers compiles the forward pass (a compiled pass could reach the stock
+    function): asked through the batching's compile level, the job says so before anything runs."""
+    from cbgen.config import JobConfig, ModelSection
+    from cbgen.engine.plan import _compiled, make_cb_config, plan_scope
+    from cbgen.engine.scope import PER_SEQUENCE
+    from cbgen.model.load import load_model
+
+    job = JobConfig()
+    job.model = ModelSection(model=str(tiny_model_dir), dtype="float32")
+    loaded = load_model(job.model)
+    plain, compiled = (make_cb_config(batching, job) for batching in ({}, {"default_compile_level": 1}))
+    assert not plan_scope(job, loaded, PER_SEQUENCE, compiled=_compiled(plain, None)).dense_mask
+    assert plan_scope(job, loaded, PER_SEQUENCE, compiled=_compiled(compiled, None)).dense_mask
 
 
 def test_a_call_for_the_stock_attention_without_the_mask_is_refused(llama, monkeypatch):
@@ -80,7 +93,7 @@ def test_a_call_for_the_stock_attention_without_the_mask_is_refused(llama, monke
         per_sequence_sdpa_forward(module, query, key, value, None, is_causal=True, cache=paged, position_bias=bias)
     # with the engine's mask (is_causal False) the call goes to the stock function, as before
     handed = []
-    monkeypatch.setattr(support, "stock", lambda name: lambda *args, **kwargs: handed.append(name) or (args[1], None))
+    monkeypatch.setattr(registry, "stock", lambda name: lambda *args, **kwargs: handed.append(name) or (args[1], None))
     mask = torch.zeros(1, 1, 6, 6)
     per_sequence_sdpa_forward(module, query, key, value, mask, is_causal=False, cache=paged, position_bias=bias)
     assert handed == ["sdpa"]

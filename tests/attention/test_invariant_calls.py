@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cbgen.attention.invariant import attend_invariant
-from cbgen.attention.per_sequence import _Batch
+from cbgen.attention.layout import StepLayout
 from tests.helpers import OTHER_ISAS, property_examples, pytest_under_isa
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -50,7 +50,7 @@ def _tensors(case):
 
 def _attend(case, tensors) -> torch.Tensor:
     """The requests as one step: packed queries, keys request by request, every token attended invariantly."""
-    batch = _Batch([], [], [], [], case["window"])
+    batch = StepLayout([], [], [], [], case["window"])
     q_at = k_at = 0
     for query, key, _ in tensors:
         batch.q_starts.append(q_at)

@@ -22,10 +22,11 @@ from transformers import (
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import cbgen.attention.layout as layout
 import cbgen.attention.paged_decode as paged_decode
 import cbgen.attention.per_sequence as attention
 import cbgen.attention.support as support
-from cbgen.attention import cpu_attention_available, per_sequence_attention, per_sequence_sdpa_forward
+from cbgen.attention import cpu_attention_available, per_sequence_attention, per_sequence_sdpa_forward, registry
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
              max_position_embeddings=512)
@@ -70,9 +71,9 @@ def generate(model, inputs: list[list[int]], **batching) -> list[tuple[list[int]
 
 
 @pytest.fixture
-def batches(monkeypatch) -> list[attention._Batch]:
+def batches(monkeypatch) -> list[layout.StepLayout]:
     """Records the layout of every batch the per-sequence path computes (it returns None for calls it hands back)."""
-    seen: list[attention._Batch] = []
+    seen: list[layout.StepLayout] = []
     plan = attention._plan
 
     def recording(*args, **kwargs):
@@ -194,7 +195,7 @@ def test_rows_out_of_order_and_gaps_attend_as_the_packed_keys():
     starts = [0, 5, 14]
     query = torch.randn(1, kv_heads * group, len(lengths), dim)
     key, value = torch.randn(1, kv_heads, sum(lengths), dim), torch.randn(1, kv_heads, sum(lengths), dim)
-    batch = attention._Batch([0, 1, 2], [1, 1, 1], starts, lengths, None)
+    batch = layout.StepLayout([0, 1, 2], [1, 1, 1], starts, lengths, None)
     expected = query.new_empty(len(lengths), kv_heads * group, dim)
     attention._attend_decode(query, key, value, batch, [0, 1, 2], None, expected)
 
@@ -252,14 +253,37 @@ def test_stock_attention_is_restored_and_plain_generate_unchanged(llama):
     before = llama.generate(inputs, generation_config=GREEDY, attention_mask=torch.ones_like(inputs))
     with per_sequence_attention(llama) as active:
         assert active
-        assert AttentionInterface()["sdpa"] is per_sequence_sdpa_forward
+        assert registry.serving(llama, "sdpa", per_sequence_sdpa_forward)
         with per_sequence_attention(llama):  # nested: still installed after the inner block
             pass
-        assert AttentionInterface()["sdpa"] is per_sequence_sdpa_forward
+        assert registry.serving(llama, "sdpa", per_sequence_sdpa_forward)
         inside = llama.generate(inputs, generation_config=GREEDY, attention_mask=torch.ones_like(inputs))
-    assert AttentionInterface()["sdpa"] is stock
+    assert AttentionInterface()["sdpa"] is stock and registry.bound_function(llama, "sdpa") is None
     after = llama.generate(inputs, generation_config=GREEDY, attention_mask=torch.ones_like(inputs))
     assert torch.equal(inside, before) and torch.equal(after, before)
+
+
+def test_another_model_keeps_its_own_attention_and_a_second_function_is_refused(llama, tmp_path):
+    """The registry routes by model: while one model's engine holds the per-sequence function, another model's calls
+    reach the stock function; and one model takes one function at a time."""
+    from cbgen.attention import batch_invariant_sdpa_forward
+    from cbgen.errors import CbgenError
+
+    other = load(LlamaForCausalLM, LlamaConfig(num_hidden_layers=1, **SHAPE), tmp_path)
+    reached = []
+    with per_sequence_attention(llama):
+        original = registry.stock("sdpa")
+        registry._PATCHES["sdpa"].original = lambda *args, **kwargs: reached.append(1) or original(*args, **kwargs)
+        try:
+            inputs = torch.tensor(prompts(6))
+            other.generate(inputs, generation_config=GREEDY, attention_mask=torch.ones_like(inputs))
+        finally:
+            registry._PATCHES["sdpa"].original = original
+        assert reached and registry.bound_function(other, "sdpa") is None
+        with pytest.raises(CbgenError, match="one model runs one engine's attention at a time"):
+            with registry.bound(llama, "sdpa", batch_invariant_sdpa_forward):
+                pass
+        assert registry.serving(llama, "sdpa", per_sequence_sdpa_forward)
 
 
 def test_restored_when_the_block_raises(llama):
