@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
 from cbgen.control.plan import StepPlan
@@ -63,12 +63,23 @@ class JobPlan:
     ids: IdChoice  # where request ids come from
 
 
-def plan_rendering(job: JobConfig, loaded: LoadedModel) -> RenderingPlan:
-    """The response template the job's replies are parsed with, and how its records are rendered."""
+def response_template(job: JobConfig, tokenizer: Any, config: Any) -> ResponseTemplate | None:
+    """The response template a job's replies are parsed with: --response-template, else the tokenizer's own, else
+    transformers' fallback for the model type (cbgen.chat.responses); None: replies stay whole text."""
     from cbgen.chat.responses import load_template, model_template
 
-    model_type = getattr(loaded.model.config, "model_type", None)
-    template = model_template(loaded.tokenizer, model_type, load_template(job.generation.response_template))
+    chosen = load_template(job.generation.response_template)
+    return model_template(tokenizer, getattr(config, "model_type", None), chosen)
+
+
+def plan_columns(job: JobConfig, used: Set[str], template: ResponseTemplate | None) -> OutputColumns:
+    """The columns of a job's rows: what a run writes, and what a pipeline plans its later stages on."""
+    return OutputColumns.decide(job, used, replies=template is not None)
+
+
+def plan_rendering(job: JobConfig, loaded: LoadedModel) -> RenderingPlan:
+    """The response template the job's replies are parsed with, and how its records are rendered."""
+    template = response_template(job, loaded.tokenizer, loaded.model.config)
     text = loaded.model.config.get_text_config()
     render = RenderPlan(vocab_size=text.vocab_size, raw_prompts=job.input.raw_prompts,
                         max_positions=getattr(text, "max_position_embeddings", None),
@@ -80,7 +91,7 @@ def plan_rendering(job: JobConfig, loaded: LoadedModel) -> RenderingPlan:
 def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: RenderingPlan) -> JobPlan:
     """The plan of `job` over an input with `facts`, on `loaded`, whose head was rendered as `rendering` says."""
     vocab_size = loaded.model.config.get_text_config().vocab_size
-    columns = OutputColumns.decide(job, facts.used, replies=rendering.template is not None)
+    columns = plan_columns(job, facts.used, rendering.template)
     sampling = SamplingPlan.build(job, facts.used, vocab_size)
     do_sample = bool(sampling.generation_fields()["do_sample"])
     steps = StepPlan.decide(job, facts.used, columns, do_sample, vocab_size, rendering.template,

@@ -49,3 +49,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a chat template that offers tools and a response template of its tokenizer's own, which
+    splits replies into reasoning, tool calls and content (tests.tool_model)."""
+    from tests.tool_model import make_tool_model
+
+    return make_tool_model(tiny_model_dir, tmp_path_factory.mktemp("tool-model"))

@@ -1,13 +1,12 @@
 """A tiny random model whose tokenizer can offer tools: a chat template written here (tools in the system turn,
 calls as <tool_call>{json}</tool_call>, tool results as their own turn, and a `<think>` opening when
-enable_thinking is set) and a response template in transformers' format that parses those replies back."""
+enable_thinking is set) and a response template in transformers' format that parses those replies back. The
+`tool_model_dir` fixture (tests/conftest.py) makes it once per session."""
 
 from __future__ import annotations
 
 import json
 import shutil
-
-import pytest
 
 CHAT_TEMPLATE = """
 {%- if reasoning_effort %}<|im_start|>system
@@ -48,11 +47,10 @@ RESPONSE_TEMPLATE = {
 }
 
 
-@pytest.fixture(scope="session")
-def tool_model_dir(tiny_model_dir, tmp_path_factory):
+def make_tool_model(tiny_model_dir, folder):
+    """The tiny model copied into `folder`, with the chat template and response template above."""
     from transformers import AutoTokenizer
 
-    folder = tmp_path_factory.mktemp("tool-model")
     for item in tiny_model_dir.iterdir():
         if item.is_file():
             shutil.copy(item, folder / item.name)

@@ -51,6 +51,7 @@ def stage_job(pipeline: Pipeline, stage: Stage, input_path: str, output_dir: Pat
 def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
     """Every stage's plan, in run order; raises CbgenError for the first stage that could not run."""
     plans: dict[str, StagePlan] = {}
+    templates = _ResponseTemplates()
     with tempfile.TemporaryDirectory(prefix="cbgen-pipeline-") as stubs:
         for stage in pipeline.stages:
             try:
@@ -59,7 +60,7 @@ def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
                     schema = infer_query(stage.query, {name: plans[name].table for name in stage.tables})
                     plans[stage.name] = StagePlan(stage, schema)
                 else:
-                    plans[stage.name] = _plan_job_stage(pipeline, stage, plans, output_dir, Path(stubs))
+                    plans[stage.name] = _plan_job_stage(pipeline, stage, plans, output_dir, Path(stubs), templates)
             except CbgenError as e:
                 prefix = f"{pipeline.where}: stage {stage.name!r}"
                 message = str(e) if str(e).startswith(prefix) else f"{prefix}: {e}"
@@ -67,11 +68,32 @@ def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
     return plans
 
 
+class _ResponseTemplates:
+    """Each generate stage's response template, as its run will decide it (cbgen.planning.response_template): from
+    its model's tokenizer, loaded once per model (no weights)."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, tuple[Any, Any]] = {}
+
+    def of(self, job: JobConfig) -> Any:
+        import dataclasses
+        import json
+
+        from cbgen.model.load import load_tokenizer
+        from cbgen.planning import response_template
+
+        key = json.dumps(dataclasses.asdict(job.model), sort_keys=True)
+        if key not in self._tokenizers:
+            self._tokenizers[key] = load_tokenizer(job.model)
+        return response_template(job, *self._tokenizers[key])
+
+
 def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StagePlan], output_dir: Path,
-                    stubs: Path) -> StagePlan:
+                    stubs: Path, templates: _ResponseTemplates) -> StagePlan:
     from cbgen.model.source import check_available, resolve_source
     from cbgen.outputs.columns import OutputColumns
     from cbgen.outputs.schema import arrow_schema
+    from cbgen.planning import plan_columns
 
     assert stage.input is not None
     if stage.input_is_stage:
@@ -90,7 +112,8 @@ def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StageP
     from cbgen.inputs.settings import ROW_SETTINGS
 
     used = frozenset(c for c in schema.names if c in ROW_SETTINGS)
-    columns = OutputColumns.decide(job, used, replies=job.generation.response_template is not None)
+    # the columns a run of this stage writes, decided by the function the run uses, so later stages plan on them
+    columns = plan_columns(job, used, templates.of(job) if stage.kind == "generate" else None)
     output = arrow_schema(columns, pa.schema([schema.field(c) for c in carried]))
     assert output is not None  # every kept column's type is known
     notes = tuple(f"stage {stage.name!r} does not carry column {c!r} of its input on: its own rows have a field of "

@@ -179,3 +179,24 @@ def test_redo_over_the_whole_pipeline_leaves_done_rows_alone(ran, capsys):
     states = {s["stage"]: s["state"] for s in json.loads(capsys.readouterr().out)["stages"]}
     assert states["kept"] == "up to date"
     assert {stage: shard_times(out / stage) for stage in before} == before
+
+
+def test_a_stage_plans_the_columns_its_run_writes(tool_model_dir, tmp_path):
+    """A model whose tokenizer brings its own response template: its generate stage writes `reasoning` and
+    `tool_calls`, and the pipeline plans that stage's table with the same function as the run, so an sql stage that
+    reads `reasoning` is planned (it was refused before any model loaded), runs, and gets the column."""
+    (tmp_path / "seed.jsonl").write_text("".join(json.dumps({"topic": t}) + "\n" for t in TOPICS[:4]))
+    data = {"defaults": {"model": str(tool_model_dir), "dtype": "float32"}, "stages": [
+        {"name": "answers", "kind": "generate", "input": "seed.jsonl", "template": "Tell me about {{ topic }}.",
+         "max_new_tokens": 6},
+        {"name": "thoughts", "kind": "sql",
+         "query": "SELECT id, answers.reasoning IS NULL AS no_reasoning FROM answers ORDER BY id"}]}
+    file = tmp_path / "pipeline.yaml"
+    file.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert pipeline(file, tmp_path / "out") == 0
+    answers = list(read_shards(tmp_path / "out" / "answers"))
+    assert len(answers) == 4 and all("reasoning" in row and "tool_calls" in row for row in answers)
+    thoughts = sorted(read_shards(tmp_path / "out" / "thoughts"), key=lambda row: row["id"])
+    assert [row["id"] for row in thoughts] == sorted(row["id"] for row in answers)
+    assert all(row["no_reasoning"] == (answer["reasoning"] is None)
+               for row, answer in zip(thoughts, sorted(answers, key=lambda r: r["id"])))
