@@ -73,13 +73,26 @@ def build_config(
     return job
 
 
+def spelled(section: str, key: str, value: str | None = None) -> str:
+    """A setting as the flag, the YAML key and the Python keyword spell it: messages that point at a way out name
+    all three, as a job may come from any of them."""
+    flag = f"--{key.replace('_', '-')}" + (f" {value}" if value is not None else "")
+    yaml_key = f"{section}.{key}" + (f": {value}" if value is not None else "")
+    python = f"{key}={value}" if value is not None else f"{key}="
+    return f"{flag} (YAML {yaml_key}, Python {python})"
+
+
 def check_combinations(job: JobConfig) -> None:
     """Rejects settings that are each valid but cannot go together, saying what to change."""
     g = job.generation
     sampling = [name for name in ("temperature", "top_p", "top_k") if getattr(g, name) is not None]
-    if g.do_sample is False and sampling:
-        flags = ", ".join(f"--{s.replace('_', '-')}" for s in sampling)
-        raise CbgenError(f"greedy decoding ignores {flags}: drop --greedy (do_sample: false) or drop {flags}")
+    if g.do_sample is False and [name for name in sampling if not (name == "temperature" and g.temperature == 0)]:
+        given = ", ".join(spelled("generation", name) for name in sampling)
+        raise CbgenError(f"greedy decoding ignores {given}: drop {spelled('generation', 'do_sample', 'false')} "
+                         "or drop them")
+    if g.do_sample is True and g.temperature == 0:
+        raise CbgenError(f"temperature 0 is greedy decoding, and the job asks to sample: drop "
+                         f"{spelled('generation', 'do_sample', 'true')}, or give a temperature above 0")
     if job.model.onednn_linear and job.model.linear_row_buckets:
         raise CbgenError("--onednn-linear and --linear-row-buckets are two ways to run the linear layers: use one")
     r = job.run
@@ -95,7 +108,8 @@ def check_combinations(job: JobConfig) -> None:
     if g.num_return_sequences > 1 and not job.do_sample:
         raise CbgenError(
             f"--num-return-sequences {g.num_return_sequences} needs sampling (greedy would return the same text "
-            f"{g.num_return_sequences} times): add --do-sample or --temperature, or use --num-return-sequences 1"
+            f"{g.num_return_sequences} times): give {spelled('generation', 'temperature')} above 0, or "
+            f"{spelled('generation', 'num_return_sequences', '1')}"
         )
 
 

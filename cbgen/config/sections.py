@@ -122,9 +122,11 @@ class InputSection:
 class GenerationSection:
     max_new_tokens: int = setting(256, "Most tokens generated per sequence.")
     do_sample: bool | None = setting(
-        None, "Sample the next token, or always take the most likely one. Default: sample when temperature, top_p "
-        "or top_k is given, else greedy.")
-    temperature: float | None = setting(None, "Sampling temperature (> 0); lower is more deterministic.")
+        None, "Sample the next token, or always take the most likely one. Default: sample when temperature (above "
+        "0), top_p or top_k is given, else greedy.")
+    temperature: float | None = setting(
+        None, "Sampling temperature; lower is more deterministic. 0 is greedy decoding (as in OpenAI's API and "
+        "vLLM): top_p and top_k are then ignored.")
     top_p: float | None = setting(
         None, "Sample only from the smallest set of tokens whose probabilities add up to this (0-1].")
     top_k: int | None = setting(None, "Sample only from the k most likely tokens.")
@@ -261,9 +263,12 @@ class JobConfig:
 
     @property
     def do_sample(self) -> bool:
+        """Whether the job samples: as asked, else when a sampling setting is given; temperature 0 is greedy."""
         g = self.generation
         if g.do_sample is not None:
             return g.do_sample
+        if g.temperature == 0:
+            return False
         return any(v is not None for v in (g.temperature, g.top_p, g.top_k))
 
     def to_dict(self) -> dict[str, Any]:

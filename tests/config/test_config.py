@@ -85,15 +85,34 @@ def test_int_is_accepted_where_a_float_goes_but_not_bool_for_int():
         check_value("batching", "page_size", True, "--page-size")
 
 
-def test_greedy_with_several_sequences_is_refused():
-    with pytest.raises(CbgenError, match=r"--num-return-sequences 3 needs sampling.*add --do-sample or --temperature"):
-        build_config(None, {("generation", "num_return_sequences"): (3, "--num-return-sequences")})
+def test_greedy_with_several_sequences_is_refused_naming_every_spelling_of_the_way_out():
+    for overrides in ({("generation", "num_return_sequences"): (3, "--num-return-sequences")},
+                      {("generation", "num_return_sequences"): (3, "-n"), ("generation", "temperature"): (0, "--t")}):
+        with pytest.raises(CbgenError, match=r"--num-return-sequences 3 needs sampling.*give --temperature \(YAML "
+                                             r"generation.temperature, Python temperature=\) above 0"):
+            build_config(None, overrides)
 
 
 def test_greedy_with_temperature_is_refused():
     overrides = {("generation", "do_sample"): (False, "--greedy"), ("generation", "temperature"): (0.7, "--t")}
-    with pytest.raises(CbgenError, match=r"greedy decoding ignores --temperature"):
+    with pytest.raises(CbgenError, match=r"greedy decoding ignores --temperature \(YAML generation.temperature, "
+                                         r"Python temperature=\): drop --do-sample false \(YAML generation.do_sample: "
+                                         r"false, Python do_sample=false\)"):
         build_config(None, overrides)
+
+
+@pytest.mark.parametrize("extra", [{}, {("generation", "top_p"): (0.9, "--top-p")},
+                                   {("generation", "do_sample"): (False, "--greedy")}])
+def test_temperature_zero_is_greedy(extra):
+    """As in OpenAI's API and vLLM: temperature 0 takes the most likely token, whatever top_p or top_k say."""
+    job = build_config(None, {("generation", "temperature"): (0, "--temperature"), **extra})
+    assert job.do_sample is False and job.generation.temperature == 0
+    with pytest.raises(CbgenError, match=r"temperature 0 is greedy decoding, and the job asks to sample: drop "
+                                         r"--do-sample true"):
+        build_config(None, {("generation", "temperature"): (0, "--temperature"),
+                            ("generation", "do_sample"): (True, "--do-sample")})
+    with pytest.raises(CbgenError, match=r"--temperature must be a number >= 0 \(0 is greedy"):
+        build_config(None, {("generation", "temperature"): (-0.5, "--temperature")})
 
 
 def test_sampling_is_implied_by_a_sampling_parameter():
