@@ -57,7 +57,8 @@ def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
             try:
                 if stage.kind == "sql":
                     assert stage.query is not None
-                    schema = infer_query(stage.query, {name: plans[name].table for name in stage.tables})
+                    schema = infer_query(stage.query, {name: plans[name].table for name in stage.tables},
+                                         stage.read_files)
                     plans[stage.name] = StagePlan(stage, schema)
                 else:
                     plans[stage.name] = _plan_job_stage(pipeline, stage, plans, output_dir, Path(stubs), templates)

@@ -328,7 +328,7 @@ class PipelineRun:
     # -- sql stages ----------------------------------------------------------------------------------------------
 
     def _sql_fingerprint(self, stage: Stage) -> dict[str, Any]:
-        return {"kind": "sql", "query": stage.query,
+        return {"kind": "sql", "query": stage.query, **({"read_files": True} if stage.read_files else {}),
                 "upstream": {name: {"fingerprint": self.signature(name), "table": self.table(name).sha256}
                              for name in stage.tables}}
 

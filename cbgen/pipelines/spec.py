@@ -32,6 +32,8 @@ from cbgen.errors import CbgenError, first_line
 KINDS = ("generate", "score", "sql")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 STAGE_KEYS = ("name", "kind", "input", "query")
+# an sql stage's key that lets its query read files: by default it reads the tables of the stages it names only
+SQL_FILES_KEY = "read_files"
 # what the pipeline decides for every stage, with why
 OWNED = {
     "overwrite": "a stage whose settings changed starts over by itself",
@@ -55,6 +57,7 @@ class Stage:
     query: str | None = None
     tables: tuple[str, ...] = ()  # sql: the stages its query reads
     input_is_stage: bool = False
+    read_files: bool = False  # sql: the query may read files too (read_csv, read_parquet, ...), not only stages
 
     @property
     def upstream(self) -> tuple[str, ...]:
@@ -83,7 +86,8 @@ class Pipeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": [{"name": s.name, "kind": s.kind, "input": s.input, "upstream": list(s.upstream),
-                            **({"query": s.query} if s.query else {}), "settings": s.settings}
+                            **({"query": s.query} if s.query else {}),
+                            **({SQL_FILES_KEY: True} if s.read_files else {}), "settings": s.settings}
                            for s in self.stages]}
 
 
@@ -148,10 +152,14 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
         query = raw.get("query")
         if not isinstance(query, str) or not query.strip():
             raise CbgenError(f"{here}: an sql stage needs a 'query' (DuckDB SQL over earlier stages by name)")
-        extra = sorted(set(raw) - {"name", "kind", "query"})
+        extra = sorted(set(raw) - {"name", "kind", "query", SQL_FILES_KEY})
         if extra:
-            raise CbgenError(f"{here}: an sql stage takes only name, kind and query, not {extra[0]!r}")
-        return Stage(name, kind, None, {}, query, _tables(query, here))
+            raise CbgenError(f"{here}: an sql stage takes only name, kind, query and {SQL_FILES_KEY}, not "
+                             f"{extra[0]!r}")
+        read_files = raw.get(SQL_FILES_KEY, False)
+        if not isinstance(read_files, bool):
+            raise CbgenError(f"{here}: {SQL_FILES_KEY} must be true or false, got {read_files!r}")
+        return Stage(name, kind, None, {}, query, _tables(query, here), read_files=read_files)
     if "query" in raw:
         raise CbgenError(f"{here}: 'query' is for sql stages; a {kind} stage reads its 'input'")
     source = raw.get("input")

@@ -23,7 +23,7 @@ SHARD = "part-00000.parquet"  # the one shard of its result (as cbgen.outputs.sh
 def run_sql_stage(stage: Stage, tables: dict[str, Path], output_dir: Path, fingerprint: dict[str, Any]) -> int:
     """Runs `stage`'s query over `tables` (name -> Parquet file) into OUTPUT_DIR/<name>/; returns its rows."""
     assert stage.query is not None
-    result = run_query(stage.query, tables)
+    result = run_query(stage.query, tables, stage.read_files)
     target = output_dir / stage.name
     staging = output_dir / f".staging-{stage.name}"
     old = output_dir / f".old-{stage.name}"

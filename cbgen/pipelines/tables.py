@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from cbgen.errors import CbgenError
 from cbgen.files import fsync_directory
-from cbgen.pipelines.spec import sql_message
+from cbgen.pipelines.spec import SQL_FILES_KEY, sql_message
 
 if TYPE_CHECKING:
     import duckdb
@@ -77,18 +77,34 @@ def infer_stage_table(name: str, job: JobConfig, columns: OutputColumns, output:
     return table.to_arrow_table().schema
 
 
-def infer_query(query: str, tables: dict[str, pa.Schema]) -> pa.Schema:
-    """The schema of an sql stage's result over empty tables of the schemas it reads; DuckDB's error as a
-    CbgenError (the caller names the stage)."""
+def _sandboxed(con: duckdb.DuckDBPyConnection, read_files: bool) -> None:
+    """Unless the stage opts in, DuckDB reads nothing but the tables registered (files, extensions, attached
+    databases and COPY all refused), and the query cannot turn that back on."""
+    if not read_files:
+        con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def _run(con: duckdb.DuckDBPyConnection, query: str, read_files: bool) -> pa.Table:
     import duckdb
 
+    _sandboxed(con, read_files)
+    try:
+        return con.sql(query).to_arrow_table()
+    except duckdb.PermissionException as e:
+        raise CbgenError(f"SQL error: {sql_message(e)}; an sql stage reads the tables of the stages it names, and "
+                         f"files only with `{SQL_FILES_KEY}: true` on the stage") from None
+    except duckdb.Error as e:
+        raise CbgenError(f"SQL error: {sql_message(e)}") from None
+
+
+def infer_query(query: str, tables: dict[str, pa.Schema], read_files: bool = False) -> pa.Schema:
+    """The schema of an sql stage's result over empty tables of the schemas it reads; DuckDB's error as a
+    CbgenError (the caller names the stage)."""
     con = connect()
     for name, schema in tables.items():
         con.register(name, schema.empty_table())
-    try:
-        return con.sql(query).to_arrow_table().schema
-    except duckdb.Error as e:
-        raise CbgenError(f"SQL error: {sql_message(e)}") from None
+    return _run(con, query, read_files).schema
 
 
 def write_stage_table(name: str, job: JobConfig, columns: OutputColumns, files: Sequence[Path],
@@ -104,17 +120,15 @@ def write_stage_table(name: str, job: JobConfig, columns: OutputColumns, files: 
     return table.num_rows
 
 
-def run_query(query: str, tables: dict[str, Path]) -> pa.Table:
-    """An sql stage's result over the tables (Parquet files) it reads."""
-    import duckdb
+def run_query(query: str, tables: dict[str, Path], read_files: bool = False) -> pa.Table:
+    """An sql stage's result over the tables (Parquet files) it reads: each handed to DuckDB as an Arrow dataset,
+    which the query reads without any file access of its own (see `_sandboxed`)."""
+    import pyarrow.dataset as ds
 
     con = connect()
     for name, path in tables.items():
-        con.sql(f"CREATE VIEW {quote(name)} AS SELECT * FROM read_parquet({_literal(path)})")
-    try:
-        return con.sql(query).to_arrow_table()
-    except duckdb.Error as e:
-        raise CbgenError(f"SQL error: {sql_message(e)}") from None
+        con.register(name, ds.dataset(path, format="parquet"))
+    return _run(con, query, read_files)
 
 
 def write_parquet(table: pa.Table, target: Path) -> None:

@@ -200,3 +200,28 @@ def test_a_stage_plans_the_columns_its_run_writes(tool_model_dir, tmp_path):
     assert [row["id"] for row in thoughts] == sorted(row["id"] for row in answers)
     assert all(row["no_reasoning"] == (answer["reasoning"] is None)
                for row, answer in zip(thoughts, sorted(answers, key=lambda r: r["id"])))
+
+
+def test_an_sql_stage_reads_its_stages_tables_only_unless_it_opts_in_to_files(ran, tmp_path, capsys):
+    """DuckDB's external access is off for sql stages: reading a file, COPY, ATTACH or INSTALL is refused before any
+    model loads, naming the key that opts in; with it, the query reads the file."""
+    file, out = ran
+    (tmp_path / "extra.csv").write_text("topic,weight\nrain,3\n")
+    data = yaml.safe_load(file.read_text())
+    outside = f"SELECT * FROM read_csv('{tmp_path / 'extra.csv'}')"
+    for query in (outside, "SELECT * FROM read_csv('/etc/passwd')",
+                  f"SELECT questions.id FROM questions, read_csv('{tmp_path / 'extra.csv'}') e WHERE e.weight > 1"):
+        data["stages"] = data["stages"][:1] + [{"name": "peek", "kind": "sql", "query": query}]
+        file.write_text(yaml.safe_dump(data, sort_keys=False))
+        assert pipeline(file, out) == 2
+        err = capsys.readouterr().err
+        assert "stage 'peek'" in err and "Permission Error" in err and "`read_files: true` on the stage" in err
+    data["stages"] = data["stages"][:1] + [{"name": "peek", "kind": "sql", "read_files": True,
+                                           "query": f"SELECT e.topic, e.weight FROM questions, read_csv("
+                                                    f"'{tmp_path / 'extra.csv'}') e LIMIT 1"}]
+    file.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert pipeline(file, out) == 0
+    assert list(read_shards(out / "peek")) == [{"topic": "rain", "weight": 3}]
+    data["stages"][1]["read_files"] = "yes"
+    file.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert pipeline(file, out) == 2 and "read_files must be true or false" in capsys.readouterr().err
