@@ -20,6 +20,7 @@ from cbgen.inputs import open_input
 from cbgen.prompts import LOOKAHEAD
 from cbgen.records import Request
 from cbgen.sharding import resolve_sharding, shard_of
+from cbgen.templates import render_limits
 
 SAMPLE = 16  # requests the estimate times
 SHOWN_ERRORS = 5
@@ -50,6 +51,7 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     from cbgen.request_settings import RequestSettings
 
     reader = open_input(job.input)
+    reader.render_limits = render_limits(job)
     reader.check_ids()
     sharding = resolve_sharding(job)
     records = (r for r in reader if sharding is None or shard_of(r.id, sharding[1]) == sharding[0])

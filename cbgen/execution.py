@@ -130,11 +130,12 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     with no file read or written, in input order (a prompt's sequences by sample index)."""
     from cbgen.inputs.memory import MemoryReader
     from cbgen.planning import used_settings
-    from cbgen.templates import PromptTemplate
+    from cbgen.templates import PromptTemplate, render_limits
 
     job = replace(job, output=replace(job.output, format="jsonl"))  # rows, whatever format the files would have
     reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
                           template=PromptTemplate.from_input(job.input))
+    reader.render_limits = render_limits(job)
     reader.check_ids()
     records: Iterator[PromptRecord] = iter(reader)
     head = list(itertools.islice(records, LOOKAHEAD))

@@ -49,6 +49,7 @@ from cbgen.records import Completion, PromptRecord, Request
 from cbgen.sharding import Sharding, resolve_sharding, shard_directory, shard_of
 from cbgen.startup import release_gc
 from cbgen.summary import RunSummary, Status
+from cbgen.templates import render_limits
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
@@ -116,6 +117,7 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     stored = read_stored_run(out_dir) if out_dir.is_dir() and not job.output.overwrite else None
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
     reader = open_input(job.input, detect_id=stored is None or stored.detects_ids, score=ScoreFields.of(job))
+    reader.render_limits, reader.stop = render_limits(job), stop  # a render in progress ends when the job stops
     source = resolve_source(job.model.model)
     progress.stage(f"checking {reader.name}")
     reader.check_ids()
@@ -171,6 +173,10 @@ class _Run:
             self.progress.stage(f"input: {self.reader.detected}")
         records = (record for record in self.reader if self.wanted(record))
         head = list(itertools.islice(records, LOOKAHEAD))
+        if self.stop.is_set():  # stopped while reading ahead (a template's render ends at once): no model loads
+            self.summary.status = Status.STOPPED
+            self._finish(None, None, None, None)
+            return self.summary
         used = used_settings(self.reader.settings_present(), head)
         self.summary.row_settings = used
         if len(head) < LOOKAHEAD and all(record.error is not None for record in head):

@@ -13,7 +13,10 @@ looped over (`{% for q in examples %}`); blocks trim their newlines as chat temp
 user template's text is the prompt itself, without the chat template. `TEXT` or `@FILE` (read as UTF-8) for each.
 
 A template is checked when the job starts, before any model loads: a syntax error names the line and column, and
-for inputs with a schema (Parquet, datasets) a variable that no row can have names the columns there are.
+for inputs with a schema (Parquet, datasets) a variable that no row can have names the columns there are. Each row
+renders under a budget of size and time (cbgen.sandbox, `render_limits`): a row whose template would build a value
+or a prompt past `--max-render-chars`, or run past `--render-timeout`, becomes that row's error record; a job that
+is stopping (SIGTERM, Ctrl-C) stops a render in progress at once.
 """
 
 from __future__ import annotations
@@ -28,11 +31,33 @@ from typing import TYPE_CHECKING, Any
 from cbgen.errors import CbgenError, RowError, first_line
 
 if TYPE_CHECKING:
+    import threading
+
     from jinja2 import Template
 
-    from cbgen.config import InputSection
+    from cbgen.config import InputSection, JobConfig
+    from cbgen.sandbox import Limits
 
 ROLES = ("system", "user", "assistant", "developer")
+CHARS_PER_TOKEN = 16  # the default size budget: this many characters per token of the model's context
+FALLBACK_MAX_CHARS = 1_000_000  # where the context cannot be read
+DEFAULT_TIMEOUT = 10.0
+
+
+def render_limits(job: JobConfig) -> Limits:
+    """A row's rendering budget for `job`: --max-render-chars (else derived from the model's context, read without
+    loading it) and --render-timeout."""
+    from cbgen.model.source import context_tokens, resolve_source
+    from cbgen.sandbox import Limits
+
+    chars = job.input.max_render_chars
+    if chars is None:
+        try:
+            context = context_tokens(resolve_source(job.model.model))
+        except CbgenError:
+            context = None
+        chars = CHARS_PER_TOKEN * context if context else FALLBACK_MAX_CHARS
+    return Limits(max_chars=chars, seconds=job.input.render_timeout)
 
 
 @dataclass(frozen=True)
@@ -107,14 +132,22 @@ class PromptTemplate:
                     found[inner.name].add(attr)
         return {name: frozenset(attrs) for name, attrs in found.items()}
 
-    def render(self, row: Mapping[str, Any]) -> str | list[dict[str, str]]:
-        """The prompt text (raw) or the chat turns for one row. Raises RowError naming what the row lacks."""
+    def render(self, row: Mapping[str, Any], limits: Limits | None = None, stop: threading.Event | None = None
+               ) -> str | list[dict[str, str]]:
+        """The prompt text (raw) or the chat turns for one row, within `limits` (default: the fallback budget).
+        Raises RowError naming what the row lacks or the limit it hit; cbgen.sandbox.RenderStopped once `stop` is
+        set."""
         from jinja2.exceptions import SecurityError, UndefinedError
 
+        from cbgen.sandbox import Budget, Limits, RenderLimit, render
+
+        budget = Budget(limits or Limits(FALLBACK_MAX_CHARS, DEFAULT_TIMEOUT), stop)
         rendered = []
         for role, template in self.compiled:
             try:
-                rendered.append((role, template.render(row)))
+                rendered.append((role, render(template, dict(row), budget)))
+            except RenderLimit as e:
+                raise RowError(str(e)) from None
             except UndefinedError as e:
                 raise RowError(_undefined(e, row)) from None
             except SecurityError as e:
@@ -152,10 +185,11 @@ def _turn(index: int, turn: Any) -> tuple[str, str]:
 
 def _environment() -> Any:
     from jinja2 import StrictUndefined
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return ImmutableSandboxedEnvironment(undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                                         keep_trailing_newline=False, autoescape=False)
+    from cbgen.sandbox import BoundedEnvironment
+
+    return BoundedEnvironment(undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                              keep_trailing_newline=False, autoescape=False)
 
 
 def _compile(text: str, where: str) -> Template:

@@ -5,8 +5,11 @@ record; templates are part of the job's fingerprint."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,6 +19,7 @@ from cbgen.cli import run_cli
 from cbgen.config import InputSection
 from cbgen.errors import CbgenError, RowError
 from cbgen.outputs import read_shards
+from cbgen.sandbox import Limits, RenderStopped
 from cbgen.templates import PromptTemplate, syntax_error_position
 from tests.helpers import write_jsonl
 
@@ -61,6 +65,110 @@ def test_a_row_missing_a_variable_is_named():
 def test_sandbox_escapes_are_refused(escape):
     with pytest.raises(RowError, match="refused by the sandbox|template failed"):
         template(template=escape).render(SEED[0])
+
+
+LIMITS = Limits(max_chars=100_000, seconds=1.0)
+
+
+@pytest.mark.parametrize(("text", "row", "message"), [
+    ("{{ 'x' * 10**10 }}", {}, "a value of 10,000,000,000 characters"),
+    ("{{ 'x' * (n * 100000) }}", {"n": 100000}, "a value of 10,000,000,000 characters"),
+    ("{{ n ** (10**9) }}", {"n": 7}, "a number of"),
+    ("{{ [1, 2] * 10**9 }}", {}, "a value of 2,000,000,000 characters"),
+    ("{{ 'abc'.center(10**10) }}", {}, "(a call's argument) of 10,000,000,000"),
+    ("{{ 'abc' | center(10**10) }}", {}, "(a call's argument) of 10,000,000,000"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+     {}, "characters on this row, more than the 100,000 allowed"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", {},
+     "a prompt of 100,001 characters"),
+])
+def test_a_runaway_template_is_that_rows_error_at_once(text, row, message):
+    """Each would have taken gigabytes or hours: the sandbox measures what it is about to build (and what it writes)
+    and stops the row, naming the limit and the setting that raises it."""
+    start = time.monotonic()
+    with pytest.raises(RowError) as error:
+        template(template=text, raw_prompts=True).render(row, LIMITS)
+    assert message in str(error.value) and "raise --max-render-chars (YAML input.max_render_chars)" in str(error.value)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_template_that_loops_without_writing_stops_at_its_time_limit():
+    text = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}done"
+    start = time.monotonic()
+    with pytest.raises(RowError, match=r"for more than 1 s; raise --render-timeout \(YAML input.render_timeout\)"):
+        template(template=text, raw_prompts=True).render({}, LIMITS)
+    assert 1.0 <= time.monotonic() - start < 2.0
+    ordinary = "{% for e in examples %}{{ e }} {% endfor %}{{ topic * 3 }}"
+    assert template(template=ordinary, raw_prompts=True).render({"examples": [1, 2], "topic": "ab"}, LIMITS) == \
+        "1 2 ababab"
+
+
+def test_a_stop_ends_a_render_in_progress():
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    start = time.monotonic()
+    with pytest.raises(RenderStopped):
+        template(template="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                 raw_prompts=True).render({}, Limits(max_chars=1_000_000, seconds=600), stop)
+    assert time.monotonic() - start < 1.0
+
+
+def test_the_size_budget_follows_the_models_context(tiny_model_dir):
+    from cbgen.config import build_config
+    from cbgen.templates import render_limits
+
+    embedded = render_limits(build_config(None))
+    assert embedded.max_chars == 16 * 8192 and embedded.seconds == 10.0  # SmolLM2: an 8,192-token context
+    folder = render_limits(build_config(None, {("model", "model"): (str(tiny_model_dir), "--model")}))
+    assert folder.max_chars == 16 * 256
+    chosen = render_limits(build_config(None, {("input", "max_render_chars"): (5000, "--max-render-chars"),
+                                               ("input", "render_timeout"): (2.5, "--render-timeout")}))
+    assert (chosen.max_chars, chosen.seconds) == (5000, 2.5)
+
+
+def test_a_job_writes_runaway_rows_as_errors_and_the_others_as_answers(tiny_model_dir, tmp_path):
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"id": "small", "n": 1}, {"id": "huge", "n": 100000},
+                                              {"id": "fine", "n": 2}])
+    out = tmp_path / "out"
+    code = run_cli(["run", str(rows), "-o", str(out), "--model", str(tiny_model_dir), "--template",
+                    "Say {{ 'x' * (n * 10) }}", "--max-new-tokens", "2", "-q"])
+    assert code == 1
+    written = {row["id"]: row for row in read_shards(out)}
+    assert written["small"]["error"] is None and written["fine"]["error"] is None
+    # the tiny model's context is 256 tokens: 4,096 characters
+    assert "a value of 1,000,000 characters on this row, more than the 4,096 allowed; raise --max-render-chars" \
+        in written["huge"]["error"]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_render_stops_the_job_resumably(tiny_model_dir, tmp_path):
+    """The first row's template loops for hours (its time limit raised to an hour): SIGTERM ends the render and the
+    job exits 75 at once, having loaded no model; run again with a time limit, it resumes, the looping row written as
+    that row's error."""
+    rows = [{"id": "slow", "spin": 100000}, {"id": "quick", "spin": 1}]
+    source = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "cbgen", "run", str(source), "-o", str(out), "--model", str(tiny_model_dir),
+            "--max-new-tokens", "2", "--render-timeout", "3600", "--max-render-chars", "1000000", "--template",
+            "{% for i in range(spin) %}{% for j in range(spin) %}{% endfor %}{% endfor %}Hi {{ spin }}"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:  # the plain progress says when it starts reading the rows
+        if "checking" in line:
+            break
+    time.sleep(1.0)  # now inside the first row's render (it would take hours)
+    assert process.poll() is None
+    stopped = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 75, process.stdout.read()
+    assert time.monotonic() - stopped < 5
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["status"] == "stopped" and manifest["counts"]["succeeded"] == 0
+    assert "model_load_s" not in manifest["timings"]  # it stopped while reading the rows, before loading a model
+    resumed = [a if a != "3600" else "1" for a in args[3:]]
+    assert run_cli([*resumed, "-q"]) == 1
+    written = {row["id"]: row for row in read_shards(out)}
+    assert written["quick"]["error"] is None and "raise --render-timeout" in written["slow"]["error"]
 
 
 @pytest.mark.parametrize(("text", "position"), [

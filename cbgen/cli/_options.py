@@ -88,6 +88,8 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("input", "max_line_bytes", ("--max-line-bytes",), int, PANEL_INPUT, metavar="BYTES"),
     JobOption("input", "template", ("--template",), str, PANEL_INPUT, metavar="TEXT|@FILE"),
     JobOption("input", "system", ("--system",), str, PANEL_INPUT, metavar="TEXT|@FILE"),
+    JobOption("input", "max_render_chars", ("--max-render-chars",), int, PANEL_INPUT, metavar="CHARS"),
+    JobOption("input", "render_timeout", ("--render-timeout",), float, PANEL_INPUT, metavar="SECONDS"),
     JobOption("generation", "max_new_tokens", ("--max-new-tokens",), int, PANEL_GENERATION),
     JobOption("generation", "do_sample", ("--do-sample/--greedy",), bool, PANEL_GENERATION),
     JobOption("generation", "temperature", ("--temperature", "-t"), float, PANEL_GENERATION),

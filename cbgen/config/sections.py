@@ -116,6 +116,12 @@ class InputSection:
     messages: list[dict] = setting(
         [], "Turns between the system turn and the template's user turn, each {role, content} with content a "
         "template over the row's columns: few-shot examples (YAML only).")
+    max_render_chars: int | None = setting(
+        None, "Largest prompt (and largest value inside it) a template may build for one row, in characters; a row "
+        "whose template would go past it becomes an error record. Default: 16 characters per token of the model's "
+        "context (131,072 for the embedded model), or 1,000,000 when the context cannot be read.")
+    render_timeout: float = setting(
+        10.0, "Most seconds a template may take to render one row; a row that takes longer becomes an error record.")
 
 
 @dataclass

@@ -32,6 +32,8 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batching.cpu_group_timeout": (lambda v: v > 0, "a positive number of seconds"),
     "batching.scheduler_type": (lambda v: v in SCHEDULERS, "one of: fifo, prefill_first"),
     "generation.max_new_tokens": (lambda v: v >= 1, "a positive integer"),
+    "input.max_render_chars": (lambda v: v >= 1, "a positive number of characters"),
+    "input.render_timeout": (lambda v: v > 0, "a positive number of seconds"),
     "generation.temperature": (lambda v: v >= 0, "a number >= 0 (0 is greedy: the most likely token)"),
     "generation.top_p": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
     "generation.top_k": (lambda v: v >= 1, "a positive integer"),

@@ -21,9 +21,12 @@ from cbgen.inputs.settings import ROW_SETTINGS, parse_settings
 from cbgen.records import RESERVED_NAMES, SCORE_RESERVED_NAMES, PromptRecord, ScoreTarget
 
 if TYPE_CHECKING:
+    import threading
+
     import pyarrow as pa
 
     from cbgen.inputs.scoring import ScoreFields
+    from cbgen.sandbox import Limits
     from cbgen.templates import PromptTemplate
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Reader(ABC):
             raise CbgenError("--prompt-column does not apply with --template: the template makes each row's prompt "
                              "from its columns; drop one of them")
         self.template = template  # the job's prompt templates: the prompt is made from the row's columns
+        self.render_limits: Limits | None = None  # a row's rendering budget (cbgen.templates.render_limits)
+        self.stop: threading.Event | None = None  # the job's: set, it ends a render in progress and the reading
         self.score = score  # a scoring job's rows: each also says what to score (cbgen.inputs.scoring)
 
     def _detect_id_column(self, fields: Sequence[str]) -> None:
@@ -138,10 +143,16 @@ class Reader(ABC):
                                  f"must be unique: fix the file, or {way_out}")
 
     def __iter__(self) -> Iterator[PromptRecord]:
+        from cbgen.sandbox import RenderStopped
+
         for index, (location, row, error) in enumerate(self._rows()):
+            if self.stop is not None and self.stop.is_set():
+                return  # the job is stopping: this row and the rest are for a resume
             if row is not None:
                 try:
                     record = self.to_record(row, index, location)
+                except RenderStopped:
+                    return
                 except Exception as e:  # noqa: BLE001 - whatever one row holds, it must not end the job
                     error = f"cannot read the row: {type(e).__name__}: {first_line(e, 200)}"
                 else:
@@ -194,7 +205,7 @@ class Reader(ABC):
     def _templated(self, record: PromptRecord, row: dict[str, Any]) -> None:
         """The record's prompt made from the row's columns by the job's templates."""
         assert self.template is not None
-        rendered = self.template.render(row)
+        rendered = self.template.render(row, self.render_limits, self.stop)
         if isinstance(rendered, str):
             if not rendered.strip():
                 raise RowError("the template renders this row to an empty prompt")

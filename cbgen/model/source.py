@@ -189,3 +189,82 @@ def random_model_config(source: ModelSource):
         return AutoConfig.from_pretrained(source.location)
     except (OSError, ValueError, KeyError) as e:
         raise CbgenError(f"--model {source.name}: not a usable config.json: {first_line(e)}") from None
+
+
+def context_tokens(source: ModelSource) -> int | None:
+    """The model's context in tokens, read cheaply without transformers (a folder's or a shape's config.json, a GGUF
+    file's metadata), or None when it cannot be told that way (a hub id not on disk)."""
+    import json
+
+    if source.random_weights:
+        shape = RANDOM_SHAPES.get(source.location)
+        if shape is not None:
+            return shape.get("max_position_embeddings")
+        path: Path | None = Path(source.location)
+    elif source.gguf_file:
+        return _gguf_context(source.gguf_path)
+    else:
+        path = Path(source.location) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_context(path: Path) -> int | None:
+    """`<architecture>.context_length` from a GGUF file's metadata: its key-value header is read until both keys are
+    found (they come first in files llama.cpp's converter writes), the tensors never."""
+    import mmap
+    import struct
+
+    offset = 0
+    data: Any = b""
+
+    def read(fmt: str) -> Any:
+        nonlocal offset
+        value = struct.unpack_from("<" + fmt, data, offset)[0]
+        offset += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal offset
+        length = read("Q")
+        offset += length
+        return bytes(data[offset - length:offset]).decode("utf-8", "replace")
+
+    def value(kind: int) -> Any:
+        nonlocal offset
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, count = read("I"), read("Q")
+            if item in _GGUF_SCALARS:
+                offset += count * struct.calcsize(_GGUF_SCALARS[item])
+            else:
+                for _ in range(count):
+                    value(item)
+            return None
+        return read(_GGUF_SCALARS[kind])
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return None
+            offset = 8  # magic, version
+            read("Q")  # tensors
+            architecture = None
+            for _ in range(read("Q")):
+                key = string()
+                found = value(read("I"))
+                if key == "general.architecture":
+                    architecture = found
+                elif architecture is not None and key == f"{architecture}.context_length":
+                    return int(found)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return None
