@@ -10,7 +10,8 @@ Then the sources one by one: per linear shape of the model, whether a row's resu
 its place among them (30 random cases), with one stock call and with cbgen's fixed-shape tiles (cbgen.model.invariant),
 and the tiles' time against one stock call at 64 and 512 rows; and for attention (cbgen.attention.invariant), how
 many of 100 random steps (1-24 requests, 1-5 query heads per KV head, prompt chunks and decode tokens) give some
-request other bits than it gets alone, with query rows padded to a multiple of 8 (cbgen's) and unpadded.
+request other bits than it gets alone, with query rows padded to a multiple of 8 (cbgen's) and unpadded; and the
+model's other pieces (norms, MLP, rotary embedding, head and log-softmax) row by row.
 
 `--isa avx2` (or avx512-no-bf16) runs it all with torch, oneDNN and MKL held to that instruction set and cbgen's
 CPU-kind row to match (see tests/helpers.py OTHER_ISAS): one machine measuring another kind's kernels.
@@ -98,11 +99,50 @@ def linear_table(dtype: str) -> None:
               f"fixed-shape {moved['fixed']:>2}   time: {ratios[0]:.2f}x at 64 rows, {ratios[1]:.2f}x at 512 rows")
 
 
+def modules_table(dtype: str) -> None:
+    """The embedded model's other row-wise pieces (under its fixed-shape tiles): a row alone against the same row
+    among 1-300 others, 20 random cases each."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from cbgen.config import ModelSection
+    from cbgen.model.invariant import batch_invariant_linear
+    from cbgen.model.load import load_model
+
+    model = load_model(ModelSection(dtype=dtype)).model
+    layer = model.model.layers[3]
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 400, model.config.hidden_size, generator=generator).to(getattr(torch, dtype))
+    positions = torch.arange(400)[None]
+    heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+
+    def rotary(h, p):
+        cos, sin = model.model.rotary_emb(h, p)
+        q = layer.self_attn.q_proj(h).view(1, h.shape[1], heads, dim).transpose(1, 2)
+        return apply_rotary_pos_emb(q, q, cos, sin)[0].transpose(1, 2)
+
+    pieces = {"RMSNorm": lambda h, p: layer.input_layernorm(h), "MLP (SiLU x up, down)": lambda h, p: layer.mlp(h),
+              "rotary embedding": rotary, "final norm + head + log-softmax":
+              lambda h, p: torch.log_softmax(model.lm_head(model.model.norm(h)).float(), -1)}
+    print(f"\nother pieces of SmolLM2-135M ({dtype}), under the tiles: rows moved of 20 random (rows, place) cases")
+    with torch.no_grad(), batch_invariant_linear(model):
+        for name, piece in pieces.items():
+            moved = 0
+            for _ in range(20):
+                count, start = rng.randint(1, 300), rng.randrange(100)
+                row = rng.randrange(count)
+                together = piece(x[:, start:start + count], positions[:, start:start + count])[:, row]
+                alone = piece(x[:, start + row:start + row + 1], positions[:, start + row:start + row + 1])[:, 0]
+                moved += not torch.equal(together, alone)
+            print(f"  {name:<34} moved {moved:>2}")
+
+
 def attention_table(dtype: str) -> None:
     import torch
 
     import cbgen.attention.invariant as invariant
-    from cbgen.attention.per_sequence import _Batch
+    from cbgen.attention.layout import StepLayout
 
     kind = getattr(torch, dtype)
     rng = random.Random(0)
@@ -120,7 +160,7 @@ def attention_table(dtype: str) -> None:
         steps.append((requests, rng.choice([None, None, 32])))
 
     def attend(requests, window):
-        batch = _Batch([], [], [], [], window)
+        batch = StepLayout([], [], [], [], window)
         q_at = k_at = 0
         for query, key, _ in requests:
             batch.q_starts.append(q_at)
@@ -168,6 +208,7 @@ def main() -> None:
     if args.sources_only:
         linear_table(args.dtype)
         attention_table(args.dtype)
+        modules_table(args.dtype)
         return
     print(f"16 prompts ({args.dtype}): sequences identical to the input-order run, tokens / tokens and logprobs, "
           "shuffled at --max-requests-per-batch 3 | shuffled at --max-batch-tokens 40; time of the three runs")
@@ -179,6 +220,7 @@ def main() -> None:
                   f"   {seconds:.1f} s")
     linear_table(args.dtype)
     attention_table(args.dtype)
+    modules_table(args.dtype)
 
 
 if __name__ == "__main__":
