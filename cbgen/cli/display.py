@@ -45,9 +45,11 @@ class _Counters:
         self.cap = 1
         self.pace: Pace | None = None
         self.read = 0.0
+        self.computed = False  # a scoring job: every token its forward passes compute counts, prompt and scored
 
-    def start(self, total: int | None, unit: str) -> None:
+    def start(self, total: int | None, unit: str, verb: str = "generating") -> None:
         self.started = time.perf_counter()
+        self.computed = verb == "scoring"
         if self.live is not None and unit == "sequence":
             self.pace = Pace(total, self.cap)
 
@@ -72,7 +74,13 @@ class _Counters:
         if self.pace is not None:
             return self.pace.rate()
         elapsed = time.perf_counter() - self.started
-        return self.generated_tokens / elapsed if elapsed > 0 else 0.0
+        tokens = self.generated_tokens + (self.prompt_tokens if self.computed else 0)
+        return tokens / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def rate_label(self) -> str:
+        """What tokens_per_second counts."""
+        return "computed tok/s (prompt + scored)" if self.computed else "generated tok/s"
 
     def seconds_left(self, total: int | None) -> float | None:
         self._observe()
@@ -90,7 +98,8 @@ class _TokensPerSecond(ProgressColumn):
 
     def render(self, task) -> Text:
         failed = f", {self.counters.failed} failed" if self.counters.failed else ""
-        return Text(f"{self.counters.tokens_per_second:,.1f} tok/s{failed}", style="cyan")
+        rate = "computed tok/s" if self.counters.computed else "tok/s"
+        return Text(f"{self.counters.tokens_per_second:,.1f} {rate}{failed}", style="cyan")
 
 
 class _TimeLeft(ProgressColumn):
@@ -136,7 +145,7 @@ class RichProgress:
         self.counters.live, self.counters.cap = live, cap
 
     def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None:
-        self.counters.start(total, unit)
+        self.counters.start(total, unit, verb)
         self.progress.start()
         self.task = self.progress.add_task(f"{verb} ({unit}s)", total=total)
 
@@ -173,7 +182,7 @@ class PlainProgress:
         self.total = total
         self.unit = unit
         self.verb = verb
-        self.counters.start(total, unit)
+        self.counters.start(total, unit, verb)
         self.last = time.perf_counter()
         self._line(f"{verb} {plural(total, unit) if total is not None else f'all {unit}s'}")
 
@@ -196,7 +205,7 @@ class PlainProgress:
         elapsed = time.perf_counter() - c.started
         noun = self.unit if (self.total or c.done) == 1 else f"{self.unit}s"
         self._line(f"{done} {noun}, "
-                   f"{c.tokens_per_second:.1f} {'scored' if self.verb == 'scoring' else 'generated'} tok/s, "
+                   f"{c.tokens_per_second:.1f} {c.rate_label}, "
                    f"{c.failed} failed, "
                    f"elapsed {_duration(elapsed)}{eta}")
 
