@@ -10,8 +10,10 @@
 
 Keyword names are the YAML keys of a job (`max_new_tokens`, `temperature`, `json_schema`, `page_size`, ...;
 `input_format` and `output_format` for the two `format` keys), checked exactly as flags are; an unknown one raises
-TypeError naming the closest. Prompts are strings, chat message lists, row dicts (templates apply to them) or a
-`datasets.Dataset`. Nothing here imports torch until a model is needed.
+TypeError naming the closest. They are typed (cbgen.settings_types, generated from the settings table that feeds
+`--help`), so editors complete them and mypy checks them. Prompts are strings, chat message lists, row dicts
+(templates apply to them) or a `datasets.Dataset`. Nothing here imports torch until a model is needed. Mistakes the
+caller can fix raise cbgen.CbgenError, whose message says what to change.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from cbgen.progress import NullProgress, ProgressSink
 
 if TYPE_CHECKING:
     import datasets
+    from typing_extensions import Unpack
 
     from cbgen.model.load import LoadedModel
     from cbgen.pipelines.runner import PipelineReport
+    from cbgen.settings_types import CallSettings, JobSettings
     from cbgen.summary import RunSummary
 
 def _overrides(settings: Mapping[str, Any], allowed: set[str] | None = None, why: str = ""
@@ -86,7 +90,8 @@ class Generator:
     (`model`, `dtype`, `device`, ...) and any job setting as defaults for its calls. `close()` (or leaving a `with`
     block) frees its memory."""
 
-    def __init__(self, model: str | None = None, *, progress: bool | None = None, **settings: Any) -> None:
+    def __init__(self, model: str | None = None, *, progress: bool | None = None,
+                 **settings: Unpack[JobSettings]) -> None:
         self._defaults = _overrides(settings)
         if model is not None:
             self._defaults[("model", "model")] = (model, "model")
@@ -105,7 +110,7 @@ class Generator:
         return self._loaded
 
     def generate(self, prompts: Sequence[Any] | datasets.Dataset, *, progress: bool | None = None,
-                 **settings: Any) -> list[Result]:
+                 **settings: Unpack[CallSettings]) -> list[Result]:
         """The results for `prompts`, in input order (a prompt's sequences by sample index). Model settings are
         the Generator's own: give them to its constructor."""
         overrides = self._defaults | _overrides(settings, set(SECTIONS) - {"model"},
@@ -135,19 +140,19 @@ class Generator:
 
 
 def generate(prompts: Sequence[Any] | datasets.Dataset, *, model: str | None = None, progress: bool | None = None,
-             **settings: Any) -> list[Result]:
+             **settings: Unpack[JobSettings]) -> list[Result]:
     """Loads the model, generates for `prompts` (in input order), and frees it: `Generator(...).generate(...)`."""
     with Generator(model, progress=progress, **settings) as generator:
         return generator.generate(prompts)
 
 
-def run(input: str | Path, output_dir: str | Path, *, progress: bool | None = None, **settings: Any
-        ) -> RunSummary:
+def run(input: str | Path, output_dir: str | Path, *, model: str | None = None, progress: bool | None = None,
+        **settings: Unpack[JobSettings]) -> RunSummary:
     """`cbgen run INPUT -o OUTPUT_DIR`: the whole job, written to sharded files; resumable, as the command is."""
     from cbgen.job import run_job
 
-    overrides = _overrides(settings) | {("input", "path"): (str(input), "input"),
-                                        ("output", "dir"): (str(output_dir), "output_dir")}
+    named = {("input", "path"): (str(input), "input"), ("output", "dir"): (str(output_dir), "output_dir")}
+    overrides = _overrides({**settings, **({"model": model} if model is not None else {})}) | named
     return run_job(build_config(None, overrides), _progress(progress))
 
 

@@ -344,8 +344,7 @@ def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, A
     import pyarrow as pa
 
     from cbgen.outputs.schema import arrow_schema, for_arrow, infer_kept_schema
-
-    datasets.disable_progress_bars()
+    from cbgen.quiet import quiet
 
     paths = [d.path for d in directories]
     features, columns = None, None
@@ -364,7 +363,7 @@ def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, A
         if columns.kept and kept is None:  # JSONL shards: the types their first rows' values have
             kept = infer_kept_schema(itertools.islice(rows(), 1000), columns.kept)
         features = datasets.Features.from_arrow_schema(arrow_schema(columns, kept))
-    with tempfile.TemporaryDirectory(prefix="cbgen-dataset-") as cache:
+    with tempfile.TemporaryDirectory(prefix="cbgen-dataset-") as cache, quiet("datasets"):
         try:
             dataset = datasets.Dataset.from_generator(rows, features=features, cache_dir=cache)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:

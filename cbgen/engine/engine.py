@@ -20,6 +20,7 @@ from cbgen.engine.manager import CacheFacts, ManagerSpec, drain, live_lengths, l
 from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
+from cbgen.quiet import quiet
 from cbgen.records import Completion, Request
 from cbgen.sequences import request_key, sequence_ids
 
@@ -137,7 +138,7 @@ class Engine:
             yield self._reject(first, first.error)
         else:
             return  # nothing could run: no manager, no cache
-        with EngineScope(self.model, self.settings.spec.scope) as self._scope:
+        with quiet("transformers"), EngineScope(self.model, self.settings.spec.scope) as self._scope:
             try:
                 self._start()
                 yield from self._loop(itertools.chain([first], source), stop or threading.Event())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.scope import EngineScope, ScopePlan
+from cbgen.quiet import quiet
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -106,7 +107,7 @@ def serve(model: CausalLM, tokenizer: PreTrainedTokenizerBase, spec: ManagerSpec
     """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
     control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
     control = spec.control.control(tokenizer) if spec.control is not None else None
-    with EngineScope(model, spec.scope) as scope:
+    with quiet("transformers"), EngineScope(model, spec.scope) as scope:
         manager, _ = start_manager(model, spec, scope, control)
         try:
             while manager.is_running():

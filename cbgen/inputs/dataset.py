@@ -48,17 +48,12 @@ def load(source: str, *, split: str | None, subset: str | None) -> Any:
     """The `datasets.Dataset` that `source` names, or a CbgenError that says why not and what to do."""
     import datasets
 
-    datasets.disable_progress_bars()
+    from cbgen.quiet import quiet
+
     path = Path(source)
     try:
-        if path.is_dir() and is_saved_dataset(path):
-            dataset = datasets.load_from_disk(str(path))
-        elif path.exists():
-            if not path.is_dir():
-                raise CbgenError(f"'{source}' is a file; --input-format dataset takes a dataset folder or a hub id")
-            dataset = datasets.load_dataset(str(path), name=subset, split=split)
-        else:
-            dataset = datasets.load_dataset(source, name=subset, split=split)
+        with quiet("datasets"):
+            dataset = _loaded(datasets, path, source, split=split, subset=subset)
     except CbgenError:
         raise
     except Exception as e:  # datasets raises many types: missing files, bad configs, network and auth errors
@@ -69,6 +64,16 @@ def load(source: str, *, split: str | None, subset: str | None) -> Any:
         raise CbgenError(f"no local file or folder '{source}' exists, and the Hugging Face Hub{hint} gave no dataset "
                          f"of that name: {first_line(e)}") from None
     return _pick_split(dataset, split, source)
+
+
+def _loaded(datasets: Any, path: Path, source: str, *, split: str | None, subset: str | None) -> Any:
+    if path.is_dir() and is_saved_dataset(path):
+        return datasets.load_from_disk(str(path))
+    if path.exists():
+        if not path.is_dir():
+            raise CbgenError(f"'{source}' is a file; --input-format dataset takes a dataset folder or a hub id")
+        return datasets.load_dataset(str(path), name=subset, split=split)
+    return datasets.load_dataset(source, name=subset, split=split)
 
 
 class DatasetReader(ColumnarReader):

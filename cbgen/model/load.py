@@ -14,9 +14,10 @@ import torch
 
 from cbgen.config import ModelSection
 from cbgen.config.cpu import cpu_row
-from cbgen.errors import CbgenError, debug_enabled, first_line
+from cbgen.errors import CbgenError, first_line
 from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
+from cbgen.quiet import quiet
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
@@ -201,13 +202,33 @@ def gguf_unconverted(settings: ModelSection) -> bool:
     return GgufCache(default_cache_dir(settings), source.gguf_path).find(entry) is None
 
 
+def _load(source: ModelSource, settings: ModelSection, tp, weights: bool, cache_root: Path | None, device: str,
+          dtype: torch.dtype, attn: str | None, kwargs: dict):
+    """The model, its tokenizer and the converted-GGUF cache status, loaded as `load_model` was asked."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not weights:
+        return _structure(source, cache_root, dtype, attn, settings.trust_remote_code)
+    if tp is not None:
+        from cbgen.model.sharded import load_sharded
+
+        return load_sharded(source, cache_root, tp, dtype, attn_implementation=attn, **kwargs)
+    if source.random_weights:
+        return _load_random(source, cache_root, dtype, device, attn)
+    if source.gguf_file:
+        gguf = source.gguf_path
+        return load_gguf(source, GgufCache(cache_root, gguf) if cache_root else None, dtype, attn_implementation=attn,
+                         device_map=device, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, attn_implementation=attn,
+                                                 device_map=device, **kwargs)
+    return model, tokenizer, None
+
+
 def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> LoadedModel:
     """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given;
     without `weights`, the model's structure only (see `_structure`). Raises CbgenError for anything the user can
     fix."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     source = resolve_source(settings.model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
@@ -216,31 +237,10 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     start = time.perf_counter()
     kwargs = {"trust_remote_code": settings.trust_remote_code}
     cache_root = default_cache_dir(settings) if settings.use_cache else None
-    # transformers' own progress bars and advice would break the job's display; errors still surface as exceptions
-    hf_logging.disable_progress_bar()
-    if not debug_enabled():
-        # cbgen records every failed request itself; the engine's own tracebacks are for CBGEN_DEBUG=1
-        hf_logging.set_verbosity_error()
-        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     cache = None
     try:
-        if not weights:
-            model, tokenizer, cache = _structure(source, cache_root, dtype, attn, settings.trust_remote_code)
-        elif tp is not None:
-            from cbgen.model.sharded import load_sharded
-
-            model, tokenizer, cache = load_sharded(source, cache_root, tp, dtype, attn_implementation=attn, **kwargs)
-        elif source.random_weights:
-            model, tokenizer, cache = _load_random(source, cache_root, dtype, device, attn)
-        elif source.gguf_file:
-            gguf = source.gguf_path
-            model, tokenizer, cache = load_gguf(source, GgufCache(cache_root, gguf) if cache_root else None, dtype,
-                                                 attn_implementation=attn, device_map=device, **kwargs)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(
-                source.location, dtype=dtype, attn_implementation=attn, device_map=device, **kwargs
-            )
+        with quiet("transformers"):  # its bars and advice would break the job's display (cbgen.quiet)
+            model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only models already in the local cache can load)" if offline else ""

@@ -16,6 +16,7 @@ from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.order import put_in_input_order
 from cbgen.outputs.rundir import MANIFEST_FILE, read_json, read_stored_run, stored_columns
 from cbgen.outputs.shards import read_shards, shard_paths
+from cbgen.quiet import quiet
 
 if TYPE_CHECKING:
     import datasets
@@ -48,17 +49,17 @@ def load(directory: str | Path) -> datasets.Dataset:
             raise CbgenError(f"'{directory}' holds the shards of a split job: merge them first (cbgen merge "
                              f"{directory}), then load {directory / 'merged'}")
         raise CbgenError(f"'{directory}' holds no output shards of a cbgen run")
-    datasets.disable_progress_bars()
     columns = columns_of(directory)
     first = shard_paths(directory)[0][1]
-    if first.suffix == ".parquet" or columns is None:
-        files = [str(path) for _, path in shard_paths(directory)]
-        kind = "parquet" if first.suffix == ".parquet" else "json"
-        return datasets.load_dataset(kind, data_files=files, split="train")
-    kept = infer_kept_schema(_first(read_shards(directory, as_rows=False)), columns.kept)
-    features = datasets.Features.from_arrow_schema(arrow_schema(columns, kept))
-    return datasets.Dataset.from_generator(lambda: for_arrow(read_shards(directory, as_rows=False), columns, True),
-                                           features=features)
+    with quiet("datasets"):
+        if first.suffix == ".parquet" or columns is None:
+            files = [str(path) for _, path in shard_paths(directory)]
+            kind = "parquet" if first.suffix == ".parquet" else "json"
+            return datasets.load_dataset(kind, data_files=files, split="train")
+        kept = infer_kept_schema(_first(read_shards(directory, as_rows=False)), columns.kept)
+        features = datasets.Features.from_arrow_schema(arrow_schema(columns, kept))
+        return datasets.Dataset.from_generator(
+            lambda: for_arrow(read_shards(directory, as_rows=False), columns, True), features=features)
 
 
 def _first(rows: Iterator[dict[str, Any]], count: int = 1000) -> list[dict[str, Any]]:

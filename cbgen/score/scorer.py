@@ -20,6 +20,7 @@ import torch
 from cbgen.engine.scope import EngineScope, ScopePlan
 from cbgen.errors import first_line
 from cbgen.prompts import LOOKAHEAD
+from cbgen.quiet import quiet
 from cbgen.records import Completion, Score
 from cbgen.score.batches import Batch, MaskShape, Piece, make_batch, pieces_of, plan_batches
 from cbgen.score.head import check_head, chunk_positions, decoder_of, output_head
@@ -69,7 +70,7 @@ class Scorer:
     def run(self, requests: Iterator[ScoreRequest], stop: threading.Event) -> Iterator[list[Completion]]:
         """Each request's result (a one-item list, as the engine yields groups), as its forward pass finishes;
         refused requests at once. Stops between passes once `stop` is set."""
-        with EngineScope(self.model, self.scope):
+        with quiet("transformers"), EngineScope(self.model, self.scope):
             window: list[ScoreRequest] = []
             for request in requests:
                 if stop.is_set():
