@@ -19,8 +19,10 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 WINDOW = 20.0  # seconds of produced tokens the rate is measured over
 
@@ -72,6 +74,8 @@ class Pace:
     def _survival(self) -> np.ndarray:
         """S(t), t = 0..cap: the estimated share of sequences still generating after t tokens (an unfinished one
         with g tokens is at risk up to g)."""
+        import numpy as np  # here: `cbgen --help` must not pay for numpy's import
+
         events = np.zeros(self.cap + 1)
         for length, count in self.lengths.items():
             events[length] = count
@@ -93,6 +97,8 @@ class Pace:
         return self._to_come
 
     def _estimate(self, total: int) -> float:
+        import numpy as np
+
         waiting = max(total - self.done - len(self.live), 0)
         live = np.minimum(np.asarray(self.live, dtype=np.int64), self.cap)
         if not self.lengths:  # nothing finished yet: every sequence to its cap

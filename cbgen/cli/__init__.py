@@ -15,46 +15,102 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
-from cbgen.cli import bench_cmd, collect_cmds, config_cmd, pipeline_cmd, run, score_cmd  # noqa: E402
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line  # noqa: E402
 from cbgen.startup import hold_gc  # noqa: E402
 
-app = typer.Typer(
-    name="cbgen",
-    help="Offline batch generation with LLMs on Hugging Face transformers' continuous batching.\n\n"
-    "Give it a file of prompts; it answers every one and writes sharded outputs plus run.json.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-app.command("run", epilog=run.EPILOG)(run.run)
-app.command("score", epilog=score_cmd.EPILOG)(score_cmd.score)
-app.command("pipeline", epilog=pipeline_cmd.EPILOG)(pipeline_cmd.pipeline)
-app.command("status")(collect_cmds.status)
-app.command("merge")(collect_cmds.merge)
-app.command("bench")(bench_cmd.bench)
-app.add_typer(config_cmd.app, name="config")
+HELP = ("Offline batch generation with LLMs on Hugging Face transformers' continuous batching.\n\n"
+        "Give it a file of prompts; it answers every one and writes sharded outputs plus run.json.")
+# Every command: the module that defines it, the name of its function (or typer app, for a group), and its line in
+# `cbgen --help` (the first line of its docstring: tests/cli/test_help.py keeps the two the same). A command's module
+# is imported only when the command runs or shows its own help, so `cbgen --help` imports none of them (0.4 s -> 0.1).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "run": ("cbgen.cli.run", "run", "Generate an answer for every prompt in INPUT with continuous batching."),
+    "score": ("cbgen.cli.score_cmd", "score", "Score text with the model: completions after their prompts, choices, "
+              "or texts on their own."),
+    "pipeline": ("cbgen.cli.pipeline_cmd", "pipeline", "Run a pipeline: stages that generate, score and filter "
+                 "(SQL), each resumable, like make."),
+    "status": ("cbgen.cli.collect_cmds", "status", "Report done / failed / remaining requests of a job, shard by "
+               "shard."),
+    "merge": ("cbgen.cli.collect_cmds", "merge", "Check that every input id is present exactly once across the shards "
+              "of a split job, then merge them."),
+    "bench": ("cbgen.cli.bench_cmd", "bench", "Measure cbgen's engine path against plain generate_batch and static "
+              "batching (model.generate) on named workloads, in one process with the same model and "
+              "ContinuousBatchingConfig; print a table and write DIR/bench.json and DIR/bench.png."),
+    "config": ("cbgen.cli.config_cmd", "app", "Inspect and create job configuration files."),
+}
+EPILOGS = {"run": ("cbgen.cli.run", "EPILOG"), "score": ("cbgen.cli.score_cmd", "EPILOG"),
+           "pipeline": ("cbgen.cli.pipeline_cmd", "EPILOG")}
+
+
+def _literal(cmd: Any) -> None:
+    """Every help text shown as written: typer reads help as Rich markup, where `[ids]` or `[default: 256]` would be
+    taken for style tags and vanish. Only the epilogs use markup on purpose."""
+    from rich.markup import escape
+
+    if cmd.help:
+        cmd.help = escape(cmd.help)
+    for param in cmd.params:  # options, and typer's arguments, which carry a help text too
+        if getattr(param, "help", None):
+            param.help = escape(param.help)
+    for sub in getattr(cmd, "commands", {}).values():
+        _literal(sub)
+
+
+def load_command(name: str, *, literal: bool = True) -> Any:
+    """The click command `cbgen NAME` runs, built from its module (imported now); `literal`: its help texts escaped
+    for display (see `_literal`), else as written in the source."""
+    import importlib
+
+    module, attribute, _ = COMMANDS[name]
+    target = getattr(importlib.import_module(module), attribute)
+    command: Any
+    if isinstance(target, typer.Typer):
+        command = typer.main.get_group(target)
+    else:
+        single = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
+        epilog = EPILOGS.get(name)
+        single.command(name, epilog=getattr(importlib.import_module(epilog[0]), epilog[1]) if epilog else None)(target)
+        command = typer.main.get_command(single)
+    if literal:
+        _literal(command)
+    return command
+
+
+class _Commands(TyperGroup):
+    """The root command: its subcommands are loaded by name when one runs; `cbgen --help` lists them from COMMANDS
+    without importing any."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._listing = False
+        self._loaded: dict[str, Any] = {}
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        if name not in COMMANDS:
+            return None
+        if self._listing and name not in self._loaded:
+            import click
+
+            return click.Command(name, help=COMMANDS[name][2])
+        if name not in self._loaded:
+            self._loaded[name] = load_command(name)
+        return self._loaded[name]
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
 
 
 def command() -> TyperGroup:
-    """The app as a click command, with every help text shown as written: typer reads help as Rich markup, where
-    `[ids]` or `[default: 256]` would be taken for style tags and vanish. Only the epilogs use markup on purpose."""
-    from rich.markup import escape
-
-    def literal(cmd: Any) -> None:
-        if cmd.help:
-            cmd.help = escape(cmd.help)
-        for param in cmd.params:  # options, and typer's arguments, which carry a help text too
-            if getattr(param, "help", None):
-                param.help = escape(param.help)
-        for sub in getattr(cmd, "commands", {}).values():
-            literal(sub)
-
-    root = typer.main.get_group(app)
-    literal(root)
-    return root
+    """The app as a click command."""
+    return _Commands(name="cbgen", help=HELP, no_args_is_help=True, rich_markup_mode="rich",
+                     context_settings={"help_option_names": ["-h", "--help"]})
 
 
 def run_cli(argv: list[str] | None = None) -> int:

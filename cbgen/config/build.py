@@ -6,8 +6,6 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from cbgen.config.sections import SECTIONS, JobConfig
 from cbgen.config.values import check_value
 from cbgen.errors import CbgenError, first_line
@@ -15,6 +13,8 @@ from cbgen.errors import CbgenError, first_line
 
 def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Reads a job file into {section: {key: value}}, checking every key and value; errors name the file and line."""
+    import yaml  # here: commands that read no job file (`cbgen --help`) do not pay for its import
+
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

@@ -10,8 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import yaml
-
 from cbgen.config.batching import BATCHING_FIELDS
 
 
@@ -283,4 +281,6 @@ class JobConfig:
         return {name: out[name] for name in SECTIONS}
 
     def to_yaml(self) -> str:
+        import yaml
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

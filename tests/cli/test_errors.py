@@ -53,7 +53,7 @@ def assert_one_line_error(code, err, pattern):
         (["--compile-level", "7"], r"--compile-level must be an integer from 0 to 3"),
         (["--max-new-tokens", "0"], r"--max-new-tokens must be a positive integer"),
         (["--top-p", "1.5"], r"--top-p must be a fraction in \(0, 1\]"),
-        (["--num-return-sequences", "4"], r"needs sampling.*add --do-sample or --temperature"),
+        (["--num-return-sequences", "4"], r"needs sampling.*give --temperature .* above 0"),
         (["-n", "2", "--greedy"], r"needs sampling"),
         (["--greedy", "--temperature", "0.5"], r"greedy decoding ignores --temperature"),
     ],

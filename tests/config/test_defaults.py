@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import typer
 import yaml
 
-from cbgen.cli import app
+from cbgen.cli import load_command
 from cbgen.cli._options import JOB_OPTIONS
 from cbgen.config import BATCHING_FIELDS, BATCHING_REDIRECTS, SECTIONS, JobConfig, config_template
 
 
 def flag_help() -> dict[str, str]:
     """The help text of every option of `cbgen run`, as click holds it."""
-    command = typer.main.get_command(app).commands["run"]
+    command = load_command("run", literal=False)
     return {param.opts[0]: param.help or "" for param in command.params if param.opts[0].startswith("--")}
 
 
