@@ -2,7 +2,9 @@
 
 Runs one short prompt with --max-new-tokens 1 twice, each in a fresh process, with a fresh temporary model cache,
 and prints for each run the seconds from process start to: model loaded, first result written, process exit;
-plus run.json's timings and cache status.
+plus run.json's timings and cache status; and, for the warm run, the phases of that time: the seconds spent
+importing (measured with `python -X importtime`, grouped by top-level package: torch, transformers, cbgen, the
+rest) and the rest of each phase.
 
     python benchmarks/start.py                       # the embedded SmolLM2 GGUF
     python benchmarks/start.py --model some.gguf --dtype float32
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -55,10 +58,23 @@ main()
 """
 
 
+def import_seconds(stderr: str) -> dict[str, float]:
+    """Seconds of imports by package, from `-X importtime` output: each module's own time (not the modules it
+    imports in turn), added up by its top-level package (torch, transformers, cbgen, the rest)."""
+    grouped: dict[str, float] = {}
+    for line in stderr.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)$", line)
+        if match:
+            name = match.group(2).split(".")[0]
+            group = name if name in ("torch", "transformers", "cbgen") else "other"
+            grouped[group] = grouped.get(group, 0.0) + int(match.group(1)) / 1e6
+    return {name: round(seconds, 2) for name, seconds in sorted(grouped.items(), key=lambda kv: -kv[1])}
+
+
 def run_once(label: str, work: Path, cache_dir: Path, extra: list[str]) -> dict:
     out_dir, events_file = work / f"out-{label}", work / f"events-{label}.json"
-    command = [sys.executable, "-c", DRIVER, str(work / "prompts.jsonl"), "-o", str(out_dir), "--max-new-tokens",
-               "1", "--model-cache-dir", str(cache_dir), "--quiet", *extra]
+    command = [sys.executable, "-X", "importtime", "-c", DRIVER, str(work / "prompts.jsonl"), "-o", str(out_dir),
+               "--max-new-tokens", "1", "--model-cache-dir", str(cache_dir), "--quiet", *extra]
     env = os.environ | {"CBGEN_START_EVENTS": str(events_file), "HF_HUB_OFFLINE": "1"}
     started = time.time()
     process = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -68,10 +84,12 @@ def run_once(label: str, work: Path, cache_dir: Path, extra: list[str]) -> dict:
     events = json.loads(events_file.read_text())
     manifest = json.loads((out_dir / "run.json").read_text())
     since = {name: round(t - started, 2) for name, t in events.items()}
+    imports = import_seconds(process.stderr)
     return {"run": label, "interpreter_s": since.get("interpreter"), "imports_done_s": since.get("imported"),
             "model_loaded_s": since.get("model_loaded"), "first_result_s": since.get("first_result"),
             "exit_s": round(ended - started, 2), "cache": manifest.get("model", {}).get("cache", "n/a"),
-            "run.json timings": manifest.get("timings")}
+            "run.json timings": manifest.get("timings"), "import_s": imports,
+            "not_imports_s": round(ended - started - sum(imports.values()), 2)}
 
 
 def main() -> None:

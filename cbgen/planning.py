@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
 from cbgen.control.plan import StepPlan
-from cbgen.engine.plan import EnginePlan, WorkloadShape, plan_engine
 from cbgen.inputs.base import IdChoice
 from cbgen.outputs.columns import OutputColumns
 from cbgen.prompts import RenderPlan
@@ -27,6 +26,7 @@ from cbgen.sampling import SamplingPlan
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate
+    from cbgen.engine.plan import EnginePlan, WorkloadShape
     from cbgen.model.load import LoadedModel
 
 
@@ -96,6 +96,8 @@ def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: 
     do_sample = bool(sampling.generation_fields()["do_sample"])
     steps = StepPlan.decide(job, facts.used, columns, do_sample, vocab_size, rendering.template,
                             own_draws=loaded.device == "cpu" and job.model.tp_size == 1)
+    from cbgen.engine.plan import WorkloadShape, plan_engine  # torch: needed once there is a model to plan for
+
     workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole)
     engine = plan_engine(job, loaded, workload, sampling, steps, job.run.data_parallel)
     return JobPlan(rendering.template, rendering.render, sampling, steps, workload, engine, columns, facts.ids)
