@@ -23,6 +23,7 @@ from cbgen.errors import CbgenError
 from cbgen.quiet import quiet
 from cbgen.records import Completion, Request
 from cbgen.sequences import request_key, sequence_ids
+from cbgen.startup import older_objects_frozen
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
@@ -138,7 +139,8 @@ class Engine:
             yield self._reject(first, first.error)
         else:
             return  # nothing could run: no manager, no cache
-        with quiet("transformers"), EngineScope(self.model, self.settings.spec.scope) as self._scope:
+        with quiet("transformers"), older_objects_frozen(), \
+                EngineScope(self.model, self.settings.spec.scope) as self._scope:
             try:
                 self._start()
                 yield from self._loop(itertools.chain([first], source), stop or threading.Event())
