@@ -1,6 +1,8 @@
 """Sampling, end to end: the tokens a real job draws follow the softmax of the model's logits after temperature, top-k
 and top-p, as transformers' own warpers compute it. A chi-square test over many seeded draws of one prompt's first
-token; and the same draws against the unprocessed softmax, which the test must reject (it can fail)."""
+token; and the same draws against the softmax of near misses (the unprocessed logits, and each setting a little off:
+temperature by a fifth, top-k by a few tokens, top-p by 0.1), each of which the test must reject: so it would catch a
+sampler that got one setting slightly wrong."""
 
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def chi_square(counts: Counter[int], probabilities: dict[int, float], draws: int
     return sum((o - e) ** 2 / e for o, e in kept), len(kept) - 1
 
 
-def reference(model_dir, prompt_ids: list[int], processed: bool) -> dict[int, float]:
+def reference(model_dir, prompt_ids: list[int], processed: bool, temperature: float = TEMPERATURE,
+              top_k: int = TOP_K, top_p: float = TOP_P) -> dict[int, float]:
     """The next-token distribution of the model for `prompt_ids`: after transformers' own temperature, top-k and
     top-p warpers (in generate's order), or the plain softmax."""
     from transformers import AutoModelForCausalLM
@@ -66,8 +69,8 @@ def reference(model_dir, prompt_ids: list[int], processed: bool) -> dict[int, fl
     with torch.no_grad():
         logits = model(ids).logits[:, -1].float()
     if processed:
-        warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K),
-                                       TopPLogitsWarper(TOP_P)])
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k),
+                                       TopPLogitsWarper(top_p)])
         logits = warpers(ids, logits)
     probabilities = torch.softmax(logits, dim=-1)[0]
     return {int(t): float(p) for t, p in enumerate(probabilities) if p > 0}
@@ -97,9 +100,17 @@ def test_seeded_draws_follow_the_processed_softmax(sharp_model, tmp_path):
     statistic, df = chi_square(counts, processed, DRAWS)
     assert statistic < chi_square_critical(df), f"chi-square {statistic:.1f} over {df} degrees of freedom"
 
-    plain = reference(sharp_model, ids, processed=False)  # what a sampler ignoring the settings would follow
-    statistic, df = chi_square(counts, plain, DRAWS) if set(counts) <= set(plain) else (math.inf, 1)
-    assert statistic > chi_square_critical(df), "the test cannot tell the processed softmax from the plain one"
+    near_misses = {
+        "the plain softmax": reference(sharp_model, ids, processed=False),  # a sampler ignoring the settings
+        "temperature 0.56": reference(sharp_model, ids, processed=True, temperature=TEMPERATURE * 0.8),
+        "temperature 0.84": reference(sharp_model, ids, processed=True, temperature=TEMPERATURE * 1.2),
+        "top-k 8": reference(sharp_model, ids, processed=True, top_k=TOP_K - 4),
+        "top-p 0.8": reference(sharp_model, ids, processed=True, top_p=TOP_P - 0.1),
+    }
+    for name, wrong in near_misses.items():
+        assert wrong != processed, f"{name} is the processed softmax itself: no near miss"
+        statistic, df = chi_square(counts, wrong, DRAWS) if set(counts) <= set(wrong) else (math.inf, 1)
+        assert statistic > chi_square_critical(df), f"the test cannot tell the processed softmax from {name}"
 
 
 def test_the_critical_values_are_the_tables():

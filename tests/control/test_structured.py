@@ -61,14 +61,20 @@ def test_an_output_that_runs_out_of_tokens_is_never_presented_as_complete(tiny_m
 @pytest.mark.parametrize(("flags", "check"), [
     (["--regex", "[0-9]{3}-[0-9]{4}"], lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
     (["--choice", "yes", "--choice", "no", "--choice", "maybe not"], lambda text: text in ("yes", "no", "maybe not")),
-    (["--json-object"], None),
 ])
-def test_regex_choice_and_objects(tiny_model_dir, prompts, tmp_path, flags, check):
+def test_regex_and_choice(tiny_model_dir, prompts, tmp_path, flags, check):
     assert run(tiny_model_dir, prompts, tmp_path / "out", *flags, "--max-new-tokens", 60) == 0
+    written = rows(tmp_path / "out").values()
+    assert written and all(row["finish_reason"] == "stop" and check(row["text"]) for row in written), written
+
+
+def test_an_object_is_an_object_while_it_is_written(tiny_model_dir, prompts, tmp_path):
+    """--json-object on the tiny random model: its strings run on to the token cap (an ended object is checked on
+    the embedded model, tests/outputs/test_parsed.py); what it writes is still the start of a JSON object."""
+    assert run(tiny_model_dir, prompts, tmp_path / "out", "--json-object", "--max-new-tokens", 12) == 0
     for row in rows(tmp_path / "out").values():
-        if check is not None:
-            assert row["finish_reason"] == "stop" and check(row["text"]), row
-        elif row["finish_reason"] == "stop":  # a random model may write a long key: then 'length'
+        assert row["text"].lstrip().startswith("{"), row
+        if row["finish_reason"] == "stop":
             assert isinstance(json.loads(row["text"]), dict)
 
 

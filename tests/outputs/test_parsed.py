@@ -73,9 +73,22 @@ def test_cut_answers_parse_to_null_and_jsonl_holds_the_value(tiny_model_dir, pro
     assert run(tiny_model_dir, prompts, out, "--json-schema", json.dumps(ANSWER), "--max-new-tokens", 3) == 0
     rows = list(read_shards(out))
     assert all(r["finish_reason"] == "length" and r["parsed"] is None for r in rows)  # cut: never claimed parsed
-    assert run(tiny_model_dir, prompts, tmp_path / "whole", "--json-object", "--max-new-tokens", 60) == 0
-    stopped = [r for r in read_shards(tmp_path / "whole") if r["finish_reason"] == "stop"]
+
+
+@pytest.mark.embedded
+def test_json_objects_end_and_parse_on_a_real_model(tmp_path):
+    """--json-object: any object. The tiny random model never closes one (its strings run on to the token cap), so
+    this runs on the embedded model, whose objects end: each ended answer's `parsed` is its text as JSON, and a cut
+    one's is null."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"Give a JSON object with the key n set to "
+                                               f"{i} and the key ok set to true."} for i in range(4)])
+    out = tmp_path / "out"
+    assert run_cli(["run", str(path), "-o", str(out), "--json-object", "--max-new-tokens", "60", "-q"]) == 0
+    written = list(read_shards(out))
+    stopped = [r for r in written if r["finish_reason"] == "stop"]
+    assert len(stopped) >= 3, [r["text"] for r in written]
     assert all(isinstance(r["parsed"], dict) and r["parsed"] == json.loads(r["text"]) for r in stopped)
+    assert all(r["parsed"] is None for r in written if r["finish_reason"] == "length")
 
 
 def test_rows_with_their_own_formats_get_json_text_in_parquet(tiny_model_dir, tmp_path):

@@ -1,9 +1,11 @@
-"""kill -9 in the middle of each kind of stage (generate, score, sql), then the same command again: the pipeline
-finishes, each row is in each stage's output exactly once, and the final dataset holds every question once, as an
-uninterrupted run makes it."""
+"""kill -9 in the middle of each kind of stage (generate, score, sql), then the same command again: the killed stage
+resumes (generate, score: from its committed rows) or runs again (sql: no half of a result was kept), the stages
+before it are not run again, the pipeline finishes, each row is in each stage's output exactly once, and the final
+dataset holds every question once, as an uninterrupted run makes it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import cbgen
 from cbgen.cli import run_cli
 from cbgen.outputs.rundir import MANIFEST_FILE
 from tests.pipelines.helpers import QUERY, ids, write_pipeline
@@ -38,6 +41,12 @@ def midway(out: Path, stage: str, kind: str, lines: list[str]) -> bool:
     manifest = out / stage / MANIFEST_FILE
     return bool(list((out / stage).glob("part-*.parquet"))) and (
         not manifest.exists() or '"status": "complete"' not in manifest.read_text())
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def final(out: Path) -> dict[str, str]:
@@ -66,8 +75,11 @@ def test_kill_9_mid_stage_then_the_same_command_finishes_each_row_once(tiny_mode
         assert process.poll() is None, f"the pipeline ended before {stage} was caught mid-way: {lines[-5:]}"
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    if kind == "sql":
-        time.sleep(0.5)  # inside the query
+    if kind == "sql":  # inside the query: the process has burnt CPU since the stage said it was running
+        started = cpu_seconds(process.pid)
+        while cpu_seconds(process.pid) - started < 0.3:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
     process.kill()
     process.wait()
     if kind != "sql":
@@ -75,9 +87,23 @@ def test_kill_9_mid_stage_then_the_same_command_finishes_each_row_once(tiny_mode
             if (out / stage / MANIFEST_FILE).exists() else True
     else:
         assert not (out / "kept" / "part-00000.parquet").exists()  # no half of a result
-    assert run_cli(["pipeline", str(file), "-o", str(out), "-q"]) == 0
+    report = cbgen.pipeline(file, out, progress=False)
+    assert report.exit_code == 0
+    states = {outcome.name: outcome for outcome in report.stages}
+    order = [s.name for s in cbgen_stages(file)]
+    assert all(states[name].state == "up to date" for name in order[: order.index(stage)])  # not run again
+    killed = states[stage]
+    assert killed.state == "ran", killed
+    if kind != "sql":  # it resumed: what it had committed was kept, the rest generated
+        assert killed.summary is not None and killed.summary.resumed_requests > 0
     for name, expected in (("questions", ROWS), ("answers", 2 * ROWS), ("judge", 2 * ROWS)):
         counts = ids(out / name)
         assert len(counts) == expected and set(counts.values()) == {1}, name  # every row, each once
     assert final(out) == reference  # as an uninterrupted run makes it
     assert run_cli(["status", str(out)]) == 0
+
+
+def cbgen_stages(file: Path):
+    from cbgen.pipelines import load_pipeline
+
+    return load_pipeline(file).stages

@@ -86,9 +86,11 @@ def test_each_token_logprob_equals_an_independent_forward(name):
         start = len(context) if request.continuations else 1
         expected, rows = _reference(model, sequence, start)
         assert result.token_ids == sequence[start:]
+        assert len(result.logprobs) == len(expected) == len(sequence) - start, name
         assert max(abs(a - b) for a, b in zip(result.logprobs, expected)) <= TOLERANCE, name
         assert result.score.logprob == pytest.approx(sum(expected), abs=TOLERANCE * len(expected))
         top = rows.topk(3, dim=-1)
+        assert len(result.top_logprobs) == len(top.indices), name
         for (ids, values), want_ids, want_values in zip(result.top_logprobs, top.indices, top.values):
             assert values == pytest.approx(want_values.tolist(), abs=TOLERANCE)
             assert ids[0] == int(want_ids[0])
@@ -133,6 +135,7 @@ def test_logits_are_worked_in_bounded_chunks(monkeypatch):
     result = _score(model, [ScoreRequest(Request(record, input_ids=text))], batch_tokens=4096)["long"]
     monkeypatch.setattr(projection, "forward", original)
     expected, _ = _reference(model, text, 1)
+    assert len(result.logprobs) == len(expected) == len(text) - 1
     assert max(abs(a - b) for a, b in zip(result.logprobs, expected)) <= TOLERANCE
     scoring_calls = widest[2:]  # the first two: the probe that checks the head against the model's own forward
     assert max(scoring_calls) == 40 and sum(scoring_calls) == len(text) - 1
