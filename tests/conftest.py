@@ -11,8 +11,13 @@ from hypothesis import settings
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TQDM_DISABLE", "1")
-# converted GGUF weights are cached per test session, never in the user's own cache
-os.environ["CBGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-cache-")
+# converted GGUF weights are cached per test session, never in the user's own cache; pytest-xdist's workers of one
+# run share one (its writers convert the embedded GGUF once, the others wait for it: cbgen.model.cache)
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    os.environ["CBGEN_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"cbgen-test-cache-{_RUN}")
+else:
+    os.environ["CBGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-cache-")
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="cbgen-test-datasets-")  # datasets' Arrow caches
 
 # In CI the property-based tests draw the same examples every run: a failure there is the code's, not the draw's

@@ -1,5 +1,7 @@
 """The converted-GGUF cache: dequantizing a GGUF checkpoint takes ~15 s for the embedded 135M model on CPU, so the
-first load saves the converted model and its tokenizer as safetensors folders, and later loads read those."""
+first load saves the converted model and its tokenizer as safetensors folders, and later loads read those. Processes
+that ask for an entry nobody has written yet (the tasks of a Slurm array on one node) convert it once: the first holds
+a lock while it converts, and the others wait for it, then read what it wrote."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +142,27 @@ class GgufCache:
                 shutil.rmtree(temp, ignore_errors=True)
         return True
 
+    @contextmanager
+    def converting(self, entry: str) -> Iterator[None]:
+        """Held while this process converts `entry`: another that asks for it waits here, then finds it written.
+        Where no lock can be taken (a read-only cache, a filesystem without flock) nobody waits."""
+        import fcntl
+
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            handle = open(self.folder / f".lock-{entry}", "a")  # noqa: SIM115 - held for the block, closed below
+        except OSError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes, or the process dies
+            except OSError:
+                pass
+            yield
+        finally:
+            handle.close()
+
     def discard(self, entry: str) -> None:
         """Moves a broken entry out of the way (renamed first, so no reader sees it half deleted)."""
         path = self.folder / entry
@@ -224,11 +248,15 @@ def gguf_tokenizer(gguf: Path, cache: GgufCache | None):
     tokenizer, failure = load_cached(cache, TOKENIZER_ENTRY, load)
     if tokenizer is not None:
         return tokenizer, CACHE_HIT
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if cache is None:
-        return tokenizer, CACHE_OFF
-    rebuild(cache, TOKENIZER_ENTRY, failure)
-    return tokenizer, CACHE_WRITTEN if cache.write(TOKENIZER_ENTRY, save) else CACHE_UNWRITABLE
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), CACHE_OFF
+    with cache.converting(TOKENIZER_ENTRY):
+        tokenizer, failure = load_cached(cache, TOKENIZER_ENTRY, load)  # written by another process meanwhile
+        if tokenizer is not None:
+            return tokenizer, CACHE_HIT
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        rebuild(cache, TOKENIZER_ENTRY, failure)
+        return tokenizer, CACHE_WRITTEN if cache.write(TOKENIZER_ENTRY, save) else CACHE_UNWRITABLE
 
 
 def describe_added_tokens(folder: Path) -> None:
@@ -258,17 +286,27 @@ def load_gguf(source: ModelSource, cache: GgufCache | None, dtype: torch.dtype, 
     gguf = source.gguf_path
     tokenizer, tokenizer_status = gguf_tokenizer(gguf, cache)
     entry = model_entry(dtype)
-    model, failure = load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, **load_kwargs))
+    def cached():
+        return load_cached(cache, entry, lambda folder: AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, **load_kwargs))
+
+    def from_gguf():
+        return AutoModelForCausalLM.from_pretrained(source.location, gguf_file=source.gguf_file, dtype=dtype,
+                                                    **load_kwargs)
+
+    model, failure = cached()
     if model is not None:
         return model, tokenizer, combine_statuses(tokenizer_status, CACHE_HIT)
-    model = AutoModelForCausalLM.from_pretrained(source.location, gguf_file=source.gguf_file, dtype=dtype,
-                                                 **load_kwargs)
     if cache is None:
-        status = CACHE_OFF
-    elif not drop_gguf_marker(model):
-        status = CACHE_UNSUPPORTED
-    else:
-        rebuild(cache, entry, failure)
-        status = CACHE_WRITTEN if cache.write(entry, model.save_pretrained) else CACHE_UNWRITABLE
+        return from_gguf(), tokenizer, combine_statuses(tokenizer_status, CACHE_OFF)
+    with cache.converting(entry):
+        model, failure = cached()  # written by another process while this one waited
+        if model is not None:
+            return model, tokenizer, combine_statuses(tokenizer_status, CACHE_HIT)
+        model = from_gguf()
+        if not drop_gguf_marker(model):
+            status = CACHE_UNSUPPORTED
+        else:
+            rebuild(cache, entry, failure)
+            status = CACHE_WRITTEN if cache.write(entry, model.save_pretrained) else CACHE_UNWRITABLE
     return model, tokenizer, combine_statuses(tokenizer_status, status)

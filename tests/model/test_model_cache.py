@@ -262,3 +262,53 @@ def test_cached_tokenizer_describes_its_added_tokens(tmp_path):
     config_path.write_text(json.dumps(config))
     assert model_cache.gguf_tokenizer(gguf, cache)[1] == model_cache.CACHE_HIT
     assert json.loads(config_path.read_text())["added_tokens_decoder"] == described
+
+
+WAITER = r"""
+import json, sys, time
+from pathlib import Path
+from cbgen.config import ModelSection
+from cbgen.model import cache as model_cache
+from cbgen.model.load import load_model
+
+gguf, cache_dir, role = sys.argv[1], sys.argv[2], sys.argv[3]
+if role == "first":  # converts slowly, and says when it holds the lock
+    real = model_cache.GgufCache.converting
+    def converting(self, entry):
+        manager = real(self, entry)
+        class Slow:
+            def __enter__(s):
+                manager.__enter__()
+                if entry.startswith("model"):
+                    Path(cache_dir, "converting").write_text("yes")
+                    time.sleep(3)
+            def __exit__(s, *exc):
+                return manager.__exit__(*exc)
+        return Slow()
+    model_cache.GgufCache.converting = converting
+loaded = load_model(ModelSection(model=gguf, dtype="float32", device="cpu", cache_dir=cache_dir))
+print(json.dumps({"cache": loaded.cache}))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_convert_a_gguf_once(tiny_gguf, tmp_path):
+    """The second process asks for the entry while the first converts it: it waits for the first (cbgen converts it
+    once, not once per Slurm task on the node), then reads the entry the first wrote."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    def start(role: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", WAITER, str(tiny_gguf), str(tmp_path), role],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start("first")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "converting").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.02)
+    second = start("second")
+    results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in (first, second)]
+    assert results == [{"cache": model_cache.CACHE_WRITTEN}, {"cache": model_cache.CACHE_HIT}]
