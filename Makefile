@@ -27,11 +27,15 @@ install:
 example: install
 	HF_HUB_OFFLINE=1 $(BIN)/cbgen run examples/prompts.jsonl --config examples/job.yaml -o cbgen-out --overwrite
 
+# one pytest-xdist worker per core, each test file on one worker (its module fixtures built once); the 25 slowest
+# tests are listed at the end
+PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n auto --dist loadfile
+
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	$(PYTEST) --durations=25
 
 test-fast: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not embedded"
+	$(PYTEST) -m "not slow and not embedded"
 
 check: install
 	$(BIN)/mypy

@@ -176,7 +176,7 @@ def test_a_sequence_is_the_same_in_any_batch(property_models, case):
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=16, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=compositions())
 def test_a_sequence_is_the_same_in_any_batch_many_batchings(property_models, case):

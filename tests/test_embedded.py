@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
 from tests.helpers import write_jsonl
 
@@ -46,26 +47,31 @@ def prompts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def greedy_runs(prompts):
-    """The same greedy job written as JSONL and as Parquet."""
-    outputs = {}
-    for fmt in ("jsonl", "parquet"):
-        out = prompts.parent / f"out-{fmt}"
-        done = cbgen_cli(prompts, "-o", out, "--id-column", "id", "--dtype", "float32", "--logprobs",
-                         "--max-new-tokens", MAX_NEW, "--output-format", fmt)
-        assert done.returncode == 0, done.stderr
-        outputs[fmt] = out
-    return outputs
+    """The same greedy job written as JSONL (by the installed `cbgen` command, in its own process) and as Parquet
+    (in this process, as the Python API runs it)."""
+    args = ["--id-column", "id", "--dtype", "float32", "--logprobs", "--max-new-tokens", MAX_NEW]
+    done = cbgen_cli(prompts, "-o", prompts.parent / "out-jsonl", *args, "--output-format", "jsonl")
+    assert done.returncode == 0, done.stderr
+    assert run_cli(["run", str(prompts), "-o", str(prompts.parent / "out-parquet"), *map(str, args),
+                    "--output-format", "parquet", "-q"]) == 0
+    return {fmt: prompts.parent / f"out-{fmt}" for fmt in ("jsonl", "parquet")}
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
+def model_and_tokenizer(greedy_runs):
+    """The model in plain transformers, from the float32 safetensors copy the runs above converted the GGUF into
+    (dequantizing it again would take ~16 s): the reference runs its own `generate` and forward, no engine of
+    cbgen's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from cbgen.model.cache import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
     from cbgen.model.source import embedded_model_path
 
-    gguf = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+    cache = GgufCache(default_cache_dir(), embedded_model_path())
+    model_folder, tokenizer_folder = cache.find(model_entry(torch.float32)), cache.find(TOKENIZER_ENTRY)
+    assert model_folder is not None and tokenizer_folder is not None  # the runs wrote them
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     return model, tokenizer
 
@@ -120,16 +126,15 @@ def test_jsonl_and_parquet_agree(greedy_runs):
 
 def test_each_id_n_times_with_num_return_sequences(prompts):
     out = prompts.parent / "out-n"
-    done = cbgen_cli(prompts, "-o", out, "--id-column", "id", "-n", 3, "--temperature", 0.8, "--seed", 1,
-                     "--max-new-tokens", 4)
-    assert done.returncode == 0, done.stderr
+    assert run_cli(["run", str(prompts), "-o", str(out), "--id-column", "id", "-n", "3", "--temperature", "0.8",
+                    "--seed", "1", "--max-new-tokens", "4", "-q"]) == 0
     rows = list(read_shards(out))
     assert len(rows) == 3 * 6
     for key in {r["id"] for r in rows}:
         assert sorted(r["sample_index"] for r in rows if r["id"] == key) == [0, 1, 2]
 
 
-def test_personas_example_writes_records_that_validate(tmp_path):
+def test_personas_example_writes_records_that_validate(tmp_path, monkeypatch):
     """The README's synthetic-data example, as written: every record that stopped is JSON valid under its schema."""
     import json
 
@@ -137,9 +142,9 @@ def test_personas_example_writes_records_that_validate(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "personas"
-    done = subprocess.run([str(CBGEN), "run", "examples/personas.jsonl", "--config", "examples/personas.yaml", "-o",
-                           str(out)], capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(root)  # the example's paths are the repository's
+    assert run_cli(["run", "examples/personas.jsonl", "--config", "examples/personas.yaml", "-o", str(out),
+                    "-q"]) == 0
     schema = json.loads((root / "examples/person.schema.json").read_text())
     rows = list(read_shards(out))
     assert len(rows) == 16 and all(r["error"] is None for r in rows)

@@ -94,7 +94,7 @@ def test_a_request_attends_as_it_would_alone(case):
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_requests=24))
 def test_a_request_attends_as_it_would_alone_many_batches(case):
     _check(case)
