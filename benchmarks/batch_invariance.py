@@ -30,6 +30,8 @@ import sys
 import time
 import types
 
+os.environ["CBGEN_RESULT_CACHE"] = "off"  # every timed run computes: the result cache would answer repeats
+
 ISAS = {  # as tests/helpers.py OTHER_ISAS
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "CBGEN_CPU_KIND": "avx2"},

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+os.environ["CBGEN_RESULT_CACHE"] = "off"  # every timed run computes: the result cache would answer repeats
+
 
 def rows_of(workload) -> list[dict]:
     return [{"id": f"{workload.name}-{i}", "input_ids": ids, "max_new_tokens": workload.cap(i)}

@@ -30,6 +30,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+os.environ["CBGEN_RESULT_CACHE"] = "off"  # every timed run computes: the result cache would answer repeats
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SMOKE_MODEL = "random-weights:smollm2-135m"
 BENCH_MODEL = "random-weights:llama-1b"

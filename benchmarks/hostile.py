@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ["CBGEN_RESULT_CACHE"] = "off"  # every timed run computes: the result cache would answer repeats
+
 GOOD = [json.dumps({"prompt": "What is the capital of France?"}), json.dumps({"prompt": "Name a colour."})]
 
 

@@ -32,6 +32,9 @@ from pathlib import Path
 
 MEASURE = """
 import resource, subprocess, sys
+
+import os
+os.environ["CBGEN_RESULT_CACHE"] = "off"  # every timed run computes: the result cache would answer repeats
 code = subprocess.run(sys.argv[1:]).returncode
 print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """

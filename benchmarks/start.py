@@ -26,6 +26,8 @@ from pathlib import Path
 # clock times (comparable with the parent's), by wrapping cbgen's own load_model and open_writer.
 DRIVER = r"""
 import json, os, sys, time
+
+os.environ["CBGEN_RESULT_CACHE"] = "off"  # every timed run computes: the result cache would answer repeats
 events = {}
 def note(name):
     events.setdefault(name, time.time())

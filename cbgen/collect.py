@@ -131,6 +131,7 @@ class DirectoryStatus:
     running: bool
     status: str | None  # from run.json: complete / stopped / ..., None while running or after a kill
     columns: tuple[str, ...] | None = None  # its rows' columns; None before its first run has planned
+    cache: dict[str, Any] | None = None  # its last run's result-cache counts (run.json), when the cache was on
 
     @property
     def remaining(self) -> int | None:
@@ -150,7 +151,15 @@ class DirectoryStatus:
     def to_dict(self) -> dict[str, Any]:
         return {"directory": str(self.path), "shard": list(self.shard) if self.shard else None, "done": self.done,
                 "failed": self.failed, "remaining": self.remaining, "state": self.state,
-                "columns": list(self.columns) if self.columns is not None else None}
+                "columns": list(self.columns) if self.columns is not None else None, "cache": self.cache}
+
+    @property
+    def from_cache(self) -> str:
+        """The requests its last run took from the result cache, for the status table."""
+        if not self.cache:
+            return "-"
+        hits = self.cache.get("hits", 0) + self.cache.get("near_hits", 0)
+        return f"{hits}/{hits + self.cache.get('misses', 0)}"
 
 
 def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatus]:
@@ -167,7 +176,7 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
         result.append(DirectoryStatus(directory.path, directory.shard, done.requests, done.failed_requests,
                                       expected[key] if expected is not None else None,
                                       is_running(directory.path), manifest.get("status"),
-                                      directory.columns.names if known else None))
+                                      directory.columns.names if known else None, _cache_counts(manifest)))
     if count:
         started = {d.shard[0] for d in directories if d.shard}
         for index in sorted(set(range(count)) - started):
@@ -175,6 +184,13 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
             result.append(DirectoryStatus(path, (index, count), 0, 0,
                                           expected[index] if expected is not None else None, False, "not started"))
     return sorted(result, key=lambda r: r.shard or (0, 0))
+
+
+def _cache_counts(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    cache = manifest.get("result_cache")
+    if not isinstance(cache, dict) or not cache.get("on"):
+        return None
+    return {key: cache.get(key, 0) for key in ("hits", "near_hits", "misses", "not_cached")}
 
 
 def _expected_counts(stored: StoredRun, count: int | None, input_path: str | None) -> Counter[int | None] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from cbgen.config import JobConfig
@@ -37,6 +37,10 @@ class DryRunReport:
     max_generated_tokens: int = 0  # at most, if no sequence stops early
     kv_cache: dict[str, Any] = field(default_factory=dict)
     estimate: dict[str, Any] | None = None
+    # the result cache: requests it would answer (exact hits, or near hits when the job takes them), and those it
+    # holds computed with other numerics that the job would compute afresh; None when the job uses no cache
+    cached: int | None = None
+    cached_other_numerics: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,6 +53,7 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
     from cbgen.prompts import Renderer
     from cbgen.request_settings import RequestSettings
+    from cbgen.result_cache import for_generation
 
     reader = open_input(job.input)
     reader.render_limits = render_limits(job)
@@ -66,7 +71,11 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     prepare = RequestSettings(job, plan, plan.steps.make_grammars(structure.tokenizer) if plan.steps else None)
     limits = Limits(job.generation.max_new_tokens, plan.engine.settings.max_positions)
     report = DryRunReport(kv_cache=dict(plan.engine.kv_cache) | {"num_blocks": plan.engine.batching.get("num_blocks")})
-    runnable: list[Request] = []
+    runnable: list[Request] = []  # the first requests the cache does not answer: the estimate's sample
+    to_compute = 0  # sequences the cache does not answer
+    cache = for_generation(job, structure, plan)
+    if cache is not None:
+        cache.touch = False  # looking is not a use: the eviction order stays as runs left it
     for request in itertools.chain(head, renderer.render_all(records)):
         request = prepare(request)
         report.rows += 1
@@ -76,21 +85,28 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
             if len(report.first_errors) < SHOWN_ERRORS:
                 report.first_errors.append(f"{request.record.location}: {reason}")
             continue
+        if cache is not None:
+            cache.answer(request)
         n = request.n or job.generation.num_return_sequences
         report.prompt_tokens += len(request.ids)
         report.longest_prompt = max(report.longest_prompt, len(request.ids))
         report.max_sequences += n
         report.max_generated_tokens += n * limits.max_new_for(request)
-        if len(runnable) < SAMPLE:
-            runnable.append(request)
+        if request.answered is None:
+            to_compute += n
+            if len(runnable) < SAMPLE:
+                runnable.append(request)
+    if cache is not None:
+        report.cached = cache.counts.hits + cache.counts.near_hits
+        report.cached_other_numerics = cache.counts.near_hits_skipped
     if estimate and runnable:
-        report.estimate = _estimate(job, runnable, report)
+        report.estimate = _estimate(job, runnable, to_compute)
     return report
 
 
-def _estimate(job: JobConfig, sample: list[Request], report: DryRunReport) -> dict[str, Any]:
-    """Times the sample's requests on the real model and scales by sequences: an upper bound for big jobs, whose
-    batches are fuller than a sample's."""
+def _estimate(job: JobConfig, sample: list[Request], sequences_left: int) -> dict[str, Any]:
+    """Times the sample's requests on the real model and scales by the sequences to compute (those the result cache
+    does not answer): an upper bound for big jobs, whose batches are fuller than a sample's."""
     from cbgen.execution import generate_in_memory
     from cbgen.model.load import load_model
     from cbgen.progress import NullProgress
@@ -100,7 +116,8 @@ def _estimate(job: JobConfig, sample: list[Request], report: DryRunReport) -> di
     load_seconds = time.perf_counter() - started
     rows = [{"id": r.record.id, "input_ids": r.ids, **({"max_new_tokens": r.max_new_tokens}
                                                         if r.max_new_tokens else {})} for r in sample]
-    sample_job = JobConfig(model=job.model, generation=job.generation, batching=dict(job.batching), run=job.run)
+    sample_job = JobConfig(model=job.model, generation=job.generation, batching=dict(job.batching),
+                           run=replace(job.run, result_cache=False))  # timed as computed
     started = time.perf_counter()
     results = generate_in_memory(sample_job, loaded, rows, NullProgress())
     seconds = time.perf_counter() - started
@@ -109,8 +126,8 @@ def _estimate(job: JobConfig, sample: list[Request], report: DryRunReport) -> di
     return {
         "sample_requests": len(sample), "sample_seconds": round(seconds, 2), "model_load_s": round(load_seconds, 2),
         "generated_tokens_per_s": round(generated / seconds, 1) if seconds else None,
-        "estimated_generation_s": round(seconds * report.max_sequences / sequences, 1),
+        "estimated_generation_s": round(seconds * sequences_left / sequences, 1),
         "how": f"the first {len(sample)} runnable requests generated on the real model ({seconds:.1f} s), scaled "
-               f"by sequences to the job's {report.max_sequences}: an upper bound, since the job's own batches "
+               f"by sequences to the {sequences_left} the job computes: an upper bound, since the job's own batches "
                "are fuller; add the model load",
     }

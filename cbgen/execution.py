@@ -114,8 +114,9 @@ def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRec
 def make_scorer(job: JobConfig, loaded: LoadedModel, planned: PlannedScores) -> Scorer:
     from cbgen.score.scorer import Scorer
 
-    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=job.generation.top_logprobs or 0,
-                  scope=planned.scope)
+    alone = planned.scope.batch_invariant  # a forward pass per row (a batch that no second row fits)
+    return Scorer(loaded.model, batch_tokens=0 if alone else job.score.batch_tokens,
+                  top_logprobs=job.generation.top_logprobs or 0, scope=planned.scope)
 
 
 def score_rows(columns: OutputColumns, loaded: LoadedModel | None) -> ScoreRows:
@@ -130,6 +131,7 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     with no file read or written, in input order (a prompt's sequences by sample index)."""
     from cbgen.inputs.memory import MemoryReader
     from cbgen.planning import used_settings
+    from cbgen.result_cache import for_generation, through
     from cbgen.templates import PromptTemplate, render_limits
 
     job = replace(job, output=replace(job.output, format="jsonl"))  # rows, whatever format the files would have
@@ -145,7 +147,8 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     engine = make_engine(job, planned, loaded)
     progress.start(reader.count() * job.generation.num_return_sequences, "sequence")
     results: list[tuple[int, int, dict[str, Any]]] = []
-    for group in engine.run(prepared(job, planned), threading.Event()):
+    cache = for_generation(job, loaded, planned.plan)
+    for group in through(cache, prepared(job, planned), lambda requests: engine.run(requests, threading.Event())):
         index = group[0].request.record.index
         results += [(index, row.get("sample_index", 0), row) for row in rows(group)]
         progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group),
@@ -153,3 +156,4 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     progress.finish()
     results.sort(key=lambda item: item[:2])
     return [row for _, _, row in results]
+

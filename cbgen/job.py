@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cbgen import result_cache
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import Reader, open_input
@@ -201,7 +202,10 @@ class _Run:
             self.summary.replicas = {"count": len(engine.specs), "lost": engine.lost}
         rows = output_rows(self.job, plan, loaded, self.source.name)
         self.progress.watch(engine.live, self.job.generation.max_new_tokens)
-        self._write(engine.run(prepared(self.job, planned), self.stop), rows, total)
+        cache = result_cache.for_generation(self.job, loaded, plan)
+        self._write(result_cache.through(cache, prepared(self.job, planned), lambda rs: engine.run(rs, self.stop)),
+                    rows, total)
+        self.summary.result_cache = cache.report() if cache is not None else result_cache.off(self.job)
         self._finish(plan, engine, loaded, planned.grammars)
         return self.summary
 
@@ -213,8 +217,11 @@ class _Run:
         record_columns(self.summary.output_dir, planned.columns)
         self.summary.record_scope(planned.scope)
         scorer = make_scorer(self.job, loaded, planned)
-        self._write(scorer.run(planned.requests, self.stop), score_rows(planned.columns, loaded), total)
+        cache = result_cache.for_scoring(self.job, loaded, planned.scope)
+        self._write(result_cache.through(cache, planned.requests, lambda rs: scorer.run(rs, self.stop), scores=True),
+                    score_rows(planned.columns, loaded), total)
         self.summary.scorer = scorer.stats.to_dict()
+        self.summary.result_cache = cache.report() if cache is not None else result_cache.off(self.job)
         self._finish(None, None, loaded, None)
         return self.summary
 
@@ -339,9 +346,10 @@ class _Run:
         for group in groups:
             writer.write_group(rows(group))
             failed = summary.add_request(group)
-            lengths = [len(c.token_ids) for c in group]
-            self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens, sum(lengths), failed,
-                                  () if by_request else lengths)
+            # a request the result cache answered is done, but its tokens were not computed now: not in tok/s
+            lengths = [len(c.token_ids) for c in group] if group[0].request.answered is None else []
+            self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens if lengths else 0,
+                                  sum(lengths), failed, () if by_request else lengths)
             if time.perf_counter() - last_commit >= job.run.commit_interval:
                 writer.commit()
                 last_commit = time.perf_counter()

@@ -61,6 +61,10 @@ class Request:
     n: int | None = None  # its own number of sequences; None: the job's
     response_format: ResponseFormat | None = None  # the format its sequences follow
     top_logprobs: int = 0  # how many alternatives per token it wants (0: none)
+    # the result cache (cbgen.result_cache): each sequence's key, and the sequences found there, when all were;
+    # a request that arrives with `answered` set is yielded as it is by the engine (and the scorer), never run
+    cache_keys: list[str] | None = None
+    answered: list[Completion] | None = None
 
     @property
     def ids(self) -> list[int]:

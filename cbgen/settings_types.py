@@ -44,7 +44,7 @@ class ModelSettings(TypedDict, total=False):
     # attention in a call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same
     # whatever shares its batches (batch limits, input order, resume, shards, --data-parallel). Costs time
     # (docs/performance.md). Default: on for seeded jobs (--seed) where cbgen's CPU attention runs, else off. Not with
-    # --tp.
+    # --tp. For cbgen score: every row in a forward pass of its own, so its scores do not depend on the other rows.
     batch_invariant: bool | None
     # model.tp_size: Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m
     # cbgen run ... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress.
@@ -258,6 +258,23 @@ class CallSettings(TypedDict, total=False):
     # run.prefix_gating: Admit the first request of each shared prompt prefix, and the others once it has computed the
     # prefix, so they reuse its KV cache instead of all computing it at once.
     prefix_gating: bool
+    # run.result_cache: Keep every finished sequence (and score) in the result cache, and answer from it the requests
+    # whose sequences it already holds, so a rerun into a new directory, a pipeline stage changed for some rows, or an
+    # overlapping input computes only what is new. A cached answer is used only when it is exact (computed with this
+    # run's batch-invariant numerics: what a fresh run would give, bit for bit) unless cache_near_hits. Off also with
+    # CBGEN_RESULT_CACHE=off, unless --cache names a directory.
+    result_cache: bool
+    # run.cache: Directory of the result cache; tasks of a Slurm array and replicas may share it, on one node or a
+    # shared filesystem. Default: $CBGEN_CACHE_DIR/results, else ~/.cache/cbgen/results.
+    cache: str | None
+    # run.cache_max_size: Most gigabytes (10^9 bytes) the result cache keeps: after a run that added to it, the least
+    # recently used answers go first.
+    cache_max_size: float
+    # run.cache_near_hits: Also take cached answers computed with other numerics (not batch-invariant, another
+    # attention or linear kind, another machine or version): close to a fresh run's, not always bitwise the same.
+    # run.json counts them apart. Scores are exact hits only from batch-invariant scoring (cbgen score --batch-
+    # invariant).
+    cache_near_hits: bool
     # score.choices: Score each of these strings as a continuation of every row's prompt (rows may carry their own
     # 'choices' list instead): each one's summed and mean logprob, the probabilities among them, and the best. The
     # prompt is computed once per row, whatever the number of choices. A label set such as 1,2,3,4,5 is the LLM-as-

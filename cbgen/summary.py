@@ -57,6 +57,7 @@ class RunSummary:
     replicas: dict[str, Any] = field(default_factory=dict)  # --data-parallel: how many, and those lost (why)
     kind: str = "generate"  # "score": a scoring job, whose "generated" tokens are the scored ones
     scorer: dict[str, Any] = field(default_factory=dict)  # a scoring job's forward passes and settings
+    result_cache: dict[str, Any] = field(default_factory=dict)  # on or off, hits and misses (cbgen.result_cache)
 
     def record_plan(self, plan: JobPlan) -> None:
         """What run.json says of the job's plan: how the KV cache was sized and which sampler stages run."""
@@ -91,18 +92,20 @@ class RunSummary:
         self.generated_tokens += done.generated_tokens
 
     def add_request(self, group: list[Completion]) -> int:
-        """Counts one finished request; returns how many of its sequences failed."""
+        """Counts one finished request; returns how many of its sequences failed. One the result cache answered
+        counts in the totals, not in this run's throughput."""
         failed = sum(c.finish_reason == "error" for c in group)
         generated = sum(len(c.token_ids) for c in group)
+        computed = group[0].request.answered is None
         self.requests += 1
         self.run_requests += 1
         self.failed_requests += failed > 0
         self.sequences += len(group)
         self.failed += failed
         self.prompt_tokens += group[0].num_prompt_tokens
-        self.run_prompt_tokens += group[0].num_prompt_tokens
+        self.run_prompt_tokens += group[0].num_prompt_tokens * computed
         self.generated_tokens += generated
-        self.run_generated_tokens += generated
+        self.run_generated_tokens += generated * computed
         return failed
 
     @property
@@ -132,10 +135,12 @@ class RunSummary:
         }
 
     def counts(self) -> dict[str, int]:
+        cache = {f"result_cache_{key}": self.result_cache.get(key, 0) for key in ("hits", "near_hits", "misses")} \
+            if self.result_cache.get("on") else {}
         if self.kind == "score":
             return {"rows": self.requests, "failed": self.failed, "succeeded": self.succeeded,
                     "prompt_tokens": self.prompt_tokens, "scored_tokens": self.generated_tokens,
-                    "resumed_rows": self.resumed_requests}
+                    "resumed_rows": self.resumed_requests, **cache}
         return {
             "requests": self.requests,
             "failed_requests": self.failed_requests,
@@ -145,4 +150,5 @@ class RunSummary:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "resumed_requests": self.resumed_requests,
+            **cache,
         }

@@ -19,6 +19,9 @@ if _RUN:
 else:
     os.environ["CBGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-cache-")
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="cbgen-test-datasets-")  # datasets' Arrow caches
+# the result cache stays off, so that every test computes what it checks; the cache's own tests name a directory
+# (--cache DIR, run.cache), which turns it on for them alone (cbgen.result_cache)
+os.environ["CBGEN_RESULT_CACHE"] = "off"
 
 # In CI the property-based tests draw the same examples every run: a failure there is the code's, not the draw's
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "batching (model.generate) on named workloads, in one process with the same model and "
               "ContinuousBatchingConfig; print a table and write DIR/bench.json and DIR/bench.png."),
     "config": ("cbgen.cli.config_cmd", "app", "Inspect and create job configuration files."),
+    "cache": ("cbgen.cli.cache_cmd", "app", "Inspect, prune or clear the result cache (answers kept across runs)."),
 }
 EPILOGS = {"run": ("cbgen.cli.run", "EPILOG"), "score": ("cbgen.cli.score_cmd", "EPILOG"),
            "pipeline": ("cbgen.cli.pipeline_cmd", "EPILOG")}

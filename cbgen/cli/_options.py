@@ -136,6 +136,10 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("run", "ray_num_gpus", ("--ray-num-gpus",), float, PANEL_RUN, metavar="N"),
     JobOption("run", "prefix_gating", ("--prefix-gating/--no-prefix-gating",), bool, PANEL_RUN),
     JobOption("run", "redo", ("--redo",), list[str], PANEL_RUN, metavar="failed,length"),
+    JobOption("run", "result_cache", ("--result-cache/--no-cache",), bool, PANEL_RUN),
+    JobOption("run", "cache", ("--cache",), str, PANEL_RUN, metavar="DIR"),
+    JobOption("run", "cache_max_size", ("--cache-max-size",), float, PANEL_RUN, metavar="GB"),
+    JobOption("run", "cache_near_hits", ("--cache-near-hits/--exact-hits-only",), bool, PANEL_RUN),
     JobOption("run", "shard_index", ("--shard-index",), int, PANEL_RUN),
 ]
 
@@ -155,7 +159,8 @@ SCORE_PANEL = "Scoring"
 _SCORING_SECTIONS = {"model", "input", "output"}
 _SCORING_KEYS = {("generation", "logprobs"), ("generation", "top_logprobs"), ("generation", "chat_template_kwargs"),
                  ("run", "quiet"), ("run", "max_errors"), ("run", "commit_interval"), ("run", "num_shards"),
-                 ("run", "shard_index"), ("run", "redo")}
+                 ("run", "shard_index"), ("run", "redo"), ("run", "result_cache"), ("run", "cache"),
+                 ("run", "cache_max_size"), ("run", "cache_near_hits")}
 SCORE_OPTIONS: list[JobOption] = [
     *(o for o in JOB_OPTIONS if (o.section in _SCORING_SECTIONS or (o.section, o.key) in _SCORING_KEYS)
       and (o.section, o.key) != ("model", "tp_size")),

@@ -31,8 +31,9 @@ def status(
 
     Exit code 0 when every request is done, 1 when some are not (or failed), 2 for a directory that holds no job.
     With --json: {"directory", "complete", "done", "failed", "remaining", "columns", "directories": [{"directory",
-    "shard", "done", "failed", "remaining", "state", "columns"}, ...]}; remaining is null when the input cannot be
-    read, and columns (the rows' columns) until a run has planned.
+    "shard", "done", "failed", "remaining", "state", "columns", "cache"}, ...]}; remaining is null when the input
+    cannot be read, columns (the rows' columns) until a run has planned, and cache ({"hits", "near_hits", "misses",
+    "not_cached"}: the requests of its last run the result cache answered, or not) when that run used no cache.
 
     On a pipeline's directory (-o of cbgen pipeline), one row per stage: {"directory", "complete", "stages":
     [{"stage", "kind", "state", "done", "failed", "remaining", "rows"}, ...]} with --json (rows: an sql stage's).
@@ -56,14 +57,15 @@ def status(
                                "directories": [r.to_dict() for r in rows]}))
         raise typer.Exit(ExitCode.SOME_FAILED if incomplete else ExitCode.OK)
     table = Table(title=f"cbgen status: {directory}", title_justify="left")
-    for column in ("directory", "done", "failed", "remaining", "state"):
-        table.add_column(column, justify="right" if column in ("done", "failed", "remaining") else "left")
+    for column in ("directory", "done", "failed", "remaining", "state", "from cache (last run)"):
+        table.add_column(column, justify="left" if column in ("directory", "state") else "right")
     for row in rows:
         table.add_row(row.path.name if row.shard else str(row.path), str(row.done), str(row.failed),
-                      "?" if row.remaining is None else str(row.remaining), _STATE_WORDS.get(row.state, row.state))
+                      "?" if row.remaining is None else str(row.remaining), _STATE_WORDS.get(row.state, row.state),
+                      row.from_cache)
     if len(rows) > 1:
         table.add_row("total", str(sum(r.done for r in rows)), str(sum(r.failed for r in rows)),
-                      "?" if total_remaining is None else str(total_remaining), "", style="bold")
+                      "?" if total_remaining is None else str(total_remaining), "", "", style="bold")
     Console().print(table)
     if columns is not None:
         typer.echo(f"columns: {', '.join(columns)}")

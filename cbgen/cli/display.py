@@ -241,14 +241,31 @@ def summary_table(summary: RunSummary) -> Table:
         ("model load / generation / total", " / ".join(_duration(summary.timings.get(k, 0.0))
                                                         for k in ("model_load_s", "generation_s", "total_s"))),
         ("KV cache", f"{summary.kv_cache.get('num_blocks')} blocks of {summary.kv_cache.get('page_size')} tokens "
-                     f"({summary.kv_cache.get('chosen_by')})"),
+                     f"({summary.kv_cache.get('chosen_by')})" if summary.kv_cache.get("num_blocks") is not None
+         else "none: the engine did not start (no request left to compute)"),
         ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
     ]
     formats = summary.step_control.get("formats_compiled")
     if formats:
         rows.insert(-2, ("output formats", f"{plural(formats, 'grammar')} compiled in "
                                            f"{summary.step_control['compile_s']:.2f} s"))
+    rows.insert(-1, ("result cache", cache_line(summary.result_cache)))
     return _pairs("cbgen run summary", rows)
+
+
+def cache_line(cache: dict) -> str:
+    """The result cache's part of a run, in words: what it answered, what was computed, or why it was off."""
+    if not cache:
+        return "-"
+    if not cache.get("on"):
+        return f"off ({cache.get('why')})"
+    near = f" + {cache['near_hits']:,} near" if cache.get("near_hits") else ""
+    line = f"{cache.get('hits', 0):,}{near} answered, {cache.get('misses', 0):,} computed"
+    if cache.get("not_cached"):
+        line += f", {cache['not_cached']:,} not cacheable (unseeded sampling)"
+    if cache.get("near_hits_skipped"):
+        line += f"; {cache['near_hits_skipped']:,} held but computed afresh (other numerics: --cache-near-hits)"
+    return line
 
 
 def _pairs(title: str, rows: list[tuple[str, str]]) -> Table:
@@ -271,6 +288,7 @@ def _score_summary(summary: RunSummary) -> Table:
         ("model load / scoring / total", " / ".join(_duration(summary.timings.get(k, 0.0))
                                                      for k in ("model_load_s", "generation_s", "total_s"))),
         ("forward passes", f"{summary.scorer.get('forward_passes', 0):,}"),
+        ("result cache", cache_line(summary.result_cache)),
         ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
     ]
     return _pairs("cbgen score summary", rows)
@@ -291,6 +309,11 @@ def dry_run_table(report: DryRunReport) -> Table:
         ("KV cache", f"{kv.get('num_blocks', '?')} blocks of {kv.get('page_size')} tokens"
                      + (f", {kv['bytes'] / 2**30:.2f} GiB" if kv.get("bytes") else "") + f" ({kv.get('chosen_by')})"),
     ]
+    if report.cached is not None:
+        held = f"{report.cached:,} of {report.rows - report.errors:,} requests answered from it"
+        if report.cached_other_numerics:
+            held += f"; {report.cached_other_numerics:,} more held with other numerics (--cache-near-hits takes them)"
+        rows.append(("result cache", held))
     if report.estimate is not None:
         e = report.estimate
         rows += [("estimated generation", f"{_duration(e['estimated_generation_s'])}"), ("how", e["how"])]

@@ -47,7 +47,8 @@ EPILOG = (
     "failures · 75 stopped by SIGTERM or Ctrl-C: run it again to resume."
 )
 
-_KEYS = {("run", "num_shards"), ("run", "shard_index"), ("run", "redo")}
+_KEYS = {("run", "num_shards"), ("run", "shard_index"), ("run", "redo"), ("run", "result_cache"), ("run", "cache"),
+         ("run", "cache_max_size"), ("run", "cache_near_hits")}
 PIPELINE_OPTIONS = [o for o in JOB_OPTIONS if (o.section, o.key) in _KEYS]
 
 

@@ -80,17 +80,31 @@ def kind_from_flags(flags: AbstractSet[str]) -> str:
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in Linux /proc/cpuinfo; empty where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip():
+            break
         name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), or the platform's processor string."""
+    import platform
+
+    return _cpuinfo().get("model name") or platform.processor() or "unknown"
 
 
 def cpu_row() -> CpuRow:

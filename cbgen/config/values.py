@@ -64,6 +64,8 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.num_shards": (lambda v: v >= 1, "a positive integer"),
     "run.data_parallel": (lambda v: v >= 1, "a positive integer (engine processes)"),
     "run.shard_index": (lambda v: v >= 0, "an integer of at least 0"),
+    "run.cache": (lambda v: v.strip() != "", "a directory path"),
+    "run.cache_max_size": (lambda v: v > 0, "a size in gigabytes, above 0 (0.5 is 500 MB)"),
 }
 
 

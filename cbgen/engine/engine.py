@@ -129,11 +129,15 @@ class Engine:
 
         When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
+        A request that comes with its sequences (`answered`, from the result cache) is yielded as it is, in turn.
         Everything the plan installs into transformers and torch (cbgen.engine.scope) is in place while the engine
         runs, and gone when it ends. The manager (and its KV cache) starts only once a request that can run arrives.
         """
         source = iter(requests)
         for first in source:
+            if first.answered is not None:  # the result cache holds its sequences (cbgen.result_cache)
+                yield first.answered
+                continue
             if first.error is None:
                 break
             yield self._reject(first, first.error)
@@ -187,6 +191,9 @@ class Engine:
             if request is None:
                 feed.exhausted = True
                 return None
+            if request.answered is not None:
+                yield request.answered
+                continue
             reason = request.error or self.limits.never_fits(request)
             if reason is not None:
                 yield self._reject(request, reason)

@@ -236,9 +236,14 @@ def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled:
 
 def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:
     """What cbgen installs while a scoring job's scorer runs (cbgen.score): its linear layers only; the scorer
-    attends with the model's own attention and masks, one forward pass per batch of rows."""
-    return ScopePlan(attention=STOCK, invariant_why="off: a scoring job runs no continuous batching",
-                     linear=linear_choice(job, loaded, invariant=False))
+    attends with the model's own attention and masks, one forward pass per batch of rows. Batch-invariant scoring
+    (--batch-invariant) gives every row a forward pass of its own: its shapes, and so its bits, are its own."""
+    if job.model.batch_invariant:
+        return ScopePlan(attention=STOCK, batch_invariant=True, linear=linear_choice(job, loaded, invariant=False),
+                         invariant_why="on: each row scored in a forward pass of its own (--batch-invariant)")
+    return ScopePlan(attention=STOCK, linear=linear_choice(job, loaded, invariant=False),
+                     invariant_why="off: rows of similar length share forward passes (--batch-invariant scores each "
+                                   "alone)")
 
 
 def available_memory_bytes() -> int | None:

@@ -146,9 +146,12 @@ class ReplicaPool:
                                  name=f"cbgen-replica-{i}") for i, spec in enumerate(self.specs)]
         for process in processes:
             process.start()
-        work = _Dispatch(self, iter(requests), inboxes, processes, halt)
+        answered: deque[list[Completion]] = deque()  # found in the result cache: yielded here, never sent
+        work = _Dispatch(self, _unanswered(requests, answered), inboxes, processes, halt)
         try:
             while work.live:
+                while answered:
+                    yield answered.popleft()
                 if stop.is_set():
                     work.halt()
                 try:
@@ -172,6 +175,8 @@ class ReplicaPool:
                 process.join(timeout=30)
                 if process.is_alive():
                     process.kill()
+        while answered:
+            yield answered.popleft()
         if self.lost and len(self.lost) == len(processes):
             raise CbgenError(f"every replica was lost: {'; '.join(f'{i}: {why}' for i, why in self.lost.items())}")
 
@@ -197,6 +202,15 @@ def pool_for(job: JobConfig, device: str, plan: JobPlan) -> ReplicaPool:
 
         cpus, gpus = [None] * count, list(gpu_groups(count, 1, torch.cuda.device_count()))
     return ReplicaPool([ReplicaSpec(i, job.model, plan, cpus[i], gpus[i]) for i in range(count)])
+
+
+def _unanswered(requests: Iterable[Request], answered: deque[list[Completion]]) -> Iterator[Request]:
+    """The requests a replica must run; those the result cache answered go to `answered` on the way."""
+    for request in requests:
+        if request.answered is not None:
+            answered.append(request.answered)
+        else:
+            yield request
 
 
 class _Dispatch:

@@ -83,6 +83,7 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
     lines = [f"---\n{header}---", "", "# Scores by cbgen" if scores else "# Generations by cbgen", "",
              f"{rows} rows {'scored' if scores else 'answered'} by {model or 'a model'} with cbgen {__version__}"
              + ("" if in_order else " (in the order requests finished: the run is not complete)") + ".", "",
+             *_cache_lines(counts),
              "## Load", "", "```python", "import datasets", "",
              'rows = datasets.load_from_disk("THIS_FOLDER")' if saved_to_disk else
              'rows = datasets.load_dataset("THIS_FOLDER", split="train")  # or: cbgen.load("THIS_FOLDER")',
@@ -92,6 +93,17 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
     for name in columns.names if columns is not None else ():
         lines.append(f"- `{name}`: {meanings.get(name, 'an input column kept with --keep-columns')}")
     return "\n".join(lines) + "\n"
+
+
+def _cache_lines(counts: dict[str, Any]) -> list[str]:
+    """What the card says of the result cache's share of the last run, when it answered some requests."""
+    exact, near = counts.get("result_cache_hits", 0), counts.get("result_cache_near_hits", 0)
+    if not exact and not near:
+        return []
+    line = f"In the last run, {exact} requests were answered from cbgen's result cache, bitwise what a fresh run gives"
+    if near:
+        line += f", and {near} from entries computed with other numerics (near hits, asked for with --cache-near-hits)"
+    return [line + ".", ""]
 
 
 def write_card(directory: Path, **details: Any) -> Path:

@@ -131,6 +131,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "sampling": summary.sampling,
         "step_control": summary.step_control,
         "replicas": summary.replicas,
+        "result_cache": summary.result_cache or None,  # this run's hits and misses (docs/cache.md)
         **({"scorer": summary.scorer} if job.kind == "score" else {}),
         "input_notices": summary.input_notices,
         "timings": summary.timings,

@@ -75,6 +75,9 @@ class Scorer:
             for request in requests:
                 if stop.is_set():
                     return
+                if request.request.answered is not None:  # the result cache holds its scores
+                    yield request.request.answered
+                    continue
                 if request.error is not None:
                     yield [_failed(request, request.error)]
                     continue
