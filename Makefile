@@ -13,7 +13,8 @@ BIN := $(VENV)/bin
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# constraints.txt pins our own set-up (the CPU torch wheel) without binding users of the package
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	# the test extra, and the eval extra (lm-evaluation-harness) whose backend the tests run against lm-eval's own
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,eval]'
 	# Ray, for --executor ray and its tests: a failed install fails make (and CI), so that its tests are never
 	# skipped by accident; CBGEN_NO_RAY=1 leaves it out on purpose (its tests then skip, saying so). The marker makes
 	# the Ray tests required where it was installed

@@ -16,7 +16,7 @@ from cbgen.config import JobConfig, page_size
 from cbgen.inputs.base import IdChoice
 from cbgen.progress import ProgressSink
 from cbgen.prompts import LOOKAHEAD
-from cbgen.records import PromptRecord, Request
+from cbgen.records import Completion, PromptRecord, Request
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
@@ -157,3 +157,27 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     results.sort(key=lambda item: item[:2])
     return [row for _, _, row in results]
 
+
+def score_in_memory(job: JobConfig, loaded: LoadedModel, requests: Sequence[ScoreRequest], progress: ProgressSink,
+                    top_logprobs: int = 0) -> list[Completion]:
+    """Each of `requests` (token ids already: a context and what is scored after it) scored on `loaded`, with no file
+    read or written, in their order; `top_logprobs` alternatives per scored token (the evaluation backend asks for
+    one, to tell whether each token was the model's greedy choice). Runs through the result cache, as a job does."""
+    from cbgen.engine.plan import plan_scoring_scope
+    from cbgen.result_cache import for_scoring, through
+    from cbgen.score.scorer import Scorer
+
+    scope = plan_scoring_scope(job, loaded)
+    scorer = Scorer(loaded.model, batch_tokens=0 if scope.batch_invariant else job.score.batch_tokens,
+                    top_logprobs=top_logprobs, scope=scope)
+    found: dict[int, Completion] = {}
+    progress.start(len(requests), "row", "scoring")
+    cache = for_scoring(replace(job, generation=replace(job.generation, top_logprobs=top_logprobs or None)), loaded,
+                        scope)
+    for group in through(cache, iter(requests), lambda rs: scorer.run(rs, threading.Event()), scores=True):
+        completion = group[0]
+        found[completion.request.record.index] = completion
+        progress.advance(1, completion.num_prompt_tokens, len(completion.token_ids),
+                         int(completion.finish_reason == "error"))
+    progress.finish()
+    return [found[request.request.record.index] for request in requests]

@@ -38,6 +38,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "ContinuousBatchingConfig; print a table and write DIR/bench.json and DIR/bench.png."),
     "config": ("cbgen.cli.config_cmd", "app", "Inspect and create job configuration files."),
     "cache": ("cbgen.cli.cache_cmd", "app", "Inspect, prune or clear the result cache (answers kept across runs)."),
+    "eval": ("cbgen.cli.eval_cmd", "eval_command", "Evaluate with lm-evaluation-harness on cbgen's engine "
+             "(lm_eval --model cbgen; needs the eval extra)."),
 }
 EPILOGS = {"run": ("cbgen.cli.run", "EPILOG"), "score": ("cbgen.cli.score_cmd", "EPILOG"),
            "pipeline": ("cbgen.cli.pipeline_cmd", "EPILOG")}
@@ -70,7 +72,8 @@ def load_command(name: str, *, literal: bool = True) -> Any:
     else:
         single = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
         epilog = EPILOGS.get(name)
-        single.command(name, epilog=getattr(importlib.import_module(epilog[0]), epilog[1]) if epilog else None)(target)
+        single.command(name, epilog=getattr(importlib.import_module(epilog[0]), epilog[1]) if epilog else None,
+                       context_settings=getattr(importlib.import_module(module), "CONTEXT", None))(target)
         command = typer.main.get_command(single)
     if literal:
         _literal(command)

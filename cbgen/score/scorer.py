@@ -189,8 +189,10 @@ def _completion(request: ScoreRequest, units: dict[int, list[tuple[int, float, A
         top = [alternatives for _, _, alternatives in scored] if scored and scored[0][2] is not None else None
         return Completion(request.request, 0, tokens, logprobs, "stop", top_logprobs=top,
                           score=Score(logprob=float(sum(logprobs))))
-    sums = [float(sum(value for _, value, _ in units[unit])) for unit in range(len(request.continuations))]
-    lengths = [len(units[unit]) for unit in range(len(request.continuations))]
-    tokens = [token for unit in range(len(request.continuations)) for token, _, _ in units[unit]]
-    return Completion(request.request, 0, tokens, None, "stop", score=Score(choice_logprobs=sums,
-                                                                          choice_tokens=lengths))
+    ordered = [units[unit] for unit in range(len(request.continuations))]
+    sums = [float(sum(value for _, value, _ in scored)) for scored in ordered]
+    lengths = [len(scored) for scored in ordered]
+    flat = [item for scored in ordered for item in scored]  # each choice's tokens in turn (choice_tokens splits them)
+    top = [alternatives for _, _, alternatives in flat] if flat and flat[0][2] is not None else None
+    return Completion(request.request, 0, [token for token, _, _ in flat], [value for _, value, _ in flat], "stop",
+                      top_logprobs=top, score=Score(choice_logprobs=sums, choice_tokens=lengths))
