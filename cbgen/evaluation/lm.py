@@ -149,8 +149,8 @@ class CbgenLM(TemplateLM):
         from cbgen.score.requests import ScoreRequest
 
         contexts: dict[tuple[int, ...], list[int]] = {}  # a context's ids -> the pairs scored after it
-        for index, (context, _) in enumerate(pairs):
-            contexts.setdefault(tuple(context), []).append(index)
+        for index, (ids, _) in enumerate(pairs):
+            contexts.setdefault(tuple(ids), []).append(index)
         requests = []
         for row, (context, members) in enumerate(contexts.items()):
             continuations = tuple(tuple(pairs[i][1]) for i in members)
