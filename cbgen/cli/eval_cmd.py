@@ -11,11 +11,13 @@ CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_optio
 
 
 def eval_command(ctx: typer.Context) -> None:
-    """Evaluate a model with lm-evaluation-harness on cbgen's engine: `cbgen eval --model_args model=M,dtype=float32
-    --tasks T --include_path DIR` is `lm_eval --model cbgen ...` (--model cbgen unless another is named, so `--model
-    hf` runs lm-eval's own backend for comparison). Model args are cbgen settings by their YAML names; lm-eval's
-    options (--tasks, --limit, --use_cache, --apply_chat_template, --output_path, ...) are its own: `cbgen eval
-    --help`. Needs the eval extra: pip install 'cbgen[eval]'. Docs: docs/evaluation.md."""
+    """Evaluate with lm-evaluation-harness on cbgen's engine (lm_eval --model cbgen; needs the eval extra).
+
+    `cbgen eval --model_args model=M,dtype=float32 --tasks T --include_path DIR` is `lm_eval --model cbgen ...`
+    (--model cbgen unless another is named, so `--model hf` runs lm-eval's own backend for comparison). Model args
+    are cbgen settings by their YAML names; lm-eval's options (--tasks, --limit, --use_cache, --apply_chat_template,
+    --output_path, ...) are its own: `cbgen eval --help`. Install: pip install 'cbgen[eval]'. Docs:
+    docs/evaluation.md."""
     from cbgen.evaluation import register
 
     register()
@@ -24,7 +26,8 @@ def eval_command(ctx: typer.Context) -> None:
     args = list(ctx.args)
     named = any(arg == "--model" or arg.startswith("--model=") for arg in args)
     if not args or args in (["-h"], ["--help"]):
-        print(" ".join((eval_command.__doc__ or "").split()) + "\n\nlm-eval's options:\n")
+        print("\n\n".join(" ".join(part.split()) for part in (eval_command.__doc__ or "").split("\n\n"))
+              + "\n\nlm-eval's options:\n")
         args = ["run", "--help"]
     elif not named:
         args = ["--model", "cbgen", *args]

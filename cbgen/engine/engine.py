@@ -134,13 +134,10 @@ class Engine:
         runs, and gone when it ends. The manager (and its KV cache) starts only once a request that can run arrives.
         """
         source = iter(requests)
-        for first in source:
-            if first.answered is not None:  # the result cache holds its sequences (cbgen.result_cache)
-                yield first.answered
-                continue
-            if first.error is None:
+        for first in source:  # answered: the result cache holds its sequences (cbgen.result_cache)
+            if first.answered is None and first.error is None:
                 break
-            yield self._reject(first, first.error)
+            yield first.answered if first.answered is not None else self._reject(first, first.error or "")
         else:
             return  # nothing could run: no manager, no cache
         with quiet("transformers"), older_objects_frozen(), \
@@ -191,12 +188,9 @@ class Engine:
             if request is None:
                 feed.exhausted = True
                 return None
-            if request.answered is not None:
-                yield request.answered
-                continue
-            reason = request.error or self.limits.never_fits(request)
-            if reason is not None:
-                yield self._reject(request, reason)
+            reason = None if request.answered is not None else request.error or self.limits.never_fits(request)
+            if request.answered is not None or reason is not None:
+                yield request.answered if request.answered is not None else self._reject(request, reason or "")
                 continue
             placement = gate.place(request)
             if placement is not Placement.PARKED:
