@@ -15,13 +15,15 @@
 #             -ub 512 -npp 128 -ntg 64 -npl 64 -t 2 -tb 2
 #
 # Environment: CBGEN_LLAMACPP_DIR (default: llamacpp in cbgen's cache directory, $CBGEN_CACHE_DIR or ~/.cache/cbgen),
-# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), JOBS (default: all cores), PYTHON (default: python).
+# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), JOBS (default: all cores), PYTHON (default: .venv/bin/python if it exists,
+# else python).
 set -euo pipefail
 
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 DIR=${CBGEN_LLAMACPP_DIR:-${CBGEN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cbgen}/llamacpp}
 JOBS=${JOBS:-$(nproc)}
-PY=${PYTHON:-python}
+# the project's .venv when there is one: the conversion step loads the model with cbgen, which needs its torch
+PY=${PYTHON:-$(if [ -x .venv/bin/python ]; then echo "$PWD/.venv/bin/python"; else echo python; fi)}
 SRC=$DIR/llama_cpp_python-$VERSION
 mkdir -p "$DIR" "$DIR/models"
 
