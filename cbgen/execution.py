@@ -111,12 +111,13 @@ def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRec
                          plan_scoring_scope(job, loaded))
 
 
-def make_scorer(job: JobConfig, loaded: LoadedModel, planned: PlannedScores) -> Scorer:
+def make_scorer(job: JobConfig, loaded: LoadedModel, scope: ScopePlan, top_logprobs: int) -> Scorer:
+    """The scorer `scope` plans: batch-invariant scoring gives each row a forward pass of its own (a batch that no
+    second row fits)."""
     from cbgen.score.scorer import Scorer
 
-    alone = planned.scope.batch_invariant  # a forward pass per row (a batch that no second row fits)
-    return Scorer(loaded.model, batch_tokens=0 if alone else job.score.batch_tokens,
-                  top_logprobs=job.generation.top_logprobs or 0, scope=planned.scope)
+    return Scorer(loaded.model, batch_tokens=0 if scope.batch_invariant else job.score.batch_tokens,
+                  top_logprobs=top_logprobs, scope=scope)
 
 
 def score_rows(columns: OutputColumns, loaded: LoadedModel | None) -> ScoreRows:
@@ -165,11 +166,9 @@ def score_in_memory(job: JobConfig, loaded: LoadedModel, requests: Sequence[Scor
     one, to tell whether each token was the model's greedy choice). Runs through the result cache, as a job does."""
     from cbgen.engine.plan import plan_scoring_scope
     from cbgen.result_cache import for_scoring, through
-    from cbgen.score.scorer import Scorer
 
     scope = plan_scoring_scope(job, loaded)
-    scorer = Scorer(loaded.model, batch_tokens=0 if scope.batch_invariant else job.score.batch_tokens,
-                    top_logprobs=top_logprobs, scope=scope)
+    scorer = make_scorer(job, loaded, scope, top_logprobs)
     found: dict[int, Completion] = {}
     progress.start(len(requests), "row", "scoring")
     cache = for_scoring(replace(job, generation=replace(job.generation, top_logprobs=top_logprobs or None)), loaded,

@@ -205,7 +205,7 @@ class _Run:
         cache = result_cache.for_generation(self.job, loaded, plan)
         self._write(result_cache.through(cache, prepared(self.job, planned), lambda rs: engine.run(rs, self.stop)),
                     rows, total)
-        self.summary.result_cache = cache.report() if cache is not None else result_cache.off(self.job)
+        self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(plan, engine, loaded, planned.grammars)
         return self.summary
 
@@ -216,12 +216,12 @@ class _Run:
         planned = plan_scores(self.job, loaded, records)
         record_columns(self.summary.output_dir, planned.columns)
         self.summary.record_scope(planned.scope)
-        scorer = make_scorer(self.job, loaded, planned)
+        scorer = make_scorer(self.job, loaded, planned.scope, self.job.generation.top_logprobs or 0)
         cache = result_cache.for_scoring(self.job, loaded, planned.scope)
         self._write(result_cache.through(cache, planned.requests, lambda rs: scorer.run(rs, self.stop), scores=True),
                     score_rows(planned.columns, loaded), total)
         self.summary.scorer = scorer.stats.to_dict()
-        self.summary.result_cache = cache.report() if cache is not None else result_cache.off(self.job)
+        self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(None, None, loaded, None)
         return self.summary
 

@@ -49,8 +49,8 @@ class CbgenLM(TemplateLM):
         device = harness.get("device")
         if device is not None and "device" not in settings and _device_usable(str(device)):
             settings["device"] = str(device)
-        try:
-            _overrides(settings)
+        try:  # checked here, so that the message names lm-eval's model args
+            self._overrides = _overrides({**settings, **({"model": model} if model is not None else {})})
         except TypeError as error:  # lm-eval's message names the model args, not a Python call
             raise CbgenError(f"--model_args: {str(error).replace('unexpected keyword argument', 'unknown setting')}"
                              ) from None
@@ -58,7 +58,6 @@ class CbgenLM(TemplateLM):
         self.loaded: LoadedModel = self.generator.loaded
         self.tokenizer = self.loaded.tokenizer
         self._max_length = max_length
-        self._settings = settings
 
     # -- what lm-eval asks of a model --------------------------------------------------------------------------
 
@@ -206,10 +205,10 @@ class CbgenLM(TemplateLM):
         return texts
 
     def _job(self, kind: str) -> JobConfig:
-        from cbgen.api import _overrides
+        """The job the model args describe (the Generator's own settings), as a job of `kind`."""
         from cbgen.config import build_config
 
-        return build_config(None, _overrides(self._settings), kind=kind)
+        return build_config(None, self._overrides, kind=kind)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,11 @@ def enabled(job: JobConfig) -> bool:
     return job.run.cache is not None or os.environ.get(ENV, "").lower() != "off"
 
 
+def report(cache: ResultCache | None, job: JobConfig) -> dict[str, Any]:
+    """What run.json says of the result cache in a run: its counts, or why it was off."""
+    return cache.report() if cache is not None else off(job)
+
+
 def off(job: JobConfig) -> dict[str, Any]:
     """What run.json says when a run used no result cache, and why."""
     if not job.run.result_cache:

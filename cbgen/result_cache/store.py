@@ -17,12 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cbgen.files import read_json_or_none, write_text_atomic
 
 FORMAT = 1
 STALE_TEMP_SECONDS = 3600  # a temporary file this old belongs to a writer that was killed
@@ -61,11 +62,7 @@ class ResultStore:
         """The entry's payload, or None when there is none (or it is unreadable, torn or corrupt). A hit counts as a
         use for the eviction order, unless `touch` is False."""
         path = self._path(key)
-        try:
-            text = path.read_text(encoding="utf-8")
-            stored = json.loads(text)
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
+        stored = read_json_or_none(path)
         if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("payload"), str):
             return None
         if _digest(stored["payload"]) != stored.get("sha256"):
@@ -86,19 +83,11 @@ class ResultStore:
         path = self._path(key)
         text = json.dumps(payload, separators=(",", ":"), sort_keys=True)
         record = json.dumps({"format": FORMAT, "key": key, "sha256": _digest(text), "payload": text})
-        temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(temp, "w", encoding="utf-8") as f:
-                f.write(record)
-            os.replace(temp, path)
+            write_text_atomic(path, record)  # under a hidden temporary name, renamed into place
         except OSError:
             return False
-        finally:
-            try:
-                temp.unlink(missing_ok=True)
-            except OSError:
-                pass
         return True
 
     def _files(self) -> Iterator[os.DirEntry]:
