@@ -11,6 +11,7 @@ module calls, scheduling, input preparation).
     python benchmarks/profile_step.py
     python benchmarks/profile_step.py --top 15 --max-batch-tokens 2048
     python benchmarks/profile_step.py --timing-only --onednn-linear   # step times only, unprofiled
+    python benchmarks/profile_step.py --timing-only --no-fused-layers # transformers' decoder layers
     python benchmarks/profile_step.py --batch-invariant               # a seeded job's numerics
 """
 
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--max-requests-per-batch", type=int, default=None)
     parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
     parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
+    parser.add_argument("--no-fused-layers", action="store_true", help="Transformers' decoder layers (as for cbgen "
+                        "run): to compare against cbgen's fused ones.")
     parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
                         "sequences (the full batch of 64, and the tail as requests finish).")
     parser.add_argument("--batch-invariant", action="store_true", help="Profile the batch-invariant numerics (a "
@@ -121,10 +124,12 @@ def main() -> None:
                         "them): the true step times, without the breakdown.")
     args = parser.parse_args()
     _instrument(args.min_decode, args.timing_only)
-    loaded = load_model(ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
+    section = ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear,
+                           fused_layers=False if args.no_fused_layers else None)
+    loaded = load_model(section)
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
-    bench = Bench(loaded, batching, ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear))
+    bench = Bench(loaded, batching, section)
     fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
     invariant = args.batch_invariant
     bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input", invariant=invariant)
@@ -133,7 +138,8 @@ def main() -> None:
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
-          f"batching {batching or 'defaults'}, linear layers {bench.scope().describe()['linear']}"
+          f"batching {batching or 'defaults'}, linear layers {bench.scope().describe()['linear']}, decoder layers "
+          f"{bench.scope().describe()['decoder_layers']['why']}"
           f"{', batch-invariant' if invariant else ''}")
     measured = bench.cbgen(fixed, "gated", invariant=invariant)
     print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")

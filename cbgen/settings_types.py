@@ -40,6 +40,11 @@ class ModelSettings(TypedDict, total=False):
     # some 150 MB less for the embedded model, at the same speed within measurement noise. Default: on where it
     # applies (bfloat16 or float16 on CPU in one process, without --onednn-linear).
     linear_row_buckets: bool | None
+    # model.fused_layers: On CPU, compute each decoder layer of the architectures cbgen knows (Llama, Mistral, Qwen2,
+    # Qwen3) with fewer, larger operators: query/key/value and gate/up projections as one matmul each, rotary, norms
+    # and residuals in place. The same operators as transformers', so greedy tokens match it; the merged matmuls may
+    # round differently in the last bit. Default: on where the model fits (run.json says why not).
+    fused_layers: bool | None
     # model.batch_invariant: Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's
     # attention in a call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same
     # whatever shares its batches (batch limits, input order, resume, shards, --data-parallel). Costs time

@@ -106,11 +106,26 @@ POOL = [_SHARED + "Which river is " + "longer and wider " * (i % 5) + f"than riv
     "Count: " + "one two three " * (i % 8) + str(i) for i in range(17)] + ["Hi", "The Danube", "Why?"]
 
 
+FUSED_PROPERTY_MODELS = {"llama, 3 query heads per KV head", "mistral, sliding window, no grouping"}
+
+
 @pytest.fixture(scope="module")
 def property_models(tiny_model_dir, tmp_path_factory):
     """One Generator per (model, dtype), made when first drawn, and the sequences of each computed alone (one
-    request per step: --max-requests-per-batch 1), per n and sampling."""
+    request per step: --max-requests-per-batch 1), per n and sampling. Counts the fused decoder layers' forward
+    passes (cbgen.model.fused: on by default for Llama and Mistral), so the property is checked with them on."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from cbgen.model import fused
+
+    fused_calls = [0]
+    fused_forward = fused._Fused.forward
+
+    def counted(self, *args, **kwargs):
+        fused_calls[0] += 1
+        return fused_forward(self, *args, **kwargs)
+
+    fused._Fused.forward = counted  # type: ignore[method-assign]
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     root = tmp_path_factory.mktemp("property-models")
@@ -137,9 +152,12 @@ def property_models(tiny_model_dir, tmp_path_factory):
                                                                     **dict(settings))))
         return known
 
-    yield generator, reference
-    for made in generators.values():
-        made.close()
+    try:
+        yield generator, reference, fused_calls
+    finally:
+        fused._Fused.forward = fused_forward  # type: ignore[method-assign]
+        for made in generators.values():
+            made.close()
 
 
 @st.composite
@@ -158,10 +176,12 @@ def compositions(draw):
 
 
 def _check_composition(property_models, case) -> None:
-    generator, reference = property_models
+    generator, reference, fused_calls = property_models
     rows = [{"id": str(i), "prompt": POOL[i]} for i in case["order"]]
+    before = fused_calls[0]
     got = _sequences(generator(case["model"], case["dtype"]).generate(rows, **dict(case["settings"]),
                                                                          **case["batching"]))
+    assert (fused_calls[0] > before) == (case["model"] in FUSED_PROPERTY_MODELS)
     expected = reference(case["model"], case["dtype"], case["settings"], case["order"])
     assert got and all(len(tokens) > 0 for tokens, _ in got.values())
     moved = sorted(key for key in got if got[key] != expected[key])

@@ -76,6 +76,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "use_cache", ("--model-cache/--no-model-cache",), bool, PANEL_MODEL),
     JobOption("model", "onednn_linear", ("--onednn-linear/--stock-linear",), bool, PANEL_MODEL),
     JobOption("model", "linear_row_buckets", ("--linear-row-buckets/--no-linear-row-buckets",), bool, PANEL_MODEL),
+    JobOption("model", "fused_layers", ("--fused-layers/--no-fused-layers",), bool, PANEL_MODEL),
     JobOption("model", "batch_invariant", ("--batch-invariant/--no-batch-invariant",), bool, PANEL_MODEL),
     JobOption("model", "tp_size", ("--tp",), int, PANEL_MODEL, metavar="N"),
     JobOption("input", "format", ("--input-format",), str, PANEL_INPUT),

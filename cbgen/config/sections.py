@@ -69,6 +69,11 @@ class ModelSection:
         "row count it meets, so a long job of varied batches would hold hundreds: this keeps about 100, some 150 MB "
         "less for the embedded model, at the same speed within measurement noise. Default: on where it applies "
         "(bfloat16 or float16 on CPU in one process, without --onednn-linear).")
+    fused_layers: bool | None = setting(
+        None, "On CPU, compute each decoder layer of the architectures cbgen knows (Llama, Mistral, Qwen2, Qwen3) "
+        "with fewer, larger operators: query/key/value and gate/up projections as one matmul each, rotary, norms "
+        "and residuals in place. The same operators as transformers', so greedy tokens match it; the merged "
+        "matmuls may round differently in the last bit. Default: on where the model fits (run.json says why not).")
     batch_invariant: bool | None = setting(
         None, "Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's attention in a "
         "call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same whatever shares "

@@ -218,6 +218,26 @@ def linear_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> str:
     return linear.STOCK
 
 
+def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str]:
+    """Whether the decoder layers run cbgen's fused forward (cbgen.model.fused), and why: by default on CPU in one
+    process where the model fits it; asked for (--fused-layers), it must apply."""
+    from cbgen.model.fused import unfit_reason
+
+    asked = job.model.fused_layers
+    if asked is False:
+        return False, "off (--no-fused-layers)"
+    if loaded.device != "cpu" or job.model.tp_size > 1:
+        runs = "with --tp" if job.model.tp_size > 1 else f"on {loaded.device}"
+        reason: str | None = f"written for CPU in one process, and this job runs {runs}"
+    else:
+        reason = unfit_reason(loaded.model)
+    if reason is not None:
+        if asked:
+            raise CbgenError(f"--fused-layers does not apply here: {reason}; drop the flag")
+        return False, f"off: {reason}"
+    return True, "on (--fused-layers)" if asked else "on: the model's layers fit it (--no-fused-layers turns it off)"
+
+
 def _compiled(cb_config: ContinuousBatchingConfig, generation_config: GenerationConfig) -> bool:
     """Whether transformers will compile the engine's forward pass (which needs its dense attention mask)."""
     return (getattr(cb_config, "default_compile_level", 0) or 0) > 0 or any(
@@ -228,10 +248,11 @@ def _compiled(cb_config: ContinuousBatchingConfig, generation_config: Generation
 def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled: bool = False) -> ScopePlan:
     """What cbgen installs for a job's engine (cbgen.engine.scope), given the attention it runs with."""
     invariant, why = invariance_choice(job, loaded, attention)
+    fused, fused_why = fused_choice(job, loaded)
     return ScopePlan(attention=PER_SEQUENCE_INVARIANT if invariant else attention, batch_invariant=invariant,
                      invariant_why=why, linear=linear_choice(job, loaded, invariant),
                      dense_mask=attention != PER_SEQUENCE_ATTENTION or compiled,
-                     lazy_kv_cache=loaded.device == "cpu")
+                     lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why)
 
 
 def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:

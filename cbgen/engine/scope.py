@@ -9,6 +9,8 @@ the engine's whole life, and nothing of it outlives the scope:
                      (cbgen.attention.registry: a dispatcher routes each call by its model), with the per-pass
                      memo's forward hooks (cbgen.attention.pass_memo); or the soft-capped paged eager function
     dense mask       transformers told this model's manager needs no dense mask (cbgen.attention.dense_mask)
+    decoder layers   a fused forward of cbgen's on each decoder layer of the architectures it knows, over merged
+                     projections (cbgen.model.fused)
     linear layers    a forward of cbgen's on each nn.Linear: fixed-shape tiles (cbgen.model.invariant), row buckets,
                      vocabulary chunks or prepacked oneDNN weights (cbgen.model.linear)
     KV cache         big zero tensors from anonymous mappings while the manager builds its cache (a torch function
@@ -54,6 +56,8 @@ class ScopePlan:
     linear: str = "stock"  # a key of cbgen.model.linear.LINEAR_KINDS
     dense_mask: bool = True  # transformers builds its dense sdpa mask (False: cbgen's per-sequence attention skips it)
     lazy_kv_cache: bool = False  # CPU: the KV cache takes RAM as pages are written, and gives back freed blocks'
+    fused_layers: bool = False  # the decoder layers run cbgen's fused forward (cbgen.model.fused)
+    fused_why: str = "off"
 
     def describe(self) -> dict[str, Any]:
         """What the scope installs, for run.json."""
@@ -63,7 +67,8 @@ class ScopePlan:
                 "linear": LINEAR_KINDS[self.linear],
                 "dense_attention_mask": "built" if self.dense_mask
                 else "not built: cbgen's per-sequence attention does not read it",
-                "kv_cache_memory": "as used, freed blocks given back" if self.lazy_kv_cache else "all at start"}
+                "kv_cache_memory": "as used, freed blocks given back" if self.lazy_kv_cache else "all at start",
+                "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why}}
 
 
 @dataclass
@@ -134,14 +139,19 @@ class EngineScope:
             from cbgen.attention.dense_mask import skipped
 
             stack.enter_context(skipped(model))
+        merged = None
+        if plan.fused_layers:
+            from cbgen.model.fused import fused_layers
+
+            merged = stack.enter_context(fused_layers(model))
         if plan.batch_invariant:
             from cbgen.model.invariant import batch_invariant_linear
 
-            stack.enter_context(batch_invariant_linear(model))
+            stack.enter_context(batch_invariant_linear(model, merged))
         else:
             from cbgen.model.linear import linear_layers
 
-            stack.enter_context(linear_layers(model, plan.linear))
+            stack.enter_context(linear_layers(model, plan.linear, merged))
 
     def check(self) -> None:
         """Raises RuntimeError unless what serves the model is what the plan asked for."""

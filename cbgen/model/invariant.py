@@ -36,7 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from cbgen.config.cpu import cpu_row
-from cbgen.model.linear import onednn_available, replaced_forwards
+from cbgen.model.linear import MergedLinears, onednn_available, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
 
@@ -129,16 +129,19 @@ def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, x: torc
 
 
 @contextmanager
-def batch_invariant_linear(model: torch.nn.Module) -> Iterator[None]:
+def batch_invariant_linear(model: torch.nn.Module, merged: MergedLinears | None = None) -> Iterator[None]:
     """Inside the block, the model computes every linear layer in fixed-shape tiles: each `nn.Linear` through a
     forward of its own, and, in a model with MoE experts, every other `F.linear` of its forward pass (routers, the
     experts' matmuls) through a torch function mode, with the experts run "eager" (one matmul per expert; the fused
     grouped matmuls split by the batch's routing). The mode costs Python time on every operator (about 10 % of a
     decode step of the embedded model), which is why dense models, whose linear layers are all `nn.Linear`, do
-    without it. Everything is put back on exit."""
+    without it. `merged` linear layers (cbgen.model.fused) are tiled in place of those they compute. Everything is put
+    back on exit."""
     experts = _experts_implementation(model)
     switch = experts is not None and set(experts.values()) != {"eager"}
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    if merged is not None:
+        linears = merged.applied(linears)
     # the packed weights (float32; bfloat16 with bf16 units) are a second copy of the weights while the block runs
     forwards: dict[torch.nn.Module, object] = {
         module: functools.partial(_tiled_forward, module, pack(module.weight)) for module in linears}

@@ -50,6 +50,7 @@ import functools
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -84,9 +85,23 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The model's plain CPU `nn.Linear` modules (not subclasses: quantized or tensor-parallel layers keep theirs)."""
-    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+@dataclass(frozen=True)
+class MergedLinears:
+    """Linear layers that compute several of the model's side by side (cbgen.model.fused): the engine's linear kind
+    is installed on them in place of the layers they replace."""
+
+    linears: tuple[torch.nn.Linear, ...]
+    replaced: frozenset[int]  # id() of the model's layers they compute
+
+    def applied(self, modules: list[torch.nn.Linear]) -> list[torch.nn.Linear]:
+        return [m for m in modules if id(m) not in self.replaced] + list(self.linears)
+
+
+def _linears(model: torch.nn.Module, merged: MergedLinears | None = None) -> list[torch.nn.Linear]:
+    """The model's plain CPU `nn.Linear` modules (not subclasses: quantized or tensor-parallel layers keep theirs),
+    with `merged` ones in place of those they compute."""
+    found = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+    return merged.applied(found) if merged is not None else found
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -186,8 +201,8 @@ def replaced_forwards(forwards: dict[torch.nn.Module, object]) -> Iterator[None]
     its own (another engine's, another library's) raises RuntimeError: two owners cannot both hold it."""
     taken = [module for module in forwards if "forward" in vars(module)]
     if taken:
-        raise RuntimeError(f"{len(taken)} linear layers already have a forward of their own (another engine on this "
-                           "model, or another library's patch)")
+        raise RuntimeError(f"{len(taken)} modules ({type(taken[0]).__name__}, ...) already have a forward of their own "
+                           "(another engine on this model, or another library's patch)")
     for module, forward in forwards.items():
         vars(module)["forward"] = forward
     try:
@@ -199,17 +214,18 @@ def replaced_forwards(forwards: dict[torch.nn.Module, object]) -> Iterator[None]
 
 
 @contextmanager
-def linear_layers(model: torch.nn.Module, kind: str) -> Iterator[int]:
-    """The model's linear layers run as `kind` (STOCK, VOCABULARY_CHUNKS, ROW_BUCKETS or ONEDNN) while the block
-    runs; yields how many layers were switched. TILES is cbgen.model.invariant's."""
+def linear_layers(model: torch.nn.Module, kind: str, merged: MergedLinears | None = None) -> Iterator[int]:
+    """The model's linear layers (and `merged` ones in place of those they compute) run as `kind` (STOCK,
+    VOCABULARY_CHUNKS, ROW_BUCKETS or ONEDNN) while the block runs; yields how many layers were switched. TILES is
+    cbgen.model.invariant's."""
     forwards: dict[torch.nn.Module, object] = {}
     if kind == ONEDNN:
-        for module in _linears(model):
+        for module in _linears(model, merged):
             forward = _onednn(module)
             if forward is not None:
                 forwards[module] = forward
     elif kind == ROW_BUCKETS:
-        forwards = {m: types.MethodType(_bucketed_forward, m) for m in _linears(model)
+        forwards = {m: types.MethodType(_bucketed_forward, m) for m in _linears(model, merged)
                     if m.weight.dtype in BUCKETED_DTYPES}
     elif kind == VOCABULARY_CHUNKS:
         head = _output_head(model)

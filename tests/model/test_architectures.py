@@ -1,7 +1,8 @@
 """Under the default attention choice, every architecture family cbgen expects gives fp32 greedy tokens identical to
 `model.generate`: plain (Llama, Qwen, OLMo 2, Granite), sliding-window (Mistral, Phi-3), hybrid sliding/full with
 soft-capping (Gemma 2, Gemma 3), attention sinks (gpt-oss) and MoE (Qwen3-MoE, Mixtral). The prompts are longer
-than the sliding windows (16 tokens), so the windows bind."""
+than the sliding windows (16 tokens), so the windows bind. Llama, Qwen2, Qwen3 and Mistral run cbgen's fused decoder
+layers (cbgen.model.fused), the others transformers' own."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ TEXTS = [
     "pour in crushed tomatoes, season with salt, and let everything simmer gently for about twenty minutes.",
 ]
 NEW_TOKENS = 8
+FUSED = {"llama", "qwen2", "qwen3", "mistral"}  # the architectures cbgen's fused decoder layers serve
 
 
 @pytest.fixture
@@ -82,7 +84,9 @@ def test_default_attention_matches_generate(name, tiny_model_dir, tmp_path, per_
     out = tmp_path / "out"
     assert run_cli(["run", str(prompts), "-o", str(out), "--model", str(folder), "--dtype", "float32",
                     "--raw-prompts", "--max-new-tokens", str(NEW_TOKENS), "-q"]) == 0
-    assert json.loads((out / "run.json").read_text())["attention"] == attention
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["attention"] == attention
+    assert manifest["engine_scope"]["decoder_layers"]["fused"] is (name in FUSED), manifest["engine_scope"]
     assert any(per_sequence_calls) == (attention == "per-sequence")  # it computed, not only handed back
     rows = {r["id"]: r for r in read_shards(out)}
 
