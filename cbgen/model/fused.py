@@ -66,12 +66,13 @@ def _stock_forward(module: torch.nn.Module) -> bool:
     return "forward" not in vars(module) and getattr(forward, "__module__", "").startswith("transformers.models.")
 
 
-def _structure_reason(layer: torch.nn.Module) -> str | None:
+def _structure_reason(layer: Any) -> str | None:
     name = type(layer).__name__
     if name not in FUSED_ARCHITECTURES:
         return f"its decoder layers ({name}) are not one of {', '.join(sorted(FUSED_ARCHITECTURES))}"
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
+    parts: list[Any] = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(type(p) is not torch.nn.Linear for p in parts):
         return "its projections are not plain torch.nn.Linear layers (quantized or tensor-parallel)"
@@ -91,7 +92,7 @@ def _structure_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """transformers' Llama RMSNorm, operator for operator (so bitwise), with its float32 intermediate in place."""
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -112,7 +113,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class _Fused:
     """One decoder layer's fused forward: its merged projections and shapes."""
 
-    layer: torch.nn.Module
+    layer: Any  # the decoder layer (its self_attn, mlp and norms)
     qkv: torch.nn.Linear
     gate_up: torch.nn.Linear
     heads: int
@@ -188,7 +189,7 @@ def _unmerged(parts: list[torch.nn.Linear]) -> None:
                 p.bias.data = p.bias.data.clone()
 
 
-def _window(layer: torch.nn.Module) -> dict[str, Any]:
+def _window(layer: Any) -> dict[str, Any]:
     source = FUSED_ARCHITECTURES[type(layer).__name__]
     attn = layer.self_attn
     if source == "config":
@@ -198,7 +199,7 @@ def _window(layer: torch.nn.Module) -> dict[str, Any]:
     return {}
 
 
-def _build(layer: torch.nn.Module) -> tuple[_Fused, list[list[torch.nn.Linear]]]:
+def _build(layer: Any) -> tuple[_Fused, list[list[torch.nn.Linear]]]:
     attn, mlp = layer.self_attn, layer.mlp
     groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
     qkv, gate_up = (_merged(group) for group in groups)
@@ -208,7 +209,7 @@ def _build(layer: torch.nn.Module) -> tuple[_Fused, list[list[torch.nn.Linear]]]
     return fused, groups
 
 
-def _probe_reason(layer: torch.nn.Module) -> str | None:
+def _probe_reason(layer: Any) -> str | None:
     """Why the fused pieces do not compute what this layer's stock ones do (random inputs, the layer's own weights
     and dtype), or None."""
     attn = layer.self_attn
@@ -261,8 +262,9 @@ def fused_layers(model: torch.nn.Module) -> Iterator[MergedLinears]:
     from cbgen.model.linear import replaced_forwards
 
     built = [_build(layer) for layer in decoder_layers(model)]
-    forwards = {fused.layer: types.MethodType(lambda self, *a, _f=fused, **k: _f.forward(*a, **k), fused.layer)
-                for fused, _ in built}
+    forwards: dict[torch.nn.Module, object] = {
+        fused.layer: types.MethodType(lambda self, *a, _f=fused, **k: _f.forward(*a, **k), fused.layer)
+        for fused, _ in built}
     try:
         with replaced_forwards(forwards):
             yield MergedLinears(tuple(linear for fused, _ in built for linear in (fused.qkv, fused.gate_up)),
