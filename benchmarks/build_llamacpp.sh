@@ -7,7 +7,8 @@
 #   3. installs llama-cpp-python's Python bindings into the current environment without building the library a
 #      second time, and puts the libraries built in step 2 beside them;
 #   4. converts the embedded SmolLM2-135M, as cbgen loads it (dequantised from its Q4_1 GGUF), to f32 and bf16 GGUF
-#      files with llama.cpp's own convert_hf_to_gguf.py, so that both engines run the same weights.
+#      files with llama.cpp's own convert_hf_to_gguf.py, so that both engines run the same weights; and to Q8_0,
+#      the quantization a llama.cpp user would pick on a CPU (the `llamacpp-q8_0` path of cbgen bench).
 #
 # Usage:  bash benchmarks/build_llamacpp.sh          (about 15-25 minutes on 2 cores; CI does not run it)
 # Then:   cbgen bench --workloads fixed --paths cbgen,llamacpp
@@ -45,7 +46,7 @@ mkdir -p "$LIB"
 cp -P "$DIR"/build/bin/lib*.so* "$LIB"/
 "$PY" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'loads its library')"
 
-echo "== converting the embedded SmolLM2-135M to f32 and bf16 GGUF"
+echo "== converting the embedded SmolLM2-135M to f32, bf16 and Q8_0 GGUF"
 HF=$DIR/models/SmolLM2-135M-Instruct-hf
 if [ ! -f "$HF/config.json" ]; then
   HF_HUB_OFFLINE=1 "$PY" - "$HF" <<'EOF'
@@ -59,7 +60,7 @@ loaded.tokenizer.save_pretrained(sys.argv[1])
 EOF
 fi
 "$PY" -m pip install --quiet sentencepiece  # the converter imports it even for BPE tokenizers such as SmolLM2's
-for TYPE in f32 bf16; do
+for TYPE in f32 bf16 q8_0; do
   OUT=$DIR/models/SmolLM2-135M-Instruct-$TYPE.gguf
   if [ ! -f "$OUT" ] && ! PYTHONPATH="$SRC/vendor/llama.cpp/gguf-py" HF_HUB_OFFLINE=1 \
       "$PY" "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$HF" --outtype "$TYPE" --outfile "$OUT" > "$OUT.log" 2>&1; then

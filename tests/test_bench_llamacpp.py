@@ -118,6 +118,9 @@ def test_missing_gguf_is_named(tmp_path, monkeypatch):
     assert "build_llamacpp.sh" in reason
     assert find_gguf(str(tmp_path / "no.gguf"), embedded=False, dtype="float32")[1].startswith("--llamacpp-model")
     assert "--llamacpp-model" in find_gguf(None, embedded=False, dtype="float32")[1]
+    gguf, reason = find_gguf(None, embedded=True, dtype="q8_0")  # the llamacpp-q8_0 path's file
+    assert gguf is None and "SmolLM2-135M-Instruct-q8_0.gguf" in reason
+    assert "--llamacpp-q8-model" in find_gguf(None, embedded=False, dtype="q8_0")[1]
 
 
 @pytest.mark.slow
@@ -125,9 +128,10 @@ def test_bench_skips_llamacpp_with_its_reason(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setenv("CBGEN_LLAMACPP_DIR", str(tmp_path / "none"))
     out = tmp_path / "bench"
     code = run_cli(["bench", "--model", str(tiny_model_dir), "--size", "tiny", "--workloads", "fixed",
-                    "--paths", "cbgen,llamacpp", "-o", str(out)])
+                    "--paths", "cbgen,llamacpp,llamacpp-q8_0", "-o", str(out)])
     assert code == 0
     data = json.loads((out / "bench.json").read_text())
     assert [r["path"] for r in data["rows"]] == ["cbgen"]
     assert "--llamacpp-model" in data["meta"]["skipped"]["llamacpp"]  # a model folder: its GGUF must be named
+    assert "--llamacpp-q8-model" in data["meta"]["skipped"]["llamacpp-q8_0"]
     assert "llamacpp path skipped:" in capsys.readouterr().err

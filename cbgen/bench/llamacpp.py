@@ -23,6 +23,7 @@ from cbgen.errors import first_line
 
 BUILD_HINT = "bash benchmarks/build_llamacpp.sh builds it"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+QUANTIZED = "q8_0"  # the `llamacpp-q8_0` path: the quantization a llama.cpp user would run on a CPU
 
 
 def llamacpp_dir() -> Path:
@@ -38,13 +39,14 @@ def llamacpp_dir() -> Path:
 def find_gguf(explicit: str | None, embedded: bool, dtype: str) -> tuple[Path | None, str | None]:
     """(the GGUF file llama.cpp should run, None) or (None, why the path is skipped). Without --llamacpp-model, the
     embedded model's conversion in cbgen's dtype (f32 for float32, bf16 for bfloat16), so both run the same weights
-    in the same precision."""
+    in the same precision; `dtype` QUANTIZED: its Q8_0 conversion."""
+    flag = "--llamacpp-q8-model" if dtype == QUANTIZED else "--llamacpp-model"
     if explicit:
         path = Path(explicit).expanduser()
-        return (path, None) if path.is_file() else (None, f"--llamacpp-model: no file '{path}'")
+        return (path, None) if path.is_file() else (None, f"{flag}: no file '{path}'")
     if not embedded:
-        return None, "give the GGUF file of this model with --llamacpp-model"
-    kind = GGUF_TYPES.get(dtype)
+        return None, f"give the GGUF file of this model with {flag}"
+    kind = QUANTIZED if dtype == QUANTIZED else GGUF_TYPES.get(dtype)
     path = llamacpp_dir() / "models" / f"SmolLM2-135M-Instruct-{kind}.gguf"
     if kind is None or not path.is_file():
         return None, f"no {dtype} GGUF of the embedded model at '{path}' ({BUILD_HINT})"

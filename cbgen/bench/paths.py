@@ -31,6 +31,8 @@ from cbgen.prompts import LOOKAHEAD, prefix_aware_order
 from cbgen.records import PromptRecord, Request
 from cbgen.request_settings import RequestSettings
 
+LLAMACPP_QUANTIZED = "llamacpp-q8_0"  # llama.cpp on the Q8_0 GGUF: the quantization a llama.cpp user would run
+
 # the sampling workload's variants: path suffix, temperature, seed, --batch-invariant
 SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0.8, 1, False),
             ("-seeded-invariant", 0.8, 1, True))
@@ -228,8 +230,8 @@ class Bench:
         return Measurement(workload.name, f"static-{batch_size}", seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated)
 
-    def llamacpp(self, workload: BenchWorkload, gguf: Path, parallel: int, reference: Measurement | None = None
-                 ) -> Measurement:
+    def llamacpp(self, workload: BenchWorkload, gguf: Path, parallel: int, reference: Measurement | None = None,
+                 path: str = "llamacpp") -> Measurement:
         """The workload's token ids through llama.cpp (`gguf`), at most `parallel` sequences at a time, each stopping
         at its cap or end of sequence; `reference` (cbgen's measurement of the same workload) adds the share of
         requests whose greedy tokens are the same in both."""
@@ -251,7 +253,7 @@ class Bench:
         extra: dict[str, Any] = {"gguf": gguf.name, "llamacpp_parallel": min(parallel, n)}
         if reference is not None and "tokens" in reference.extra:
             extra["same_tokens_as_cbgen"] = same_share(run.tokens, reference.extra["tokens"])
-        return Measurement(workload.name, "llamacpp", run.seconds, n, sum(map(len, workload.prompts)),
+        return Measurement(workload.name, path, run.seconds, n, sum(map(len, workload.prompts)),
                            sum(map(len, run.tokens)), extra)
 
 
@@ -311,9 +313,11 @@ def run_suite(
     llamacpp_model: Path | None = None,
     llamacpp_parallel: int = 64,
     model: ModelSection | None = None,
+    llamacpp_quantized: Path | None = None,
 ) -> list[Measurement]:
-    """`llamacpp_model`: the GGUF file the `llamacpp` path runs (cbgen.bench.llamacpp.find_gguf); `model`: the
-    settings `loaded` was loaded with (--onednn-linear applies to every cbgen path)."""
+    """`llamacpp_model`: the GGUF file the `llamacpp` path runs (cbgen.bench.llamacpp.find_gguf), and
+    `llamacpp_quantized` the `llamacpp-q8_0` path's; `model`: the settings `loaded` was loaded with (--onednn-linear
+    applies to every cbgen path)."""
     bench = Bench(loaded, batching, model)
     results: list[Measurement] = []
     for workload in workloads:
@@ -340,11 +344,12 @@ def run_suite(
                 measured = bench.cbgen_invariant(workload, [m for m in results if m.workload == workload.name])
             elif path == "cbgen-onednn":
                 measured = bench.cbgen_onednn(workload, [m for m in results if m.workload == workload.name])
-            elif path == "llamacpp":
-                if llamacpp_model is None:
-                    raise CbgenError("the llamacpp path needs the GGUF file llama.cpp runs (--llamacpp-model)")
+            elif path in ("llamacpp", LLAMACPP_QUANTIZED):
+                gguf = llamacpp_model if path == "llamacpp" else llamacpp_quantized
+                if gguf is None:
+                    raise CbgenError(f"the {path} path needs the GGUF file llama.cpp runs (--llamacpp-model)")
                 reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
-                measured = [bench.llamacpp(workload, llamacpp_model, llamacpp_parallel, reference)]
+                measured = [bench.llamacpp(workload, gguf, llamacpp_parallel, reference, path)]
             else:
                 order = {"cbgen": "gated", "cbgen-ordered": "ordered", "cbgen-input-order": "input"}[path]
                 measured = ([bench.cbgen(workload, order)] if workload.schema is None

@@ -12,7 +12,7 @@ from rich.table import Table
 from cbgen.errors import CbgenError
 
 PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-invariant", "cbgen-onednn", "generate_batch", "static",
-         "llamacpp")
+         "llamacpp", "llamacpp-q8_0")
 
 
 def _split(value: str) -> list[str]:
@@ -47,6 +47,10 @@ def bench(
     llamacpp_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="GGUF", help="The GGUF file the llamacpp path runs. Default, for the embedded model: its f32 (or bf16, "
         "as --dtype) conversion made by benchmarks/build_llamacpp.sh.")] = None,
+    llamacpp_q8_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        metavar="GGUF", help="The GGUF file the llamacpp-q8_0 path runs (llama.cpp on 8-bit weights: what its users "
+        "pick on a CPU). Default, for the embedded model: its Q8_0 conversion made by "
+        "benchmarks/build_llamacpp.sh.")] = None,
     llamacpp_parallel: Annotated[int, typer.Option(min=1, max=256, help="Sequences llama.cpp keeps in flight.")] = 64,
     output_dir: Annotated[str, typer.Option("--output-dir", "-o", metavar="DIR",
                                             help="Where bench.json and bench.png go.")] = "cbgen-bench",
@@ -55,8 +59,9 @@ def bench(
     workloads, in one process with the same model and ContinuousBatchingConfig; print a table and write
     DIR/bench.json and DIR/bench.png.
 
-    The llamacpp path runs the same token ids through llama.cpp (built by benchmarks/build_llamacpp.sh); it is
-    skipped, with the reason, when llama.cpp or the GGUF file is missing.
+    The llamacpp path runs the same token ids through llama.cpp (built by benchmarks/build_llamacpp.sh) on the
+    same weights in the same precision, llamacpp-q8_0 on its 8-bit quantization (each with the share of greedy
+    answers equal to cbgen's); each is skipped, with the reason, when llama.cpp or the GGUF file is missing.
 
     Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
 
@@ -92,9 +97,11 @@ def bench(
         chosen = build_workloads(loaded.tokenizer, size, _split(workloads))
     except ValueError as e:
         raise CbgenError(f"--workloads: {e}") from None
-    gguf, reasons = None, {}  # why a chosen path cannot run here, or None
+    gguf, quantized, reasons = None, None, {}  # why a chosen path cannot run here, or None
     if "llamacpp" in chosen_paths:
         gguf, reasons["llamacpp"] = _llamacpp_ready(llamacpp_model, loaded)
+    if "llamacpp-q8_0" in chosen_paths:
+        quantized, reasons["llamacpp-q8_0"] = _llamacpp_ready(llamacpp_q8_model, loaded, quantized=True)
     if "cbgen-onednn" in chosen_paths:
         reasons["cbgen-onednn"] = _onednn_unready(loaded, settings)
     skipped = {path: reason for path, reason in reasons.items() if reason}
@@ -109,26 +116,29 @@ def bench(
         console.log(f"{m.workload:<14} {m.path:<18} {m.seconds:7.2f} s  {m.total_tokens_per_s:8.1f} tok/s")
 
     results = run_suite(loaded, chosen, chosen_paths, [int(b) for b in _split(static_batch_sizes)], batching, show,
-                        llamacpp_model=gguf, llamacpp_parallel=llamacpp_parallel, model=settings)
+                        llamacpp_model=gguf, llamacpp_parallel=llamacpp_parallel, model=settings,
+                        llamacpp_quantized=quantized)
     rows = summarise(results, flops_per_token, peak)
     scope = Bench(loaded, batching, settings).scope().describe()
     meta = meta_for(loaded, size, peak, batching, scope) | ({"skipped": skipped} if skipped else {})
     if gguf is not None:
         meta["llamacpp_model"] = str(gguf)
+    if quantized is not None:
+        meta["llamacpp_q8_0_model"] = str(quantized)
     json_path, png_path = write_outputs(rows, meta, Path(output_dir))
     _print_table(rows, meta, size)
     console.print(f"{meta['matmul_dtype']} matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}",
                   markup=False)
 
 
-def _llamacpp_ready(explicit: str | None, loaded):
-    """(the GGUF file for the llamacpp path, None) or (None, why the path is skipped)."""
-    from cbgen.bench.llamacpp import bindings, find_gguf
+def _llamacpp_ready(explicit: str | None, loaded, quantized: bool = False):
+    """(the GGUF file for the llamacpp path, or the llamacpp-q8_0 path's, None) or (None, why the path is skipped)."""
+    from cbgen.bench.llamacpp import QUANTIZED, bindings, find_gguf
     from cbgen.model import dtype_name
     from cbgen.model.source import EMBEDDED_NAME
 
     gguf, reason = find_gguf(explicit, loaded.source.name == EMBEDDED_NAME,
-                             dtype_name(loaded.dtype))
+                             QUANTIZED if quantized else dtype_name(loaded.dtype))
     if gguf is None:
         return None, reason
     if loaded.device != "cpu":
