@@ -4,7 +4,8 @@
    (sdpa, paged|eager, flash_attention_2 when installed) with CUDA graphs on and off, its greedy tokens checked
    against `model.generate` one prompt at a time (float32 where the attention allows it; bfloat16 for flash, where
    tokens may drift with batch composition, so the share that agrees is reported), and the KV cache the engine sized
-   from free device memory read back from run.json.
+   from free device memory read back from run.json, with the decoder layers run.json names: cbgen's fused layers
+   (cbgen.model.fused) are written and proven for CPU only, so on CUDA they must say off (transformers' layers).
 2. Batch invariance: the same 16 prompts (seeded samples with logprobs, and greedy) at up to 16 and at 3 requests
    per batch, shuffled, in bfloat16 with the attention cbgen picks on this device, bitwise compared: with the stock
    numerics, with cbgen's fixed-shape linear tiles (cbgen.model.invariant; the attention stays the device's), and,
@@ -90,11 +91,16 @@ def smoke(work: Path, device: str, graphs: list[bool], quick: bool) -> list[dict
             got = {int(r["id"]): r.get("token_ids") for r in read_shards(out)} if code == 0 else {}
             # an end-of-sequence token stops cbgen's request early; the reference runs on: compare what both have
             same = sum(bool(got.get(i)) and got[i] == ref[:len(got[i])] for i, ref in enumerate(references[dtype]))
-            kv = json.loads((out / "run.json").read_text()).get("kv_cache") if (out / "run.json").exists() else None
+            manifest = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+            kv = manifest.get("kv_cache")
             kv = {key: kv.get(key) for key in ("chosen_by", "num_blocks", "page_size", "bytes")} if kv else None
+            layers = manifest.get("engine_scope", {}).get("decoder_layers", {})
+            fused_ok = layers.get("fused") is (device == "cpu")  # the embedded shape is Llama: fused on CPU only
             rows.append({"check": f"smoke {attention}, {dtype}, cuda graphs {'on' if graph else 'off'}",
-                         "result": "ok" if code == 0 and len(got) == len(prompts) else f"exit {code}",
-                         "detail": f"{same}/{len(prompts)} greedy = model.generate; {seconds:.1f} s; KV {kv}"})
+                         "result": ("ok" if code == 0 and len(got) == len(prompts) and fused_ok
+                                    else f"exit {code}" if code else "FAIL: fused layers off CPU"),
+                         "detail": f"{same}/{len(prompts)} greedy = model.generate; {seconds:.1f} s; KV {kv}; "
+                                   f"decoder layers {layers.get('why')}"})
     return rows
 
 
