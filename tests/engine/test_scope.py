@@ -171,7 +171,8 @@ def test_the_plan_is_what_run_json_records(tiny_model_dir, tmp_path):
         "batch_invariant": {"on": True, "why": "on: a seeded job (--no-batch-invariant turns it off)"},
         "linear": "fixed-shape tiles of 64 rows (batch-invariant)",
         "dense_attention_mask": "not built: cbgen's per-sequence attention does not read it",
-        "kv_cache_memory": "as used, freed blocks given back"}
+        "kv_cache_memory": "as used, freed blocks given back",
+        "decoder_layers": {"fused": True, "why": "on: the model's layers fit it (--no-fused-layers turns it off)"}}
     assert manifest["attention"] == manifest["engine_scope"]["attention"]
     assert manifest["model"]["linear"] == manifest["engine_scope"]["linear"]
     assert manifest["batch_invariant"] == manifest["engine_scope"]["batch_invariant"]
