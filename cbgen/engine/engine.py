@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
 from cbgen.engine.manager import CacheFacts, ManagerSpec, drain, live_lengths, loop_error, start_manager, stop_manager
+from cbgen.engine.openmp import release_caller_pool
 from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
@@ -198,7 +199,9 @@ class Engine:
         return None
 
     def _collect(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
-        """Waits briefly for one result and yields the request it completes, if any."""
+        """Waits briefly for one result (the caller's idle OpenMP workers freed first: cbgen.engine.openmp) and yields
+        the request it completes, if any."""
+        release_caller_pool()
         result = self.manager.get_result(timeout=0.05)
         if result is None:
             if not self.manager.is_running():

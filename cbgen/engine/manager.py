@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cbgen.engine.openmp import release_caller_pool
 from cbgen.engine.scope import EngineScope, ScopePlan
 from cbgen.quiet import quiet
 
@@ -68,6 +69,7 @@ def start_manager(model: CausalLM, spec: ManagerSpec, scope: EngineScope, contro
                          if isinstance(v, (int, float, str, bool, tuple, type(None)))},
     )
     manager.start()
+    release_caller_pool()  # the warm-up's OpenMP workers, idle from now on (cbgen.engine.openmp)
     return manager, facts
 
 
