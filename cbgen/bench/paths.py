@@ -347,7 +347,8 @@ def run_suite(
             elif path in ("llamacpp", LLAMACPP_QUANTIZED):
                 gguf = llamacpp_model if path == "llamacpp" else llamacpp_quantized
                 if gguf is None:
-                    raise CbgenError(f"the {path} path needs the GGUF file llama.cpp runs (--llamacpp-model)")
+                    flag = "--llamacpp-model" if path == "llamacpp" else "--llamacpp-q8-model"
+                    raise CbgenError(f"the {path} path needs the GGUF file llama.cpp runs ({flag})")
                 reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
                 measured = [bench.llamacpp(workload, gguf, llamacpp_parallel, reference, path)]
             else:

@@ -28,7 +28,6 @@ Elsewhere the model keeps transformers' layers, and run.json says why.
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cbgen.model.linear import MergedLinears
 
@@ -121,6 +121,7 @@ class _Fused:
     head_dim: int
     intermediate: int
     window: dict[str, Any]
+    eager: Any  # the model's own eager attention: what transformers falls back to when no other is registered
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool | None = False,
@@ -144,11 +145,7 @@ class _Fused:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        module = sys.modules[type(attn).__module__]
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                          module.eager_attention_forward)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         attended, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                                 **self.window, **kwargs)
         hidden = attn.o_proj(attended.reshape(*shape, -1).contiguous())
@@ -205,7 +202,8 @@ def _build(layer: Any) -> tuple[_Fused, list[list[torch.nn.Linear]]]:
     qkv, gate_up = (_merged(group) for group in groups)
     config = attn.config
     fused = _Fused(layer, qkv, gate_up, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                   head_dim=attn.head_dim, intermediate=mlp.gate_proj.out_features, window=_window(layer))
+                   head_dim=attn.head_dim, intermediate=mlp.gate_proj.out_features, window=_window(layer),
+                   eager=sys.modules[type(attn).__module__].eager_attention_forward)
     return fused, groups
 
 
@@ -261,11 +259,12 @@ def fused_layers(model: torch.nn.Module) -> Iterator[MergedLinears]:
     the layers' forwards are transformers' again and each projection owns its weights."""
     from cbgen.model.linear import replaced_forwards
 
-    built = [_build(layer) for layer in decoder_layers(model)]
-    forwards: dict[torch.nn.Module, object] = {
-        fused.layer: types.MethodType(lambda self, *a, _f=fused, **k: _f.forward(*a, **k), fused.layer)
-        for fused, _ in built}
+    built: list[tuple[_Fused, list[list[torch.nn.Linear]]]] = []
     try:
+        for layer in decoder_layers(model):
+            built.append(_build(layer))  # inside the try: a layer that fails leaves the merged ones put back
+        # each layer's forward is its _Fused's bound method: the layer's own arguments, no wrapper in between
+        forwards: dict[torch.nn.Module, object] = {fused.layer: fused.forward for fused, _ in built}
         with replaced_forwards(forwards):
             yield MergedLinears(tuple(linear for fused, _ in built for linear in (fused.qkv, fused.gate_up)),
                                 frozenset(id(part) for _, groups in built for group in groups for part in group))
