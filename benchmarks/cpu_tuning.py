@@ -1,6 +1,6 @@
 """Which ContinuousBatchingConfig settings give the most throughput on this CPU, through cbgen's engine path.
 
-The workload is the one of DESIGN.md's llama.cpp comparison: 64 sequences of 128 prompt tokens, 64 new tokens each
+The workload is the one of the llama.cpp comparison (docs/performance.md): 64 sequences of 128 prompt tokens, 64 new tokens each
 (end-of-sequence disabled, so every sequence generates exactly 64), embedded SmolLM2-135M. Prints prompt + generated
 tokens/s and model FLOP utilisation for each setting, all measured in one process.
 

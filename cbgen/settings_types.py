@@ -45,11 +45,19 @@ class ModelSettings(TypedDict, total=False):
     # and residuals in place. The same operators as transformers', so greedy tokens match it; the merged matmuls may
     # round differently in the last bit. Default: on where the model fits (run.json says why not).
     fused_layers: bool | None
+    # model.compiled_attention: On CPU, attend with cbgen's compiled kernel: every query row of a step in one call per
+    # layer, keys and values read where they lie in the paged cache, each row's result depending on its own keys only
+    # (batch-invariant by construction). Built from C++ on first use (about 20 s with g++, cached under
+    # $CBGEN_CACHE_DIR/kernels). Default: on where it builds and fits the model; without a compiler, or for a model it
+    # does not fit, cbgen's eager CPU attention runs and run.json says why.
+    compiled_attention: bool | None
     # model.batch_invariant: Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's
     # attention in a call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same
-    # whatever shares its batches (batch limits, input order, resume, shards, --data-parallel). Costs time
-    # (docs/performance.md). Default: on for seeded jobs (--seed) where cbgen's CPU attention runs, else off. Not with
-    # --tp. For cbgen score: every row in a forward pass of its own, so its scores do not depend on the other rows.
+    # whatever shares its batches (batch limits, input order, resume, shards, --data-parallel). Default: on for every
+    # job where cbgen's compiled attention runs (it is invariant by construction, so only the linear tiles cost); else
+    # on for seeded jobs (--seed) where cbgen's eager CPU attention runs, off otherwise (docs/performance.md: the
+    # cost). Not with --tp. For cbgen score: every row in a forward pass of its own, so its scores do not depend on
+    # the other rows.
     batch_invariant: bool | None
     # model.tp_size: Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m
     # cbgen run ... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress.

@@ -8,7 +8,12 @@ prefill uses `enable_gqa=True`.
 
 Why: on CPU the engine runs as `paged|sdpa`, whose attention scores the whole packed batch against the keys of every
 request with one dense mask: a decode step of P requests of length L costs O(P²·L) and discards (P-1)/P of it, and
-GQA is expanded with `repeat_kv`. That attention was 70% of a decode step at 64 sequences (see DESIGN.md §2).
+GQA is expanded with `repeat_kv`. That attention was 70% of a decode step at 64 sequences (torch.profiler on a
+2-core CPU, the embedded model in bf16: ~367 ms a step).
+
+Three functions serve it: the compiled kernel (cbgen.attention.compiled: the whole step in one C++ call per layer,
+reading the paged cache in place, batch-invariant by construction), used wherever it builds and fits the model; and,
+where it does not, the eager per-sequence path below or its batch-invariant variant (cbgen.attention.invariant).
 
 How it is selected: the engine accepts only `sdpa`, `paged|eager` or flash names, so the function is bound under
 `"sdpa"` for one model, through the public `transformers.AttentionInterface`, inside `per_sequence_attention(model)`
@@ -28,27 +33,31 @@ from contextlib import contextmanager
 
 import torch
 
+from cbgen.attention.compiled import compiled_attention_unavailable_reason, compiled_sdpa_forward
 from cbgen.attention.pass_memo import watch
 from cbgen.attention.per_sequence import batch_invariant_sdpa_forward, per_sequence_sdpa_forward
 from cbgen.attention.registry import bound
 from cbgen.attention.support import cpu_attention_available, cpu_attention_unavailable_reason
 
-__all__ = ["batch_invariant_sdpa_forward", "cpu_attention_available", "cpu_attention_unavailable_reason",
-           "per_sequence_attention", "per_sequence_sdpa_forward"]
+__all__ = ["batch_invariant_sdpa_forward", "compiled_attention_unavailable_reason", "compiled_sdpa_forward",
+           "cpu_attention_available", "cpu_attention_unavailable_reason", "per_sequence_attention",
+           "per_sequence_sdpa_forward"]
 
 logger = logging.getLogger(__name__)
 
 
 @contextmanager
-def per_sequence_attention(model: torch.nn.Module, *, required: bool = False,
-                           invariant: bool = False) -> Iterator[bool]:
+def per_sequence_attention(model: torch.nn.Module, *, required: bool = False, invariant: bool = False,
+                           compiled: bool = False) -> Iterator[bool]:
     """Serves the model's continuous-batching attention per sequence while the block runs; yields whether it does.
 
     Enter it around the whole life of a `ContinuousBatchingManager` (its generation thread looks the attention
     function up at every forward pass); on exit the model attends as before. When the model is not supported (see
     `cpu_attention_unavailable_reason`), nothing is installed and the block runs on the stock attention; with
     `required=True` that raises `RuntimeError` instead. `invariant`: every token attended batch-invariantly
-    (cbgen.attention.invariant). Another engine holding the same model with the other function raises CbgenError.
+    (cbgen.attention.invariant). `compiled`: the whole step in cbgen's compiled kernel (cbgen.attention.compiled),
+    invariant by construction; the caller has checked that it loaded. Another engine holding the same model with
+    another function raises CbgenError.
     """
     reason = cpu_attention_unavailable_reason(model)
     if reason is not None:
@@ -57,7 +66,9 @@ def per_sequence_attention(model: torch.nn.Module, *, required: bool = False,
         logger.info("per-sequence attention not used: %s", reason)
         yield False
         return
-    with bound(model, "sdpa", batch_invariant_sdpa_forward if invariant else per_sequence_sdpa_forward):
+    function = compiled_sdpa_forward if compiled else (
+        batch_invariant_sdpa_forward if invariant else per_sequence_sdpa_forward)
+    with bound(model, "sdpa", function):
         unwatch = watch(model)
         try:
             yield True

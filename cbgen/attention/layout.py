@@ -17,6 +17,9 @@ class StepLayout:
     k_starts: list[int]
     k_lengths: list[int]
     window: int | None  # sliding window of this layer, as the stock mask applies it, or None
+    # the absolute position of each request's first key (0 in a full-attention layer; where the window starts in a
+    # sliding one), or None when the engine passed no positions to read it from
+    first_positions: list[int] | None = None
 
     # Derived once per batch: the batch is worked out once per forward pass (pass_memo), its layers all read these
 

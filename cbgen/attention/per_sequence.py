@@ -55,7 +55,7 @@ def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | Non
     return layer_type, (window if window > 1 else None)  # the stock mask ignores windows of 1
 
 
-def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> StepLayout | None:
+def step_layout(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> StepLayout | None:
     """Reads the packed layout from the engine's arguments, or None when the call is not one this path handles.
     Worked out once per forward pass and layer type (cbgen.attention.pass_memo)."""
     config = getattr(module, "config", None)
@@ -86,7 +86,7 @@ def _layout(config: Any, layer_type: str, window: int | None, num_tokens: int,
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     if bounds_q[0] != 0 or bounds_k[0] != 0 or bounds_q[-1] > num_tokens:
         return None
-    batch = StepLayout([], [], [], [], window)
+    batch = StepLayout([], [], [], [], window, [])
     for i in range(len(bounds_q) - 1):
         q_length, k_length = bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i]
         if q_length == 0 and k_length == 0:
@@ -109,10 +109,15 @@ def _layout(config: Any, layer_type: str, window: int | None, num_tokens: int,
             kept = past if layer_type == FULL_ATTENTION else min(past, (config.sliding_window or 1) - 1)
             if k_length != q_length + kept:
                 return None
+            batch.first_positions.append(past - kept)  # type: ignore[union-attr]
+    elif layer_type == FULL_ATTENTION:
+        batch.first_positions = [0] * len(batch.q_lengths)  # a full layer's keys start at its request's first token
+    else:
+        batch.first_positions = None
     return batch
 
 
-def _handles(
+def handled_call(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,8 +170,8 @@ def per_sequence_sdpa_forward(
     """
     stock = registry.stock("sdpa")
     batch = None
-    if _handles(module, query, key, value, dropout, position_bias, cache, kwargs):
-        batch = _plan(module, query, key, kwargs)
+    if handled_call(module, query, key, value, dropout, position_bias, cache, kwargs):
+        batch = step_layout(module, query, key, kwargs)
     if batch is None:
         refuse_stock_without_mask(is_causal, cache)
         return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

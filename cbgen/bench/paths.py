@@ -2,10 +2,10 @@
 with `model.generate`, measured side by side in one process, model load excluded from all.
 
 Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
-(input order, no gate), `cbgen-invariant` (the `cbgen` path with --batch-invariant), `cbgen-onednn` (the `cbgen`
-path with every float32 linear layer through oneDNN, on the same loaded model), `generate_batch` (transformers' entry
-point, same ContinuousBatchingConfig), `static-B` (`model.generate` on left-padded batches of B prompts, in input
-order) and `llamacpp` (the same token ids through llama.cpp: cbgen.bench.llamacpp).
+(input order, no gate), the `cbgen` path with one setting changed on the same loaded model (VARIANTS:
+`cbgen-invariant`, `cbgen-variant`, `cbgen-eager`, `cbgen-onednn`), `generate_batch` (transformers' entry point,
+same ContinuousBatchingConfig), `static-B` (`model.generate` on left-padded batches of B prompts, in input order) and
+`llamacpp` (the same token ids through llama.cpp: cbgen.bench.llamacpp).
 """
 
 from __future__ import annotations
@@ -33,6 +33,18 @@ from cbgen.request_settings import RequestSettings
 
 LLAMACPP_QUANTIZED = "llamacpp-q8_0"  # llama.cpp on the Q8_0 GGUF: the quantization a llama.cpp user would run
 
+# The cbgen path with settings changed, on the same loaded model: path -> (what it measures, the `Bench.cbgen`
+# keywords). Each runs after a warm-up of its own and adds the share of requests whose greedy tokens equal the
+# cbgen path's, when that ran earlier on the workload.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cbgen-invariant": ("--batch-invariant", {"invariant": True}),
+    "cbgen-variant": ("--no-batch-invariant: stock linear layers (the compiled attention stays)", {"invariant": False}),
+    "cbgen-eager": ("--no-compiled-attention --no-batch-invariant: cbgen's eager CPU attention, stock linear layers",
+                    {"invariant": False, "compiled": False}),
+    "cbgen-onednn": ("--onednn-linear: every float32 or bfloat16 linear layer through oneDNN, weights prepacked",
+                     {"onednn": True}),
+}
+
 # the sampling workload's variants: path suffix, temperature, seed, --batch-invariant
 SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0.8, 1, False),
             ("-seeded-invariant", 0.8, 1, True))
@@ -40,11 +52,13 @@ SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0
 
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
          invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-         model: ModelSection | None = None, onednn: bool = False) -> JobConfig:
+         model: ModelSection | None = None, onednn: bool = False, compiled: bool | None = None) -> JobConfig:
     job = JobConfig()
     if model is not None:
         job.model = dataclasses.replace(model)
     job.model.onednn_linear = job.model.onednn_linear or onednn
+    if compiled is not None:
+        job.model.compiled_attention = compiled
     job.generation.max_new_tokens = workload.max_new_tokens
     job.generation.temperature, job.generation.seed = sampling
     job.batching = dict(batching)
@@ -86,13 +100,13 @@ class Bench:
 
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False) -> tuple[JobConfig, JobPlan, list[Request]]:
+              onednn: bool = False, compiled: bool | None = None) -> tuple[JobConfig, JobPlan, list[Request]]:
         """The plan `cbgen run` would make for these prompts (cbgen.planning), under the workload's schema when
         `constrained`, and the requests rendered as it renders them."""
         from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
         from cbgen.prompts import Renderer
 
-        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn)
+        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -107,12 +121,13 @@ class Bench:
 
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False) -> Measurement:
+              onednn: bool = False, compiled: bool | None = None) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
-        `cbgen run` does it while reading). `invariant`: --batch-invariant (True: path cbgen-invariant) or not;
-        `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear."""
+        `cbgen run` does it while reading). `invariant`: --batch-invariant or --no-batch-invariant (None: the
+        default); `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear; `compiled`:
+        --compiled-attention or --no-compiled-attention."""
         job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
-                                         invariant=invariant, sampling=sampling, onednn=onednn)
+                                         invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled)
         grammars = plan.steps.make_grammars(self.loaded.tokenizer) if plan.steps is not None else None
         engine = Engine.for_tokenizer(self.loaded.model, self.loaded.tokenizer, plan.engine.settings,
                                       grammars=grammars)
@@ -133,8 +148,6 @@ class Bench:
             stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
-        if invariant and sampling == (None, None):
-            path = path.replace("cbgen", "cbgen-invariant", 1)
         extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens}
         if grammars is not None:
             path += "-json-schema"
@@ -145,17 +158,22 @@ class Bench:
         return Measurement(workload.name, path, seconds, len(workload.prompts),
                            sum(map(len, workload.prompts)), generated, extra)
 
-    def cbgen_invariant(self, workload: BenchWorkload, earlier: Sequence[Measurement]) -> list[Measurement]:
-        """The cbgen path with --batch-invariant (none under a schema), after a warm-up of its own; it adds the share
-        of requests whose greedy tokens equal the cbgen path's, when that ran earlier on this workload."""
-        if workload.schema is not None:
+    def variant(self, workload: BenchWorkload, path: str, earlier: Sequence[Measurement]) -> list[Measurement]:
+        """The cbgen path with the settings of VARIANTS[path], after a warm-up of its own (under a schema only for
+        cbgen-onednn); each row adds the share of requests whose greedy tokens equal those of the same path without
+        the change, when it ran earlier on this workload (`earlier`)."""
+        settings = VARIANTS[path][1]
+        if workload.schema is not None and path != "cbgen-onednn":
             return []
-        self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", invariant=True)
-        measured = self.cbgen(workload, invariant=True)
-        reference = next((m for m in earlier if m.path == "cbgen"), None)
-        if reference is not None:
-            measured.extra["same_tokens_as_cbgen"] = same_share(measured.extra["tokens"], reference.extra["tokens"])
-        return [measured]
+        self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", **settings)
+        measured = ([self.cbgen(workload, **settings)] if workload.schema is None
+                    else self.structured(workload, **settings))
+        for m in measured:
+            reference = next((r for r in earlier if r.path == m.path and "tokens" in r.extra), None)
+            m.path = m.path.replace("cbgen", path, 1)
+            if reference is not None:
+                m.extra["same_tokens_as_cbgen"] = same_share(m.extra["tokens"], reference.extra["tokens"])
+        return measured
 
     def sampling(self, workload: BenchWorkload) -> list[Measurement]:
         """The workload greedy, sampled, seeded and seeded batch-invariant (SAMPLING), each after a warm-up of its
@@ -169,28 +187,14 @@ class Bench:
             measured.append(m)
         return measured
 
-    def structured(self, workload: BenchWorkload, order: str = "gated", onednn: bool = False) -> list[Measurement]:
+    def structured(self, workload: BenchWorkload, order: str = "gated", **settings: Any) -> list[Measurement]:
         """The workload under its schema, then as free text capped request by request at the constrained answer's
-        length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks."""
-        constrained = self.cbgen(workload, order, constrained=True, onednn=onednn)
+        length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks.
+        `settings`: `cbgen`'s keywords (a VARIANTS path's)."""
+        constrained = self.cbgen(workload, order, constrained=True, **settings)
         caps = [len(tokens) for tokens in constrained.extra["tokens"]]
         free = BenchWorkload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
-        return [self.cbgen(free, order, onednn=onednn), constrained]
-
-    def cbgen_onednn(self, workload: BenchWorkload, earlier: Sequence[Measurement]) -> list[Measurement]:
-        """The cbgen path with every float32 or bfloat16 linear layer through oneDNN (--onednn-linear: its engine
-        packs the weights when it starts, and puts the layers back when it ends), after a warm-up of its own. Each row
-        adds the share of requests whose greedy tokens equal those of the same path without oneDNN, when it ran
-        earlier on this workload (`earlier`)."""
-        self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", onednn=True)
-        measured = ([self.cbgen(workload, onednn=True)] if workload.schema is None
-                    else self.structured(workload, onednn=True))
-        for m in measured:
-            reference = next((r for r in earlier if r.path == m.path and "tokens" in r.extra), None)
-            m.path = m.path.replace("cbgen", "cbgen-onednn", 1)
-            if reference is not None:
-                m.extra["same_tokens_as_cbgen"] = same_share(m.extra["tokens"], reference.extra["tokens"])
-        return measured
+        return [self.cbgen(free, order, **settings), constrained]
 
     def generate_batch(self, workload: BenchWorkload) -> Measurement:
         """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
@@ -340,10 +344,8 @@ def run_suite(
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
             elif path == "generate_batch":
                 measured = [bench.generate_batch(workload)]
-            elif path == "cbgen-invariant":
-                measured = bench.cbgen_invariant(workload, [m for m in results if m.workload == workload.name])
-            elif path == "cbgen-onednn":
-                measured = bench.cbgen_onednn(workload, [m for m in results if m.workload == workload.name])
+            elif path in VARIANTS:
+                measured = bench.variant(workload, path, [m for m in results if m.workload == workload.name])
             elif path in ("llamacpp", LLAMACPP_QUANTIZED):
                 gguf = llamacpp_model if path == "llamacpp" else llamacpp_quantized
                 if gguf is None:

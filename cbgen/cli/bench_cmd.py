@@ -11,8 +11,9 @@ from rich.table import Table
 
 from cbgen.errors import CbgenError
 
-PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-invariant", "cbgen-onednn", "generate_batch", "static",
-         "llamacpp", "llamacpp-q8_0")
+# the cbgen-* variants are cbgen.bench.paths.VARIANTS (kept equal by a test; that module imports torch)
+PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-invariant", "cbgen-variant", "cbgen-eager",
+         "cbgen-onednn", "generate_batch", "static", "llamacpp", "llamacpp-q8_0")
 
 
 def _split(value: str) -> list[str]:
@@ -34,7 +35,10 @@ def bench(
                                            "over padded batches as the static path).")] = (
         "mixed,shared-prefix,long-prompt,many-small"
     ),
-    paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}.")]
+    paths: Annotated[str, typer.Option(help=f"Comma-separated paths, from: {', '.join(PATHS)}. cbgen-invariant, "
+                                       "cbgen-variant (--no-batch-invariant), cbgen-eager (--no-compiled-attention "
+                                       "--no-batch-invariant) and cbgen-onednn are the cbgen path with that setting, "
+                                       "on the same loaded model.")]
     = "cbgen,generate_batch,static",
     static_batch_sizes: Annotated[str, typer.Option(help="Batch sizes for the static path.")] = "8,16,32",
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="As for cbgen run.")] = None,  # noqa: UP045
@@ -66,6 +70,8 @@ def bench(
     Example: cbgen bench --size small --paths cbgen,cbgen-ordered,generate_batch,static
 
     Example: cbgen bench --workloads fixed --paths cbgen,llamacpp
+
+    Example: cbgen bench --workloads fixed,mixed --paths cbgen,cbgen-variant,cbgen-eager
 
     Example: cbgen bench --workloads scoring --paths cbgen,static --static-batch-sizes 8,16
     """

@@ -19,8 +19,8 @@ from cbgen.config import JobConfig, page_size
 from cbgen.config.cpu import cpu_row
 from cbgen.engine.engine import EngineSettings
 from cbgen.engine.manager import ManagerSpec
+from cbgen.engine.scope import COMPILED, CPU_ATTENTION, PER_SEQUENCE_INVARIANT, SOFT_CAPPED, STOCK, ScopePlan
 from cbgen.engine.scope import PER_SEQUENCE as PER_SEQUENCE_ATTENTION
-from cbgen.engine.scope import PER_SEQUENCE_INVARIANT, SOFT_CAPPED, STOCK, ScopePlan
 from cbgen.errors import CbgenError
 from cbgen.model import dtype_name
 from cbgen.model.load import PER_SEQUENCE, LoadedModel
@@ -90,9 +90,9 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
     max_positions = getattr(text_config, "max_position_embeddings", None)
     generation_config, eos = build_generation_config(job, loaded, sampling)
     batching = dict(job.batching)
-    attention = attention_choice(job, loaded)
+    attention, kernel_why = attention_choice(job, loaded)
     if loaded.device == "cpu":
-        for key, value in cpu_row().batching(attention == PER_SEQUENCE_ATTENTION).items():
+        for key, value in cpu_row().batching(attention in CPU_ATTENTION).items():
             batching.setdefault(key, value)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
@@ -103,7 +103,7 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
         batching.setdefault("use_cuda_graph", False)
         batching.setdefault("use_async_batching", False)
     cb_config = make_cb_config(batching, job, per_request=sampling.per_request)
-    scope = plan_scope(job, loaded, attention, compiled=_compiled(cb_config, generation_config))
+    scope = plan_scope(job, loaded, attention, compiled=_compiled(cb_config, generation_config), kernel_why=kernel_why)
     hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
     g = job.generation
@@ -138,22 +138,48 @@ def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingP
     return config, frozenset(eos)
 
 
-def attention_choice(job: JobConfig, loaded: LoadedModel) -> str:
-    """The attention the engine runs with (cbgen.engine.scope.ATTENTION_KINDS, before batch invariance): cbgen's
-    per-sequence attention by default on CPU where it applies, and when asked for by name (then it must apply);
-    transformers' paged eager attention with the soft-cap applied for models that soft-cap their scores; else stock."""
+def attention_choice(job: JobConfig, loaded: LoadedModel) -> tuple[str, str]:
+    """The attention the engine runs with (cbgen.engine.scope.ATTENTION_KINDS, before batch invariance), and why the
+    compiled kernel does or does not serve it: cbgen's per-sequence attention by default on CPU where it applies,
+    and when asked for by name (then it must apply), as the compiled kernel where it builds and fits the model
+    (asked for with --compiled-attention, it must); transformers' paged eager attention with the soft-cap applied for
+    models that soft-cap their scores; else stock."""
     from cbgen.attention import cpu_attention_unavailable_reason
     from cbgen.attention.softcap import softcap_fix_needed
 
     named = job.model.attn_implementation
-    if named == PER_SEQUENCE:
-        reason = cpu_attention_unavailable_reason(loaded.model)
-        if reason:
-            raise CbgenError(f"--attn-implementation {PER_SEQUENCE} does not apply here: {reason}; use sdpa")
-        return PER_SEQUENCE_ATTENTION
-    if named is None and loaded.device == "cpu" and cpu_attention_unavailable_reason(loaded.model) is None:
-        return PER_SEQUENCE_ATTENTION
-    return SOFT_CAPPED if softcap_fix_needed(loaded.model) else STOCK
+    reason = cpu_attention_unavailable_reason(loaded.model)
+    if named == PER_SEQUENCE and reason:
+        raise CbgenError(f"--attn-implementation {PER_SEQUENCE} does not apply here: {reason}; use sdpa")
+    if (named == PER_SEQUENCE or named is None and loaded.device == "cpu") and reason is None:
+        return kernel_choice(job, loaded)
+    why = f"off: cbgen's CPU attention does not serve this job ({reason or f'--attn-implementation {named}'})" \
+        if loaded.device == "cpu" else f"off: the kernel is for CPU, and this job runs on {loaded.device}"
+    if job.model.compiled_attention:
+        raise CbgenError(f"--compiled-attention does not apply here: {why.removeprefix('off: ')}; drop the flag")
+    return (SOFT_CAPPED if softcap_fix_needed(loaded.model) else STOCK), why
+
+
+def kernel_choice(job: JobConfig, loaded: LoadedModel) -> tuple[str, str]:
+    """cbgen's compiled attention where it builds and fits the model (cbgen.attention.compiled), else its eager
+    per-sequence attention; and why. Asked for (--compiled-attention), it must apply."""
+    from cbgen.attention import compiled_attention_unavailable_reason
+
+    asked = job.model.compiled_attention
+    if asked is False:
+        return PER_SEQUENCE_ATTENTION, "off (--no-compiled-attention)"
+    if job.model.tp_size > 1:
+        reason: str | None = "tensor parallelism runs the stock linear layers' sums across ranks"
+    else:
+        reason = compiled_attention_unavailable_reason(loaded.model)
+    if reason is not None:
+        if asked:
+            raise CbgenError(f"--compiled-attention does not apply here: {reason}; drop the flag")
+        return PER_SEQUENCE_ATTENTION, f"off: {reason}"
+    from cbgen.kernels import kernel
+
+    built = kernel("paged_attention").detail
+    return COMPILED, f"on ({built}; --no-compiled-attention turns it off)"
 
 
 def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tuple[bool, str]:
@@ -165,7 +191,7 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
     reason = None
     if job.model.tp_size > 1:
         reason = "tensor parallelism splits each sum across ranks"
-    elif attention != PER_SEQUENCE_ATTENTION:
+    elif attention not in CPU_ATTENTION:
         from cbgen.attention import cpu_attention_unavailable_reason
 
         named = job.model.attn_implementation
@@ -181,6 +207,9 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
         return False, f"off: {reason}"
     if asked:
         return True, "on (--batch-invariant)"
+    if attention == COMPILED:
+        return True, ("on: cbgen's compiled attention is invariant by construction, the linear layers run in fixed "
+                      "tiles (--no-batch-invariant turns it off)")
     if job.generation.seed is not None:
         return True, "on: a seeded job (--no-batch-invariant turns it off)"
     return False, "off: not a seeded job (--batch-invariant turns it on)"
@@ -245,14 +274,19 @@ def _compiled(cb_config: ContinuousBatchingConfig, generation_config: Generation
     ) or getattr(generation_config, "compile_config", None) is not None
 
 
-def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled: bool = False) -> ScopePlan:
-    """What cbgen installs for a job's engine (cbgen.engine.scope), given the attention it runs with."""
+def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled: bool = False,
+               kernel_why: str = "off") -> ScopePlan:
+    """What cbgen installs for a job's engine (cbgen.engine.scope), given the attention it runs with; `compiled`:
+    transformers compiles the forward pass (which needs its dense mask)."""
     invariant, why = invariance_choice(job, loaded, attention)
     fused, fused_why = fused_choice(job, loaded)
-    return ScopePlan(attention=PER_SEQUENCE_INVARIANT if invariant else attention, batch_invariant=invariant,
-                     invariant_why=why, linear=linear_choice(job, loaded, invariant),
-                     dense_mask=attention != PER_SEQUENCE_ATTENTION or compiled,
-                     lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why)
+    if attention == PER_SEQUENCE_ATTENTION and invariant:
+        attention = PER_SEQUENCE_INVARIANT
+    return ScopePlan(attention=attention, batch_invariant=invariant, invariant_why=why,
+                     linear=linear_choice(job, loaded, invariant),
+                     dense_mask=attention not in CPU_ATTENTION or compiled,
+                     lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why,
+                     kernel_why=kernel_why)
 
 
 def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:

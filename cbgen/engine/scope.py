@@ -5,7 +5,8 @@ serves the model, whether the numerics are batch-invariant, how its linear layer
 its dense attention mask, and whether the KV cache takes memory as it is used. `EngineScope` carries that out around
 the engine's whole life, and nothing of it outlives the scope:
 
-    attention        cbgen's function bound for this model in transformers' attention registry
+    attention        cbgen's function bound for this model in transformers' attention registry (its compiled kernel,
+                     cbgen.attention.compiled, or its eager per-sequence path)
                      (cbgen.attention.registry: a dispatcher routes each call by its model), with the per-pass
                      memo's forward hooks (cbgen.attention.pass_memo); or the soft-capped paged eager function
     dense mask       transformers told this model's manager needs no dense mask (cbgen.attention.dense_mask)
@@ -39,11 +40,13 @@ if TYPE_CHECKING:
 
     from cbgen.control.processor import StepControl
 
+COMPILED = "per-sequence, compiled kernel (batch-invariant by construction)"
 PER_SEQUENCE = "per-sequence"
 PER_SEQUENCE_INVARIANT = "per-sequence, batch-invariant"
 STOCK = "stock"
 SOFT_CAPPED = "stock, soft-capped"
-ATTENTION_KINDS = (PER_SEQUENCE, PER_SEQUENCE_INVARIANT, STOCK, SOFT_CAPPED)
+ATTENTION_KINDS = (COMPILED, PER_SEQUENCE, PER_SEQUENCE_INVARIANT, STOCK, SOFT_CAPPED)
+CPU_ATTENTION = (COMPILED, PER_SEQUENCE, PER_SEQUENCE_INVARIANT)  # cbgen's own: no dense mask, its CPU batch limits
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class ScopePlan:
     lazy_kv_cache: bool = False  # CPU: the KV cache takes RAM as pages are written, and gives back freed blocks'
     fused_layers: bool = False  # the decoder layers run cbgen's fused forward (cbgen.model.fused)
     fused_why: str = "off"
+    kernel_why: str = "off"  # why the compiled attention kernel serves the model, or why not
 
     def describe(self) -> dict[str, Any]:
         """What the scope installs, for run.json."""
@@ -68,7 +72,8 @@ class ScopePlan:
                 "dense_attention_mask": "built" if self.dense_mask
                 else "not built: cbgen's per-sequence attention does not read it",
                 "kv_cache_memory": "as used, freed blocks given back" if self.lazy_kv_cache else "all at start",
-                "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why}}
+                "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why},
+                "attention_kernel": {"compiled": self.attention == COMPILED, "why": self.kernel_why}}
 
 
 @dataclass
@@ -125,11 +130,12 @@ class EngineScope:
 
     def _install(self, stack: ExitStack) -> None:
         plan, model = self.plan, self.model
-        if plan.attention in (PER_SEQUENCE, PER_SEQUENCE_INVARIANT):
+        if plan.attention in CPU_ATTENTION:
             from cbgen.attention import per_sequence_attention
 
             stack.enter_context(per_sequence_attention(model, required=True,
-                                                       invariant=plan.attention == PER_SEQUENCE_INVARIANT))
+                                                       invariant=plan.attention == PER_SEQUENCE_INVARIANT,
+                                                       compiled=plan.attention == COMPILED))
         elif plan.attention == SOFT_CAPPED:
             from cbgen.attention.softcap import softcapped_paged_eager
 
@@ -155,13 +161,14 @@ class EngineScope:
 
     def check(self) -> None:
         """Raises RuntimeError unless what serves the model is what the plan asked for."""
-        from cbgen.attention import batch_invariant_sdpa_forward, per_sequence_sdpa_forward
+        from cbgen.attention import batch_invariant_sdpa_forward, compiled_sdpa_forward, per_sequence_sdpa_forward
         from cbgen.attention.dense_mask import built_for
         from cbgen.attention.registry import bound_function, serving
         from cbgen.attention.softcap import PAGED_EAGER, capped_paged_eager_forward
 
         plan, model = self.plan, self.model
         functions: dict[str, tuple[str, Callable[..., Any]]] = {
+            COMPILED: ("sdpa", compiled_sdpa_forward),
             PER_SEQUENCE: ("sdpa", per_sequence_sdpa_forward),
             PER_SEQUENCE_INVARIANT: ("sdpa", batch_invariant_sdpa_forward),
             SOFT_CAPPED: (PAGED_EAGER, capped_paged_eager_forward)}

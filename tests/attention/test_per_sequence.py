@@ -74,7 +74,7 @@ def generate(model, inputs: list[list[int]], **batching) -> list[tuple[list[int]
 def batches(monkeypatch) -> list[layout.StepLayout]:
     """Records the layout of every batch the per-sequence path computes (it returns None for calls it hands back)."""
     seen: list[layout.StepLayout] = []
-    plan = attention._plan
+    plan = attention.step_layout
 
     def recording(*args, **kwargs):
         batch = plan(*args, **kwargs)
@@ -82,7 +82,7 @@ def batches(monkeypatch) -> list[layout.StepLayout]:
         seen.append(batch)
         return batch
 
-    monkeypatch.setattr(attention, "_plan", recording)
+    monkeypatch.setattr(attention, "step_layout", recording)
     return seen
 
 
@@ -322,7 +322,7 @@ def test_unusual_calls_are_handed_to_stock(llama):
     paged = object.__new__(PagedAttentionCache)  # only its type matters to this check
 
     def handled(dropout: float = 0.0, position_bias=None, cache=paged, **kwargs) -> bool:
-        return attention._handles(module, query, key, value, dropout, position_bias, cache, kwargs)
+        return attention.handled_call(module, query, key, value, dropout, position_bias, cache, kwargs)
 
     assert handled(cu_seq_lens_q=torch.tensor([0, 6]), sliding_window=None)
     assert not handled(cache=None)  # plain model.generate / forward

@@ -56,14 +56,14 @@ def per_sequence_calls(monkeypatch) -> list[int]:
     import cbgen.attention.per_sequence as per_sequence
 
     computed = []
-    plan = per_sequence._plan
+    plan = per_sequence.step_layout
 
     def counting(*args, **kwargs):
         batch = plan(*args, **kwargs)
         computed.append(batch is not None)
         return batch
 
-    monkeypatch.setattr(per_sequence, "_plan", counting)
+    monkeypatch.setattr(per_sequence, "step_layout", counting)
     return computed
 
 

@@ -1,0 +1,151 @@
+"""cbgen's compiled CPU kernels, built on first use and cached: one C++ source per kernel, compiled with
+`torch.utils.cpp_extension` into a folder of cbgen's cache named by what the binary depends on (the source's hash,
+torch's version and the CPU capability torch dispatches to), then loaded into torch's operator registry.
+
+A warm start loads the cached library directly (no compiler, no ninja); a cold one compiles it (about 30-40 s on 2
+cores), while other processes asking for the same build wait on torch's lock in the build folder and then load it.
+Where nothing can be built (no compiler, a read-only cache, a failed build) the kernel is unavailable, with the
+reason, and callers keep transformers' or cbgen's eager path.
+
+The vector code is ATen's `at::vec`, compiled for the capability torch itself dispatches to on this machine
+(`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY`), never `-march=native`: a cache
+folder shared by machines of several kinds (a cluster's home directory) holds one build per capability.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = {"paged_attention": _HERE / "paged_attention.cpp"}
+
+# Compiler flags per torch CPU capability: those torch builds its own kernels of that capability with
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+# -fopenmp: ATen's parallel_for is inline OpenMP code (without it the kernel runs on one thread); the library then
+# links libgomp.so.1, which resolves to the copy torch has already loaded
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp"]
+_DONE = "cbgen-built"  # written into the build folder once the library loaded after its build
+DISABLE_ENV = "CBGEN_NO_KERNELS"  # set to 1: never build or load a compiled kernel (cbgen's eager paths run)
+
+
+@dataclass(frozen=True)
+class Built:
+    """A kernel's state in this process: loaded (with where from, and how long the build or load took) or not, and
+    why not."""
+
+    name: str
+    loaded: bool
+    detail: str  # "built in 34.2 s", "cached", or why it is unavailable
+    seconds: float = 0.0
+    library: Path | None = None
+
+
+_lock = threading.Lock()
+_state: dict[str, Built] = {}
+
+
+def capability() -> str:
+    """The CPU capability torch dispatches its own kernels to here (AVX512, AVX2, DEFAULT, ...)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def _flags(cap: str) -> list[str]:
+    return _COMMON_FLAGS + _CAPABILITY_FLAGS.get(cap, ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"])
+
+
+def build_key(name: str) -> str:
+    """What the binary depends on, hashed: its source, the flags, torch's version and the CPU capability."""
+    import torch
+
+    cap = capability()
+    digest = hashlib.sha256(SOURCES[name].read_bytes())
+    digest.update("\0".join([torch.__version__, cap, *_flags(cap)]).encode())
+    return f"{cap.lower()}-{digest.hexdigest()[:16]}"
+
+
+def build_folder(name: str) -> Path:
+    from cbgen.model.cache import default_cache_dir
+
+    return default_cache_dir() / "kernels" / f"{name}-{build_key(name)}"
+
+
+def _module_name(name: str) -> str:
+    return f"cbgen_{name}_{build_key(name).replace('-', '_')}"
+
+
+def _compile(name: str, folder: Path) -> Path:
+    """Compiles the kernel into `folder` (torch's lock there makes a second process wait) and returns the library."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the ninja package's binary, when its environment's bin is not on PATH
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    cap = capability()
+    library = cpp_extension.load(name=_module_name(name), sources=[str(SOURCES[name])], extra_cflags=_flags(cap),
+                                 extra_ldflags=["-fopenmp"],
+                                 build_directory=str(folder), is_python_module=False, verbose=False)
+    return Path(str(library))
+
+
+def _load(name: str) -> Built:
+    import torch
+
+    if os.environ.get(DISABLE_ENV) == "1":
+        return Built(name, False, f"compiled kernels are off ({DISABLE_ENV}=1)")
+    try:
+        folder = build_folder(name)
+    except Exception as e:  # noqa: BLE001 - no cache folder: say why, run the eager path
+        return Built(name, False, f"no cache folder for the build: {e}")
+    library = folder / f"{_module_name(name)}.so"
+    start = time.perf_counter()
+    if (folder / _DONE).exists() and library.exists():
+        try:
+            torch.ops.load_library(str(library))
+            return Built(name, True, "cached", time.perf_counter() - start, library)
+        except Exception as e:  # noqa: BLE001 - a broken cached library: build it again below
+            log.info("cached kernel %s did not load (%s); building it again", library, e)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        library = _compile(name, folder)
+    except Exception as e:  # noqa: BLE001 - no compiler, a failed build, an unwritable cache: the eager path runs
+        reason = str(e).strip().splitlines()
+        return Built(name, False, f"the build failed: {reason[-1] if reason else type(e).__name__}")
+    seconds = time.perf_counter() - start
+    try:
+        (folder / _DONE).write_text(f"{seconds:.1f}\n")
+    except OSError:
+        pass
+    return Built(name, True, f"built in {seconds:.1f} s", seconds, library)
+
+
+def kernel(name: str) -> Built:
+    """The kernel `name` loaded into `torch.ops.cbgen_kernels` (built first if needed), or why it is not. Done once
+    per process; later calls return the first answer."""
+    with _lock:
+        state = _state.get(name)
+        if state is None:
+            state = _state[name] = _load(name)
+            if state.loaded:
+                log.info("compiled kernel %s: %s", name, state.detail)
+            else:
+                log.warning("compiled kernel %s unavailable: %s", name, state.detail)
+        return state
