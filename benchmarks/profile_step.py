@@ -12,7 +12,8 @@ module calls, scheduling, input preparation).
     python benchmarks/profile_step.py --top 15 --max-batch-tokens 2048
     python benchmarks/profile_step.py --timing-only --onednn-linear   # step times only, unprofiled
     python benchmarks/profile_step.py --timing-only --no-fused-layers # transformers' decoder layers
-    python benchmarks/profile_step.py --batch-invariant               # a seeded job's numerics
+    python benchmarks/profile_step.py --no-batch-invariant            # the compiled attention, stock linear layers
+    python benchmarks/profile_step.py --no-compiled-attention --no-batch-invariant  # the eager attention
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from cbgen.model.load import load_model
 
 BUCKETS = (  # first match wins; operator names as torch.profiler reports them
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn", "aten::_mkl", "onednn")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax")),
+    ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax", "cbgen_kernels::")),
     ("copy / gather / index", ("aten::copy_", "aten::index", "aten::cat", "aten::gather", "aten::scatter",
                                "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::embedding",
                                "aten::stack", "aten::where", "aten::masked", "aten::fill_", "aten::zero_",
@@ -106,6 +107,13 @@ def show(title: str, steps: list, top: int) -> None:
         print(f"    {name:<50} {seconds:8.3f} s {seconds / wall:6.1%}")
 
 
+def _scope(bench: Bench, invariant: bool | None) -> str:
+    """What the profiled engine installs, in one line."""
+    scope = bench.scope(invariant=invariant).describe()
+    return (f"attention {scope['attention']}, linear layers {scope['linear']}, decoder layers "
+            f"{scope['decoder_layers']['why']}, batch-invariant {scope['batch_invariant']['on']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
@@ -118,14 +126,17 @@ def main() -> None:
                         "run): to compare against cbgen's fused ones.")
     parser.add_argument("--min-decode", type=int, default=48, help="Profile decode steps of at least this many "
                         "sequences (the full batch of 64, and the tail as requests finish).")
-    parser.add_argument("--batch-invariant", action="store_true", help="Profile the batch-invariant numerics (a "
-                        "seeded job's default).")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                        help="As for cbgen run (default: the job's default, on where the compiled attention runs).")
+    parser.add_argument("--compiled-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="As for cbgen run: cbgen's compiled attention kernel, or its eager CPU attention.")
     parser.add_argument("--timing-only", action="store_true", help="Time the steps without the profiler (which slows "
                         "them): the true step times, without the breakdown.")
     args = parser.parse_args()
     _instrument(args.min_decode, args.timing_only)
     section = ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear,
-                           fused_layers=False if args.no_fused_layers else None)
+                           fused_layers=False if args.no_fused_layers else None,
+                           compiled_attention=args.compiled_attention)
     loaded = load_model(section)
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
@@ -138,9 +149,7 @@ def main() -> None:
     rate = matmul_flops(loaded.dtype)
     print(f"{len(fixed.prompts)} x ({len(fixed.prompts[0])} prompt + {fixed.max_new_tokens} new) tokens, {dtype}, "
           f"torch threads {torch.get_num_threads()}, {dtype} matmul {rate / 1e9:.0f} GFLOP/s, "
-          f"batching {batching or 'defaults'}, linear layers {bench.scope().describe()['linear']}, decoder layers "
-          f"{bench.scope().describe()['decoder_layers']['why']}"
-          f"{', batch-invariant' if invariant else ''}")
+          f"batching {batching or 'defaults'}, {_scope(bench, invariant)}")
     measured = bench.cbgen(fixed, "gated", invariant=invariant)
     print(f"whole run (profiled, so slower than unprofiled): {measured.seconds:.1f} s")
     show("prefill steps (prompt chunks, with any decode tokens)", _profiles["prefill"], args.top)

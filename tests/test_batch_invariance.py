@@ -1,5 +1,5 @@
-"""Batch invariance: with --batch-invariant (the default for seeded jobs), a sequence's tokens and logprobs are bitwise
-the same whatever shares its batches. As a property: random batch compositions (requests per step, order, chunk
+"""Batch invariance: with --batch-invariant (the default wherever cbgen's compiled attention runs), a sequence's tokens
+and logprobs are bitwise the same whatever shares its batches. As a property: random batch compositions (requests per step, order, chunk
 budget, page size, -n forks, shared prefixes, seeded or greedy) on tiny models of every attention kind cbgen serves,
 with grouped and ungrouped query heads, in bfloat16 and float32, each sequence against itself computed alone; and
 whole jobs under other batch limits, input order, kill -9 and resume, shards and --data-parallel."""
@@ -213,14 +213,14 @@ def _sequences(results) -> dict:
     return {(r.id, r.sample_index): (r.token_ids, r.logprobs) for r in results}
 
 
-def _three_batchings(folder: Path, dtype: str, invariant: bool) -> list[dict]:
+def _three_batchings(folder: Path, dtype: str, invariant: bool, compiled: bool | None = None) -> list[dict]:
     """Seeded samples (and logprobs) of 10 prompts of 8-60 tokens (longer than the 16-token windows): one request
     per batch, then shuffled at 3 per batch, then 64 per batch with a 24-token budget that cuts prompts into chunks."""
     rows = [{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)]
     settings = dict(num_return_sequences=2, temperature=1.0, seed=5, max_new_tokens=10, logprobs=True)
     runs = []
     with cbgen.Generator(model=str(folder), dtype=dtype, progress=False, raw_prompts=True,
-                         batch_invariant=invariant) as generator:
+                         batch_invariant=invariant, compiled_attention=compiled) as generator:
         for i, batch in enumerate([dict(max_requests_per_batch=1), dict(max_requests_per_batch=3),
                                    dict(max_requests_per_batch=64, max_batch_tokens=24)]):
             order = rows[:]
@@ -241,9 +241,11 @@ def test_sequences_do_not_move_with_the_batch(name, dtype, tiny_model_dir, tmp_p
 
 @pytest.mark.slow
 def test_without_it_the_same_check_finds_sequences_that_moved(tiny_model_dir, tmp_path):
-    """The control: the stock numerics under the same three batchings (measured here: 6 of 20 sequences kept their
-    tokens and logprobs in float32), so the comparison above does see a batch's effect when there is one."""
-    one, three, sixty_four = _three_batchings(_folder("llama", tiny_model_dir, tmp_path), "float32", invariant=False)
+    """The control: the stock numerics (cbgen's eager attention, torch's linear layers) under the same three batchings
+    (measured: 6 of 20 sequences kept their tokens and logprobs in float32), so the comparison above does see a batch's
+    effect when there is one."""
+    one, three, sixty_four = _three_batchings(_folder("llama", tiny_model_dir, tmp_path), "float32", invariant=False,
+                                              compiled=False)
     assert three != one or sixty_four != one
 
 
@@ -275,19 +277,35 @@ def reference_job(tiny_model_dir, job_prompts, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("reference") / "out"
     assert run_cli(_job(tiny_model_dir, job_prompts, out)) == 0
     manifest = json.loads((out / "run.json").read_text())
-    assert manifest["batch_invariant"]["on"] is True  # seeded: on by default
-    assert manifest["attention"] == "per-sequence, batch-invariant"
+    assert manifest["batch_invariant"]["on"] is True  # on by default
+    assert manifest["attention"] == "per-sequence, compiled kernel (batch-invariant by construction)"
+    return _written(out)
+
+
+def _greedy_job(tiny_model_dir, prompts, out, *extra) -> list[str]:
+    """A greedy bfloat16 job with no flag of invariance: what a new user runs."""
+    return ["run", str(prompts), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "bfloat16",
+            "--max-new-tokens", "16", "--logprobs", "-q", *map(str, extra)]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_model_dir, job_prompts, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("greedy-reference") / "out"
+    assert run_cli(_greedy_job(tiny_model_dir, job_prompts, out)) == 0
+    assert json.loads((out / "run.json").read_text())["batch_invariant"]["on"] is True
     return _written(out)
 
 
 @pytest.mark.slow
-def test_a_job_under_other_batch_limits_and_order(tiny_model_dir, job_prompts, tmp_path, reference_job):
+@pytest.mark.parametrize("kind", ["seeded", "greedy"])
+def test_a_job_under_other_batch_limits_and_order(kind, tiny_model_dir, job_prompts, tmp_path, request):
     rows = [json.loads(line) for line in job_prompts.read_text().splitlines()]
     random.Random(4).shuffle(rows)
     shuffled = write_jsonl(tmp_path / "shuffled.jsonl", rows)
     out = tmp_path / "out"
-    assert run_cli(_job(tiny_model_dir, shuffled, out, "--max-requests-per-batch", 3, "--max-batch-tokens", 40)) == 0
-    assert _written(out) == reference_job
+    job, reference = (_job, "reference_job") if kind == "seeded" else (_greedy_job, "greedy_reference")
+    assert run_cli(job(tiny_model_dir, shuffled, out, "--max-requests-per-batch", 3, "--max-batch-tokens", 40)) == 0
+    assert _written(out) == request.getfixturevalue(reference)
 
 
 @pytest.mark.slow
@@ -304,10 +322,10 @@ def test_a_job_in_shards_and_in_replicas(tiny_model_dir, job_prompts, tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_job_killed_and_resumed(tiny_model_dir, job_prompts, tmp_path, reference_job):
+def test_a_greedy_job_killed_and_resumed(tiny_model_dir, job_prompts, tmp_path, greedy_reference):
     out = tmp_path / "out"
-    args = _job(tiny_model_dir, job_prompts, out, "--rows-per-shard", 2, "--commit-interval", 0.05,
-                "--max-in-flight", 4)
+    args = _greedy_job(tiny_model_dir, job_prompts, out, "--rows-per-shard", 2, "--commit-interval", 0.05,
+                       "--max-in-flight", 4)
     process = subprocess.Popen([sys.executable, "-m", "cbgen", *args], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -318,24 +336,36 @@ def test_a_job_killed_and_resumed(tiny_model_dir, job_prompts, tmp_path, referen
     assert process.wait(timeout=60) == -signal.SIGKILL
     assert run_cli(args) == 0
     assert json.loads((out / "run.json").read_text())["counts"]["resumed_requests"] > 0
-    assert _written(out) == reference_job
+    assert _written(out) == greedy_reference
 
 
 # when it applies --------------------------------------------------------------------------------------------------
 
 
-def test_unseeded_jobs_are_not_invariant_unless_asked(tiny_model_dir, tmp_path):
+def test_every_job_is_invariant_where_the_compiled_attention_runs(tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}])
     common = [str(prompts), "--model", str(tiny_model_dir), "--max-new-tokens", "2", "-q"]
-    assert run_cli(["run", *common, "-o", str(tmp_path / "plain")]) == 0
-    assert json.loads((tmp_path / "plain" / "run.json").read_text())["batch_invariant"] == {
-        "on": False, "why": "off: not a seeded job (--batch-invariant turns it on)"}
-    assert run_cli(["run", *common, "-o", str(tmp_path / "asked"), "--batch-invariant"]) == 0
-    assert json.loads((tmp_path / "asked" / "run.json").read_text())["batch_invariant"]["on"] is True
-    assert run_cli(["run", *common, "-o", str(tmp_path / "seeded-off"), "--seed", "1", "--temperature", "1",
-                    "--no-batch-invariant"]) == 0
-    manifest = json.loads((tmp_path / "seeded-off" / "run.json").read_text())
-    assert manifest["batch_invariant"]["on"] is False and manifest["attention"] == "per-sequence"
+
+    def manifest(name: str, *extra: str) -> dict:
+        assert run_cli(["run", *common, "-o", str(tmp_path / name), *extra]) == 0
+        return json.loads((tmp_path / name / "run.json").read_text())
+
+    plain = manifest("plain")
+    assert plain["batch_invariant"]["on"] is True and plain["batch_invariant"]["why"].startswith(
+        "on: cbgen's compiled attention is invariant by construction")
+    assert plain["engine_scope"]["linear"] == "fixed-shape tiles of 64 rows (batch-invariant)"
+    off = manifest("off", "--no-batch-invariant")  # the kernel stays (it is invariant anyway), the linear tiles go
+    assert off["batch_invariant"] == {"on": False, "why": "off (--no-batch-invariant)"}
+    assert off["attention"] == plain["attention"] and "tiles" not in off["engine_scope"]["linear"]
+    # without the compiled kernel, the eager attention's rule: seeded jobs only, unless asked
+    eager = manifest("eager", "--no-compiled-attention")
+    assert eager["batch_invariant"] == {"on": False, "why": "off: not a seeded job (--batch-invariant turns it on)"}
+    assert manifest("asked", "--no-compiled-attention", "--batch-invariant")["batch_invariant"]["on"] is True
+    seeded = manifest("seeded", "--no-compiled-attention", "--seed", "1", "--temperature", "1")
+    assert seeded["batch_invariant"]["on"] is True and seeded["attention"] == "per-sequence, batch-invariant"
+    seeded_off = manifest("seeded-off", "--seed", "1", "--temperature", "1", "--no-compiled-attention",
+                          "--no-batch-invariant")
+    assert seeded_off["batch_invariant"]["on"] is False and seeded_off["attention"] == "per-sequence"
 
 
 def test_asked_where_it_cannot_apply_is_a_clear_error(tiny_model_dir, tmp_path, capsys):

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-from cbgen.attention.compiled import compiled_attention_unavailable_reason, compiled_sdpa_forward
+from cbgen.attention.compiled import KERNEL, compiled_attention_unavailable_reason, compiled_sdpa_forward
 from cbgen.attention.pass_memo import watch
 from cbgen.attention.per_sequence import batch_invariant_sdpa_forward, per_sequence_sdpa_forward
 from cbgen.attention.registry import bound
@@ -66,6 +66,12 @@ def per_sequence_attention(model: torch.nn.Module, *, required: bool = False, in
         logger.info("per-sequence attention not used: %s", reason)
         yield False
         return
+    if compiled:  # loaded in this process (a replica process planned by its parent has not loaded it yet)
+        from cbgen.kernels import kernel
+
+        built = kernel(KERNEL)
+        if not built.loaded:
+            raise RuntimeError(f"cbgen's compiled attention is not available: {built.detail}")
     function = compiled_sdpa_forward if compiled else (
         batch_invariant_sdpa_forward if invariant else per_sequence_sdpa_forward)
     with bound(model, "sdpa", function):

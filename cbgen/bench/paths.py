@@ -115,9 +115,9 @@ class Bench:
         facts = InputFacts(used_settings(None, records), head, len(head), whole=True, ids=IdChoice(None, "bench"))
         return job, plan_job(job, facts, self.loaded, rendering), list(head)
 
-    def scope(self) -> ScopePlan:
-        """What the cbgen path installs for its engine on this model (for bench.json)."""
-        return self._plan(BenchWorkload("plan", [[1, 2, 3]], 1))[1].engine.scope
+    def scope(self, **settings: Any) -> ScopePlan:
+        """What the cbgen path (with `cbgen`'s keywords `settings`) installs for its engine on this model."""
+        return self._plan(BenchWorkload("plan", [[1, 2, 3]], 1), **settings)[1].engine.scope
 
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),

@@ -201,6 +201,9 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
         else:
             reason = ("it needs cbgen's per-sequence CPU attention, which does not apply: "
                       f"{cpu_attention_unavailable_reason(loaded.model)}")
+    chosen = _linear_asked(job)
+    if reason is None and chosen is not None:
+        reason = f"{chosen} runs the linear layers its own way, and invariance runs them in fixed tiles"
     if reason is not None:
         if asked:
             raise CbgenError(f"--batch-invariant does not apply here: {reason}; drop the flag")
@@ -213,6 +216,13 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
     if job.generation.seed is not None:
         return True, "on: a seeded job (--no-batch-invariant turns it off)"
     return False, "off: not a seeded job (--batch-invariant turns it on)"
+
+
+def _linear_asked(job: JobConfig) -> str | None:
+    """The flag that asks for a kind of linear layers of its own, if any."""
+    if job.model.onednn_linear:
+        return "--onednn-linear"
+    return "--linear-row-buckets" if job.model.linear_row_buckets else None
 
 
 def linear_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> str:

@@ -166,9 +166,13 @@ def test_the_plan_is_what_run_json_records(tiny_model_dir, tmp_path):
     assert run_cli(["run", str(prompts), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
                     "--seed", "3", "--temperature", "1", "--max-new-tokens", "3", "-q"]) == 0
     manifest = json.loads((out / "run.json").read_text())
+    kernel = manifest["engine_scope"].pop("attention_kernel")
+    assert kernel["compiled"] is True and kernel["why"].startswith("on (")  # "on (built in 18.2 s; ..." or "cached"
+    assert kernel["why"].endswith("; --no-compiled-attention turns it off)")
     assert manifest["engine_scope"] == {
-        "attention": "per-sequence, batch-invariant",
-        "batch_invariant": {"on": True, "why": "on: a seeded job (--no-batch-invariant turns it off)"},
+        "attention": "per-sequence, compiled kernel (batch-invariant by construction)",
+        "batch_invariant": {"on": True, "why": "on: cbgen's compiled attention is invariant by construction, the "
+                                               "linear layers run in fixed tiles (--no-batch-invariant turns it off)"},
         "linear": "fixed-shape tiles of 64 rows (batch-invariant)",
         "dense_attention_mask": "not built: cbgen's per-sequence attention does not read it",
         "kv_cache_memory": "as used, freed blocks given back",
