@@ -26,7 +26,7 @@ from cbgen.attention.per_sequence import batch_invariant_sdpa_forward, handled_c
 
 KERNEL = "paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-HEAD_DIM_MULTIPLE = 16  # the kernel holds the head dimension in whole vectors of 16 floats (8 under AVX2)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the kernel holds the head dimension in registers: one of these
 
 
 def _requests(batch: StepLayout) -> torch.Tensor:
@@ -96,8 +96,8 @@ def compiled_attention_unavailable_reason(model: torch.nn.Module) -> str | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // (heads or 1))
-    if not isinstance(head_dim, int) or head_dim % HEAD_DIM_MULTIPLE:
-        return f"its head dimension ({head_dim}) is not a multiple of {HEAD_DIM_MULTIPLE}"
+    if head_dim not in HEAD_DIMS:
+        return f"its head dimension ({head_dim}) is not one the kernel holds ({', '.join(map(str, HEAD_DIMS))})"
     try:
         dtype = next(model.parameters()).dtype
     except StopIteration:

@@ -35,8 +35,9 @@ _CAPABILITY_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 # -fopenmp: ATen's parallel_for is inline OpenMP code (without it the kernel runs on one thread); the library then
-# links libgomp.so.1, which resolves to the copy torch has already loaded
-_COMMON_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp"]
+# links libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=off: the arithmetic is the
+# source's (its explicit fmadd calls), never a multiply and an add the compiler fused in one place and not another
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 _DONE = "cbgen-built"  # written into the build folder once the library loaded after its build
 DISABLE_ENV = "CBGEN_NO_KERNELS"  # set to 1: never build or load a compiled kernel (cbgen's eager paths run)
 

@@ -96,70 +96,103 @@ struct Views {
   float scale;
 };
 
-// One query row (token `j` of request `r`, query head `head`) over its keys, NV vectors of the head dimension held in
-// registers. Every row of every call runs exactly this sequence of operations on its own data (see the top).
-template <typename T, int NV>
-void attend_row(const Views<T>& w, const Request& r, int64_t j, int64_t head) {
+// R query rows of one token (`j` of request `r`): query heads head0 .. head0 + R - 1, which share one KV head, each
+// over its keys with NV vectors of the head dimension in registers. Each key and value row is loaded (and converted)
+// once for the R rows, but every row runs exactly the operations it would run alone, in the same order (see the
+// top): R changes which rows share a loaded key, never a row's arithmetic.
+template <typename T, int NV, int R>
+void attend_rows(const Views<T>& w, const Request& r, int64_t j, int64_t head0) {
   constexpr int64_t W = Vec::size();
   const int64_t cached = r.k_length - r.q_length, own = cached + j;
   const int64_t first = w.window > 0 ? std::max<int64_t>(0, own - w.window + 1) : 0;
-  const int64_t kv = head / w.group, token = r.q_start + j;
+  const int64_t kv = head0 / w.group, token = r.q_start + j;
   const T* kc = w.k_cache + kv * w.kc_head;
   const T* vc = w.v_cache + kv * w.vc_head;
   const T* kn = w.key + kv * w.k_head + r.q_start * w.k_token;  // key i >= cached: new row i - cached
   const T* vn = w.value + kv * w.v_head + r.q_start * w.v_token;
   const int64_t* slots = w.read_index + r.k_start;
 
-  Vec q[NV], acc[NV];
-  const T* q_row = w.query + head * w.q_head + token * w.q_token;
+  Vec q[R][NV], acc[R][NV];
   const Vec scale(w.scale);
-  for (int v = 0; v < NV; ++v) {
-    q[v] = load_float(q_row + v * W) * scale;
-    acc[v] = Vec(0.f);
+  for (int g = 0; g < R; ++g) {
+    const T* q_row = w.query + (head0 + g) * w.q_head + token * w.q_token;
+    for (int v = 0; v < NV; ++v) {
+      q[g][v] = load_float(q_row + v * W) * scale;
+      acc[g][v] = Vec(0.f);
+    }
   }
-  float row_max = -std::numeric_limits<float>::infinity(), row_sum = 0.f;
-  alignas(64) float scores[KEY_BLOCK];
+  float row_max[R], row_sum[R];
+  for (int g = 0; g < R; ++g) {
+    row_max[g] = -std::numeric_limits<float>::infinity();
+    row_sum[g] = 0.f;
+  }
+  alignas(64) float scores[R][KEY_BLOCK];
   for (int64_t a = first; a <= own;) {
     const int64_t edge = ((r.first_position + a) / KEY_BLOCK + 1) * KEY_BLOCK - r.first_position;
-    const int64_t b = std::min(own + 1, edge);  // keys [a, b): this row's part of one absolute block
-    float block_max = -std::numeric_limits<float>::infinity();
+    const int64_t b = std::min(own + 1, edge);  // keys [a, b): these rows' part of one absolute block
+    float block_max[R];
+    for (int g = 0; g < R; ++g) block_max[g] = -std::numeric_limits<float>::infinity();
     for (int64_t i = a; i < b; ++i) {
       const T* k = i < cached ? kc + slots[i] * w.kc_slot : kn + (i - cached) * w.k_token;
-      Vec s(0.f);
-      for (int v = 0; v < NV; ++v) s = at::vec::fmadd(q[v], load_float(k + v * W), s);
-      const float score = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s);
-      scores[i - a] = score;
-      block_max = std::max(block_max, score);
+      Vec s[R];
+      for (int g = 0; g < R; ++g) s[g] = Vec(0.f);
+      for (int v = 0; v < NV; ++v) {
+        const Vec key = load_float(k + v * W);
+        for (int g = 0; g < R; ++g) s[g] = at::vec::fmadd(q[g][v], key, s[g]);
+      }
+      for (int g = 0; g < R; ++g) {
+        const float score = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s[g]);
+        scores[g][i - a] = score;
+        block_max[g] = std::max(block_max[g], score);
+      }
     }
-    for (int64_t i = b - a; i < KEY_BLOCK; ++i) scores[i] = -std::numeric_limits<float>::infinity();
-    const float new_max = std::max(row_max, block_max);
-    const float alpha = std::exp(row_max - new_max);  // 0 at the row's first block
-    const Vec shift(new_max);
-    for (int64_t i = 0; i < KEY_BLOCK; i += W) (Vec::loadu(scores + i) - shift).exp_u20().store(scores + i);
-    float block_sum = 0.f;
-    for (int64_t i = 0; i < b - a; ++i) block_sum += scores[i];
-    if (alpha != 1.f) {
-      const Vec factor(alpha);
-      for (int v = 0; v < NV; ++v) acc[v] = acc[v] * factor;
+    for (int g = 0; g < R; ++g) {
+      for (int64_t i = b - a; i < KEY_BLOCK; ++i) scores[g][i] = -std::numeric_limits<float>::infinity();
+      const float new_max = std::max(row_max[g], block_max[g]);
+      const float alpha = std::exp(row_max[g] - new_max);  // 0 at the rows' first block
+      const Vec shift(new_max);
+      for (int64_t i = 0; i < KEY_BLOCK; i += W) (Vec::loadu(scores[g] + i) - shift).exp_u20().store(scores[g] + i);
+      float block_sum = 0.f;
+      for (int64_t i = 0; i < b - a; ++i) block_sum += scores[g][i];
+      if (alpha != 1.f) {
+        const Vec factor(alpha);
+        for (int v = 0; v < NV; ++v) acc[g][v] = acc[g][v] * factor;
+      }
+      row_sum[g] = row_sum[g] * alpha + block_sum;
+      row_max[g] = new_max;
     }
     for (int64_t i = a; i < b; ++i) {
       const T* val = i < cached ? vc + slots[i] * w.vc_slot : vn + (i - cached) * w.v_token;
-      const Vec p(scores[i - a]);
-      for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(p, load_float(val + v * W), acc[v]);
+      Vec p[R];
+      for (int g = 0; g < R; ++g) p[g] = Vec(scores[g][i - a]);
+      for (int v = 0; v < NV; ++v) {
+        const Vec value = load_float(val + v * W);
+        for (int g = 0; g < R; ++g) acc[g][v] = at::vec::fmadd(p[g], value, acc[g][v]);
+      }
     }
-    row_sum = row_sum * alpha + block_sum;
-    row_max = new_max;
     a = b;
   }
-  const Vec inverse(1.f / row_sum);
-  T* out = w.out + token * w.o_token + head * w.o_head;
-  for (int v = 0; v < NV; ++v) store_float(acc[v] * inverse, out + v * W);
+  for (int g = 0; g < R; ++g) {
+    const Vec inverse(1.f / row_sum[g]);
+    T* out = w.out + token * w.o_token + (head0 + g) * w.o_head;
+    for (int v = 0; v < NV; ++v) store_float(acc[g][v] * inverse, out + v * W);
+  }
 }
+
+constexpr int MAX_ROWS = 4;  // query heads of one KV head attended together (registers: MAX_ROWS x NV x 2 vectors)
 
 template <typename T, int NV>
 void attend_item(const Views<T>& w, const Request& r, const Item& item) {
   for (int64_t j = item.token_begin; j < item.token_end; ++j) {
-    for (int64_t head = 0; head < w.heads; ++head) attend_row<T, NV>(w, r, j, head);
+    for (int64_t head = 0; head < w.heads;) {
+      const int64_t in_group = head % w.group;
+      switch (std::min<int64_t>(MAX_ROWS, w.group - in_group)) {
+        case 1: attend_rows<T, NV, 1>(w, r, j, head); head += 1; break;
+        case 2: attend_rows<T, NV, 2>(w, r, j, head); head += 2; break;
+        case 3: attend_rows<T, NV, 3>(w, r, j, head); head += 3; break;
+        default: attend_rows<T, NV, 4>(w, r, j, head); head += 4; break;
+      }
+    }
   }
 }
 
@@ -241,17 +274,16 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const 
       }
     });
   };
-  switch (w.dim / Vec::size()) {
-    case 1: work(attend_item<T, 1>); break;
-    case 2: work(attend_item<T, 2>); break;
-    case 4: work(attend_item<T, 4>); break;
-    case 5: work(attend_item<T, 5>); break;
-    case 6: work(attend_item<T, 6>); break;
-    case 8: work(attend_item<T, 8>); break;
-    case 10: work(attend_item<T, 10>); break;
-    case 12: work(attend_item<T, 12>); break;
-    case 16: work(attend_item<T, 16>); break;
-    case 32: work(attend_item<T, 32>); break;
+  // the head dimensions of the models cbgen knows, in whole vectors of this machine's width W
+  constexpr int64_t W = Vec::size();
+  switch (w.dim) {
+    case 16: work(attend_item<T, 16 / W>); break;
+    case 32: work(attend_item<T, 32 / W>); break;
+    case 64: work(attend_item<T, 64 / W>); break;
+    case 80: work(attend_item<T, 80 / W>); break;
+    case 96: work(attend_item<T, 96 / W>); break;
+    case 128: work(attend_item<T, 128 / W>); break;
+    case 256: work(attend_item<T, 256 / W>); break;
     default: TORCH_CHECK(false, "paged_attention: head dimension ", w.dim, " is not supported");
   }
   if (write_index.numel()) write_new<T>(key, value, k_cache, v_cache, write_index);
@@ -267,8 +299,6 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(out.dim() == 3 && out.size(0) == query.size(2) && out.size(1) == query.size(1) &&
                   out.size(2) == query.size(3) && out.stride(2) == 1,
               "out: [tokens, heads, dim], dim contiguous");
-  TORCH_CHECK(query.size(3) % at::vec::Vectorized<float>::size() == 0, "paged_attention: head dimension ",
-              query.size(3), " is not a multiple of ", at::vec::Vectorized<float>::size());
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "the head dimension must be contiguous");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.size(1) == key.size(1) &&
                   k_cache.size(2) == key.size(3) && k_cache.stride(2) == 1 && v_cache.size(1) == k_cache.size(1) &&

@@ -4,13 +4,15 @@ when other requests share the call, when its prompt is chunked otherwise, or wit
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbgen.kernels import kernel
-from tests.helpers import property_examples
+from tests.helpers import property_examples, pytest_under_isa
 from tests.kernels.paged_case import layout, own_tensors, stock_attention
 
 
@@ -18,6 +20,9 @@ from tests.kernels.paged_case import layout, own_tensors, stock_attention
 def built():
     state = kernel("paged_attention")
     assert state.loaded, state.detail  # CI has g++: the kernel must build there
+    held = os.environ.get("ATEN_CPU_CAPABILITY")  # pytest_under_isa: built for that capability, in its own folder
+    if held:
+        assert state.library is not None and state.library.parent.name.startswith(f"paged_attention-{held}-")
 
 
 heads_and_groups = st.tuples(st.integers(1, 3), st.sampled_from([1, 2, 3, 4]))  # (kv_heads, query heads per kv head)
@@ -110,3 +115,11 @@ def test_the_invariance_check_sees_a_moved_bit():
     moved = step.attend(write=False)
     torch.testing.assert_close(moved, reference, atol=1e-5, rtol=1e-5)  # the same attention, to rounding
     assert not torch.equal(moved, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2"])
+def test_the_kernel_built_for_another_cpu_kind_computes_the_same_and_stays_invariant(isa):
+    # a fresh process held to AVX2 (torch reports that capability): the kernel is built for it (8-float vectors, so
+    # other register shapes and a cache folder of its own) and must pass the same properties there
+    pytest_under_isa(isa, __file__, "float32 or own_keys_only", examples=25)
