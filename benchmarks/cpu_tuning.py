@@ -1,8 +1,8 @@
 """Which ContinuousBatchingConfig settings give the most throughput on this CPU, through cbgen's engine path.
 
-The workload is the one of the llama.cpp comparison (docs/performance.md): 64 sequences of 128 prompt tokens, 64 new tokens each
-(end-of-sequence disabled, so every sequence generates exactly 64), embedded SmolLM2-135M. Prints prompt + generated
-tokens/s and model FLOP utilisation for each setting, all measured in one process.
+The workload is the one of the llama.cpp comparison (docs/performance.md): 64 sequences of 128 prompt tokens, 64 new
+tokens each (end-of-sequence disabled, so every sequence generates exactly 64), embedded SmolLM2-135M. Prints prompt +
+generated tokens/s and model FLOP utilisation for each setting, all measured in one process.
 
     python benchmarks/cpu_tuning.py
     python benchmarks/cpu_tuning.py --grid max_requests_per_batch=16,32,64 max_batch_tokens=512,2048

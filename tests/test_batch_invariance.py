@@ -1,8 +1,8 @@
 """Batch invariance: with --batch-invariant (the default wherever cbgen's compiled attention runs), a sequence's tokens
-and logprobs are bitwise the same whatever shares its batches. As a property: random batch compositions (requests per step, order, chunk
-budget, page size, -n forks, shared prefixes, seeded or greedy) on tiny models of every attention kind cbgen serves,
-with grouped and ungrouped query heads, in bfloat16 and float32, each sequence against itself computed alone; and
-whole jobs under other batch limits, input order, kill -9 and resume, shards and --data-parallel."""
+and logprobs are bitwise the same whatever shares its batches. As a property: random batch compositions (requests per
+step, order, chunk budget, page size, -n forks, shared prefixes, seeded or greedy) on tiny models of every attention
+kind cbgen serves, with grouped and ungrouped query heads, in bfloat16 and float32, each sequence against itself
+computed alone; and whole jobs under other batch limits, input order, kill -9 and resume, shards and --data-parallel."""
 
 from __future__ import annotations
 

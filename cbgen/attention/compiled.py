@@ -40,9 +40,9 @@ def _cache_views(cache: Any, layer_idx: int, kwargs: dict[str, Any], batch: Step
                  tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(k_cache, v_cache, read_index, write_index) of the layer: its token views of the paged cache and this step's
     indices; None when the layout is not the one the kernel reads."""
-    allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
+    allocator: Any = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
     views = getattr(allocator, "_kv_token_views", None)
-    if not isinstance(views, dict) or layer_idx not in views:
+    if allocator is None or not isinstance(views, dict) or layer_idx not in views:
         return None
     k_cache, v_cache = views[layer_idx]
     try:
@@ -74,7 +74,7 @@ def compiled_sdpa_forward(module: Any, query: torch.Tensor, key: torch.Tensor, v
     views = None
     if batch is not None and batch.first_positions is not None:
         views = _cache_views(cache, module.layer_idx, kwargs, batch, key, query.shape[2])
-    if views is None:
+    if batch is None or views is None:
         return batch_invariant_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout,
                                             scaling=scaling, is_causal=is_causal, position_bias=position_bias,
                                             cache=cache, **kwargs)
@@ -83,17 +83,19 @@ def compiled_sdpa_forward(module: Any, query: torch.Tensor, key: torch.Tensor, v
     out = query.new_empty(num_tokens, query.shape[1], head_dim)
     if sum(batch.q_lengths) < num_tokens:
         out.zero_()  # padding tokens: never read, but keep them finite
-    requests = remembered(("kernel requests", id(batch)), lambda: _requests(batch))
+    layout = batch
+    requests = remembered(("kernel requests", id(layout)), lambda: _requests(layout))
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    torch.ops.cbgen_kernels.paged_attention(out, query, key, value, k_cache, v_cache, read_index, write_index,
-                                            requests, batch.window or 0, scale)
+    kernel: Any = getattr(torch.ops.cbgen_kernels, KERNEL)  # registered when cbgen.kernels loaded the library
+    kernel(out, query, key, value, k_cache, v_cache, read_index, write_index, requests, layout.window or 0, scale)
     return out.unsqueeze(0), None
 
 
 def compiled_attention_unavailable_reason(model: torch.nn.Module) -> str | None:
     """Why the compiled attention cannot serve `model` (after cbgen's CPU attention applies to it), or None. Builds
     the kernel on first use (cbgen.kernels)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_config: Any = getattr(model, "config", None)
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // (heads or 1))
     if head_dim not in HEAD_DIMS:

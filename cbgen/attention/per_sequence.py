@@ -55,7 +55,8 @@ def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | Non
     return layer_type, (window if window > 1 else None)  # the stock mask ignores windows of 1
 
 
-def step_layout(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> StepLayout | None:
+def step_layout(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                kwargs: dict[str, Any]) -> StepLayout | None:
     """Reads the packed layout from the engine's arguments, or None when the call is not one this path handles.
     Worked out once per forward pass and layer type (cbgen.attention.pass_memo)."""
     config = getattr(module, "config", None)
