@@ -203,16 +203,18 @@ def test_extra_stop_token_ends_the_sequence(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_attention_choice_is_recorded(tiny_model_dir, chat_file, tmp_path):
-    """Default on CPU: cbgen's per-sequence attention; --attn-implementation sdpa: transformers' stock path.
-    Both give the same greedy tokens in fp32."""
+    """Default on CPU: cbgen's per-sequence attention through its compiled kernel; --no-compiled-attention: the eager
+    per-sequence path; --attn-implementation sdpa: transformers' stock path. All give the same greedy tokens in fp32."""
+    compiled = "per-sequence, compiled kernel (batch-invariant by construction)"
     tokens = {}
-    for choice, expected in ((None, "per-sequence"), ("sdpa", "stock"), ("per-sequence", "per-sequence")):
-        out = tmp_path / str(choice)
-        extra = ["--attn-implementation", choice] if choice else []
+    for name, extra, expected in (("default", [], compiled), ("sdpa", ["--attn-implementation", "sdpa"], "stock"),
+                                  ("per-sequence", ["--attn-implementation", "per-sequence"], compiled),
+                                  ("eager", ["--no-compiled-attention"], "per-sequence")):
+        out = tmp_path / name
         assert cbgen(tiny_model_dir, chat_file, "-o", out, "--max-new-tokens", 8, *extra) == 0
         assert json.loads((out / "run.json").read_text())["attention"] == expected
-        tokens[choice] = sorted((r["id"], r["token_ids"]) for r in read_shards(out))
-    assert tokens[None] == tokens["sdpa"] == tokens["per-sequence"]
+        tokens[name] = sorted((r["id"], r["token_ids"]) for r in read_shards(out))
+    assert tokens["default"] == tokens["sdpa"] == tokens["per-sequence"] == tokens["eager"]
 
 
 def test_per_sequence_attention_refused_where_it_does_not_apply(tiny_model_dir, chat_file, tmp_path, capsys,

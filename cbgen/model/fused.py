@@ -146,8 +146,10 @@ class _Fused:
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
+        # position_ids travel on as the stock layer passes them: a sliding-window attention reads where each
+        # request's window starts from them
         attended, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
-                                **self.window, **kwargs)
+                                position_ids=position_ids, **self.window, **kwargs)
         hidden = attn.o_proj(attended.reshape(*shape, -1).contiguous())
         hidden += hidden_states
         gate, up = self.gate_up(_rms_norm(hidden, layer.post_attention_layernorm)).split(self.intermediate, dim=-1)

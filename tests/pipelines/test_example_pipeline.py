@@ -53,5 +53,8 @@ def test_the_example_pipeline_killed_and_resumed_keeps_each_row_once(tmp_path):
         assert sorted(found) == sorted(expected) and set(found.values()) == {1}, stage
     best = datasets.load_dataset(str(out / "best"), split="train")
     assert len(set(best["question_id"])) == len(best) and set(best["question_id"]) <= set(seeds)
-    assert all(score >= 3 for score in best["score"])
+    judged = [r for r in read_shards(out / "judge") if r["questions"]["parsed"] is not None]
+    average = sum(sum(p * (i + 1) for i, p in enumerate(r["choice_probs"])) for r in judged) / len(judged)
+    assert 0 < len(best) < len(judged)  # the judge's filter kept some answers and dropped others
+    assert all(score >= average - 1e-9 for score in best["expected_score"])
     assert DatasetCard.load(out / "best" / "README.md").data["cbgen"]["reads"] == ["judge"]
