@@ -16,6 +16,7 @@ from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
 from cbgen.inputs import open_input
 from cbgen.inputs.scoring import ScoreFields
+from cbgen.kinds import kind_of
 from cbgen.outputs.card import write_card
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.order import rows_in_order
@@ -114,7 +115,7 @@ def stored_input(stored: StoredRun) -> InputSection:
 
 def stored_score(stored: StoredRun) -> ScoreFields | None:
     """What a scoring job's rows scored (its input is read as a scoring job reads it); None for a generation job."""
-    if stored.job.get("kind") != "score":
+    if not kind_of(stored.job.get("kind")).takes_section("score"):
         return None
     section = stored.job.get("score") or {}
     return ScoreFields(section.get("completion_column", "completion"), section.get("text_column", "text"),

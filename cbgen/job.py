@@ -32,6 +32,7 @@ from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import Reader, open_input
 from cbgen.inputs.scoring import ScoreFields
+from cbgen.kinds import DEFAULT, Kind, kind_of
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import job_fingerprint, write_manifest
@@ -135,7 +136,7 @@ def stored_job(job: JobConfig) -> dict:
     """The configuration kept beside the fingerprint, with the input's absolute path, so that `cbgen status` and
     `cbgen merge` find it from any directory."""
     stored = job.to_dict()
-    if job.kind != "generate":
+    if job.kind != DEFAULT:  # stored when not the default, as runs before kinds were stored read back
         stored["kind"] = job.kind
     if job.input.path is not None and Path(job.input.path).exists():
         stored["input"]["path"] = str(Path(job.input.path).resolve())
@@ -162,6 +163,10 @@ class _Run:
     tp: TensorParallel | None
     models: ModelPool | None = None
 
+    @property
+    def kind(self) -> Kind:
+        return kind_of(self.job.kind)
+
     def execute(self) -> RunSummary:
         from cbgen.execution import make_engine, output_rows, plan_input, prepared
         from cbgen.planning import used_settings
@@ -185,7 +190,7 @@ class _Run:
             return self.summary
         loaded = self._load_model()
         self.progress.stage("rendering prompts")
-        if self.job.kind == "score":
+        if not self.kind.generates:
             return self._score(loaded, itertools.chain(head, records), total)
         planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids)
         plan = planned.plan
@@ -264,9 +269,9 @@ class _Run:
 
         columns = OutputColumns.decide(self.job, used, replies=False)
         record_columns(self.summary.output_dir, columns)
-        n = 1 if self.job.kind == "score" else self.job.generation.num_return_sequences
+        n = self.kind.samples_per_row(self.job)
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
-        if self.job.kind == "score":
+        if not self.kind.generates:
             from cbgen.execution import score_rows
 
             self._write(refused, score_rows(columns, None), total)
@@ -307,7 +312,7 @@ class _Run:
             tp.send(LOAD)
         # --data-parallel: the replicas load the weights; this process reads, renders and plans, which needs the
         # tokenizer and the model's structure only (unless a GGUF is still to convert: converted once, here, for all)
-        replicas_only = self.job.run.data_parallel > 1 and self.job.kind != "score" and self.models is None \
+        replicas_only = self.job.run.data_parallel > 1 and self.kind.generates and self.models is None \
             and not gguf_unconverted(self.job.model)
         loaded = self.models.load(self.job.model) if self.models is not None and tp is None \
             else load_model(self.job.model, tp, weights=not replicas_only)
@@ -333,7 +338,7 @@ class _Run:
         job, summary, stop = self.job, self.summary, self.stop
         n = job.generation.num_return_sequences
         by_request = "n" in summary.row_settings  # rows with their own n: count requests, whose total is known
-        if job.kind == "score":
+        if not self.kind.generates:
             self.progress.stage("scoring")
             self.progress.start(total, "row", verb="scoring")
         elif by_request:

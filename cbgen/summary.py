@@ -137,18 +137,6 @@ class RunSummary:
     def counts(self) -> dict[str, int]:
         cache = {f"result_cache_{key}": self.result_cache.get(key, 0) for key in ("hits", "near_hits", "misses")} \
             if self.result_cache.get("on") else {}
-        if self.kind == "score":
-            return {"rows": self.requests, "failed": self.failed, "succeeded": self.succeeded,
-                    "prompt_tokens": self.prompt_tokens, "scored_tokens": self.generated_tokens,
-                    "resumed_rows": self.resumed_requests, **cache}
-        return {
-            "requests": self.requests,
-            "failed_requests": self.failed_requests,
-            "sequences": self.sequences,
-            "succeeded": self.succeeded,
-            "failed": self.failed,
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "resumed_requests": self.resumed_requests,
-            **cache,
-        }
+        from cbgen.kinds import kind_of
+
+        return kind_of(self.kind).counts(self) | cache

@@ -126,3 +126,35 @@ def test_the_cycle_check_counts_the_packages_above_an_import(tmp_path):
     module.write_text("from cbgen.engine.plan import plan_engine\n")
     assert runtime_imports(module, "cbgen.job") == {"cbgen.engine", "cbgen.engine.plan"}
     assert runtime_imports(module, "cbgen.engine.engine") == {"cbgen.engine.plan"}
+
+
+def kind_comparisons(path: Path) -> list[str]:
+    """The places in a module that tell a stage kind by its name: a comparison (==, !=, in) of a kind's name
+    (cbgen.kinds.KINDS) with anything."""
+    from cbgen.kinds import KINDS
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Compare):
+            continue
+        parts = [node.left, *node.comparators]
+        parts += [e for part in parts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) for e in part.elts]
+        names = [part.value for part in parts
+                 if isinstance(part, ast.Constant) and isinstance(part.value, str) and part.value in KINDS]
+        if names:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_kinds_are_told_apart_only_in_their_registry():
+    """What a kind is lives in cbgen.kinds, one module a kind: everything else asks the kind (cbgen.kinds.base),
+    never compares its name, so that a new kind is one new module and one registry line."""
+    found = {name: lines for name, path in MODULES.items()
+             if not name.startswith("cbgen.kinds") and (lines := kind_comparisons(path))}
+    assert not found, f"kind names compared outside cbgen.kinds: {found}"
+
+
+def test_the_kind_check_sees_comparisons(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("if job.kind == 'score':\n    pass\nok = kind in ('generate', 'sql')\nfine = {'score': 1}['score'] is None\n")
+    assert [line.split(":")[0] for line in kind_comparisons(module)] == ["line 1", "line 3"]

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cbgen.errors import ExitCode
+from cbgen.kinds import kind_of
 
 InputOverride = Annotated[
     Optional[str],  # noqa: UP045 (typer)
@@ -134,7 +135,7 @@ def _pipeline_status(directory: Path, as_json: bool) -> int:
         table.add_column(column, justify="left" if column in ("stage", "kind", "state") else "right")
     for s in stages:
         table.add_row(s.name, s.kind, "" if s.done is None else str(s.done), str(s.failed),
-                      "" if s.kind == "sql" else "?" if s.remaining is None else str(s.remaining),
+                      "" if not kind_of(s.kind).over_rows else "?" if s.remaining is None else str(s.remaining),
                       "" if s.rows is None else str(s.rows), _STATE_WORDS.get(s.state, s.state))
     Console().print(table)
     return ExitCode.SOME_FAILED if incomplete else ExitCode.OK

@@ -228,29 +228,11 @@ def make_progress(console: Console, quiet: bool):
 
 
 def summary_table(summary: RunSummary) -> Table:
-    if summary.kind == "score":
-        return _score_summary(summary)
-    throughput = summary.throughput()
-    rows = [
-        ("model", summary.model),
-        ("requests", f"{summary.requests} ({plural(summary.sequences, 'sequence')})"),
-        ("succeeded / failed", f"{summary.succeeded} / {summary.failed}"),
-        ("prompt / generated tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
-        ("generated tokens/s", f"{throughput['generated_tokens_per_s']:,.1f}"),
-        ("prompt + generated tokens/s", f"{throughput['total_tokens_per_s']:,.1f}"),
-        ("model load / generation / total", " / ".join(_duration(summary.timings.get(k, 0.0))
-                                                        for k in ("model_load_s", "generation_s", "total_s"))),
-        ("KV cache", f"{summary.kv_cache.get('num_blocks')} blocks of {summary.kv_cache.get('page_size')} tokens "
-                     f"({summary.kv_cache.get('chosen_by')})" if summary.kv_cache.get("num_blocks") is not None
-         else "none: the engine did not start (no request left to compute)"),
-        ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
-    ]
-    formats = summary.step_control.get("formats_compiled")
-    if formats:
-        rows.insert(-2, ("output formats", f"{plural(formats, 'grammar')} compiled in "
-                                           f"{summary.step_control['compile_s']:.2f} s"))
-    rows.insert(-1, ("result cache", cache_line(summary.result_cache)))
-    return _pairs("cbgen run summary", rows)
+    """The end-of-run summary, as the job's kind words it (cbgen.kinds)."""
+    from cbgen.kinds import kind_of
+
+    kind = kind_of(summary.kind)
+    return _pairs(kind.summary_title, kind.summary_rows(summary, _duration, cache_line))
 
 
 def cache_line(cache: dict) -> str:
@@ -276,22 +258,6 @@ def _pairs(title: str, rows: list[tuple[str, str]]) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
-
-
-def _score_summary(summary: RunSummary) -> Table:
-    seconds = summary.generation_seconds or float("nan")
-    rows = [
-        ("model", summary.model),
-        ("rows scored / failed", f"{summary.succeeded} / {summary.failed}"),
-        ("prompt / scored tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
-        ("tokens/s (prompt + scored)", f"{(summary.run_prompt_tokens + summary.run_generated_tokens) / seconds:,.1f}"),
-        ("model load / scoring / total", " / ".join(_duration(summary.timings.get(k, 0.0))
-                                                     for k in ("model_load_s", "generation_s", "total_s"))),
-        ("forward passes", f"{summary.scorer.get('forward_passes', 0):,}"),
-        ("result cache", cache_line(summary.result_cache)),
-        ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
-    ]
-    return _pairs("cbgen score summary", rows)
 
 
 def dry_run_table(report: DryRunReport) -> Table:

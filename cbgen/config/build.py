@@ -9,6 +9,7 @@ from typing import Any
 from cbgen.config.sections import SECTIONS, JobConfig
 from cbgen.config.values import check_value
 from cbgen.errors import CbgenError, first_line
+from cbgen.kinds import DEFAULT, JOB_KINDS, kind_of
 
 
 def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -51,17 +52,19 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def build_config(
     config_file: str | Path | None = None, overrides: dict[tuple[str, str], tuple[Any, str]] | None = None,
-    kind: str = "generate",
+    kind: str = DEFAULT,
 ) -> JobConfig:
-    """Builds the effective configuration of a job of `kind` (generate, score): defaults, then the YAML file, then
-    `overrides`.
+    """Builds the effective configuration of a job of `kind` (one of cbgen.kinds.JOB_KINDS): defaults, then the YAML
+    file, then `overrides`.
 
     `overrides` maps (section, key) to (value, flag name); only flags the user actually gave belong there.
     """
     layers: dict[str, dict[str, Any]] = read_yaml(config_file) if config_file else {}
     for (section, key), (value, flag) in (overrides or {}).items():
         layers.setdefault(section, {})[key] = check_value(section, key, value, flag)
-    job = JobConfig(kind=kind)  # type: ignore[arg-type]  # one of KINDS: the commands pass their own
+    if kind not in JOB_KINDS:
+        raise ValueError(f"a job is one of {', '.join(JOB_KINDS)}, not {kind!r}")  # the commands pass their own
+    job = JobConfig(kind=kind)
     for section, values in layers.items():
         if section == "batching":
             job.batching.update(values)
@@ -101,7 +104,7 @@ def check_combinations(job: JobConfig) -> None:
     # a flag alone may be completed from the environment (cbgen.sharding.resolve_sharding); both must agree
     if r.num_shards is not None and r.shard_index is not None and r.shard_index >= r.num_shards:
         raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
-    if job.kind == "score":
+    if not kind_of(job.kind).generates:  # a job that generates nothing: what it scores is checked instead
         _check_scoring(job)
         return
     _check_format(job)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cbgen.config.batching import BATCHING_FIELDS
+from cbgen.kinds import DEFAULT
 
 
 def setting(default: Any, help: str) -> Any:
@@ -278,8 +279,6 @@ SECTIONS: dict[str, type] = {
     "score": ScoreSection,  # cbgen score: what is scored (cbgen.score)
 }
 
-KINDS = ("generate", "score")  # what a job does: cbgen run generates, cbgen score scores
-
 
 @dataclass
 class JobConfig:
@@ -293,7 +292,7 @@ class JobConfig:
     output: OutputSection = field(default_factory=OutputSection)
     run: RunSection = field(default_factory=RunSection)
     score: ScoreSection = field(default_factory=ScoreSection)
-    kind: Literal["generate", "score"] = "generate"  # set by the command (cbgen run, cbgen score), not by the YAML
+    kind: str = DEFAULT  # one of cbgen.kinds.JOB_KINDS, set by the command (cbgen run, cbgen score), not by the YAML
 
     @property
     def do_sample(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import RowError, describe_type
+from cbgen.kinds import kind_of
 from cbgen.records import ScoreTarget
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class ScoreFields:
     @classmethod
     def of(cls, job: JobConfig) -> ScoreFields | None:
         """The fields of a scoring job; None for a generation job."""
-        if job.kind != "score":
+        if not kind_of(job.kind).takes_section("score"):
             return None
         s = job.score
         return cls(s.completion_column, s.text_column, tuple(s.choices))

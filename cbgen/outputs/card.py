@@ -18,6 +18,7 @@ import yaml
 
 from cbgen import __version__
 from cbgen.files import write_text_atomic
+from cbgen.kinds import kind_of
 from cbgen.outputs.columns import OutputColumns
 
 CARD_FILE = "README.md"
@@ -46,21 +47,13 @@ _MEANINGS = {
     "choice_probs": "the choices' probabilities among themselves",
     "best_choice": "the choice with the highest summed logprob",
 }
-_SCORE_MEANINGS = {
-    "num_prompt_tokens": "tokens before the scored ones (the prompt; a text's first token)",
-    "token_ids": "the scored token ids",
-    "logprobs": "the model's own log-probability of each scored token",
-    "top_logprobs": "per scored token, the most likely tokens with their logprobs",
-    "error": "why the row could not be scored, else null",
-}
-
-
 def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict[str, Any], model: str | None,
               counts: dict[str, Any], command: Sequence[str], in_order: bool, merged_from: int = 0,
               saved_to_disk: bool = False) -> str:
     """The card of an output directory whose committed shards are `shards` (file names, in order); with
     `saved_to_disk`, of a dataset written by `merge --to-dataset` (whose Arrow files the hub reads, and
     `datasets.load_from_disk` locally)."""
+    kind = kind_of(columns.kind if columns is not None else None)
     meta = {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": list(shards)}]}],
         "tags": ["cbgen", "synthetic"],
@@ -68,8 +61,7 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
             "version": __version__,
             "model": model,
             "command": shlex.join(command),
-            **({"score": job.get("score", {})} if columns is not None and columns.kind == "score"
-               else {"generation": job.get("generation", {})}),
+            kind.card_settings: job.get(kind.card_settings, {}),
             "templates": {k: job.get("input", {}).get(k) for k in ("template", "system", "messages")},
             "counts": counts,
             "columns": list(columns.names) if columns is not None else None,
@@ -79,9 +71,8 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
     }
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=120)
     rows = counts.get("sequences", counts.get("rows", "?"))
-    scores = columns is not None and columns.kind == "score"
-    lines = [f"---\n{header}---", "", "# Scores by cbgen" if scores else "# Generations by cbgen", "",
-             f"{rows} rows {'scored' if scores else 'answered'} by {model or 'a model'} with cbgen {__version__}"
+    lines = [f"---\n{header}---", "", f"# {kind.card_title}", "",
+             f"{rows} rows {kind.card_verb} by {model or 'a model'} with cbgen {__version__}"
              + ("" if in_order else " (in the order requests finished: the run is not complete)") + ".", "",
              *_cache_lines(counts),
              "## Load", "", "```python", "import datasets", "",
@@ -89,7 +80,7 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
              'rows = datasets.load_dataset("THIS_FOLDER", split="train")  # or: cbgen.load("THIS_FOLDER")',
              "```", "", "## Publish", "",
              "```bash", "hf upload YOUR_NAME/YOUR_DATASET THIS_FOLDER --repo-type dataset", "```", "", "## Columns", ""]
-    meanings = _MEANINGS | (_SCORE_MEANINGS if columns is not None and columns.kind == "score" else {})
+    meanings = _MEANINGS | dict(kind.meanings)
     for name in columns.names if columns is not None else ():
         lines.append(f"- `{name}`: {meanings.get(name, 'an input column kept with --keep-columns')}")
     return "\n".join(lines) + "\n"

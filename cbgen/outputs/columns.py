@@ -10,7 +10,7 @@ Every row of a generation job has the base fields (cbgen.records.BASE_FIELDS). B
                    (cbgen.outputs.parsed), typed by the job's schema where one schema holds for every row
     kept columns   the input columns of --keep-columns, in their order
 
-A scoring job's rows (kind "score") have the score fields (cbgen.records.SCORE_FIELDS), then `token_ids`,
+A scoring job's rows (cbgen.kinds.score) have the score fields (cbgen.records.SCORE_FIELDS), then `token_ids`,
 `logprobs` and `top_logprobs` of the scored tokens on request, then the kept columns.
 
 The run decides this once it knows its input and model (cbgen.planning) and stores it in fingerprint.json, so a
@@ -25,12 +25,11 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cbgen.records import BASE_FIELDS, RESERVED_NAMES, SCORE_FIELDS, SCORE_RESERVED_NAMES
+from cbgen.kinds import DEFAULT, Kind, kind_of, kind_of_columns
 
 if TYPE_CHECKING:
     from cbgen.config import GenerationSection, JobConfig
 
-REPLY_FIELDS = ("reasoning", "tool_calls")
 JSON_KINDS = ("json_schema", "json_object")  # the formats whose answers are data
 
 
@@ -42,7 +41,7 @@ class OutputColumns:
     kept: tuple[str, ...] = ()
     parsed: bool = False
     parsed_schema: str | None = None  # the one JSON schema every row follows (its text), which types `parsed`
-    kind: str = "generate"  # "score": the rows of a scoring job
+    kind: str = DEFAULT  # the job's kind (cbgen.kinds), which says the fields its rows have
 
     @classmethod
     def decide(cls, job: JobConfig, used: Set[str], replies: bool) -> OutputColumns:
@@ -52,30 +51,30 @@ class OutputColumns:
 
         g = job.generation
         top = bool(g.top_logprobs) or "top_logprobs" in used
-        if job.kind == "score":
-            return cls(logprobs=g.logprobs or top, top_logprobs=top, kept=tuple(job.input.keep_columns), kind="score")
+        if not kind_of(job.kind).generates:  # no output format, no replies
+            return cls(logprobs=g.logprobs or top, top_logprobs=top, kept=tuple(job.input.keep_columns),
+                       kind=job.kind)
         fmt = job_format(g)  # checked before any model loads (cbgen.config.build)
         rows_choose = "response_format" in used
         one_schema = fmt is not None and fmt.kind == "json_schema" and not rows_choose
         return cls(logprobs=g.logprobs or top or "logprobs" in used, top_logprobs=top, replies=replies,
                    kept=tuple(job.input.keep_columns),
                    parsed=rows_choose or (fmt is not None and fmt.kind in JSON_KINDS),
-                   parsed_schema=fmt.spec if one_schema and fmt is not None else None)
+                   parsed_schema=fmt.spec if one_schema and fmt is not None else None, kind=job.kind)
+
+    @property
+    def of_kind(self) -> Kind:
+        return kind_of(self.kind)
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every column, in the order rows have them."""
-        if self.kind == "score":
-            return (*SCORE_FIELDS, *(("token_ids", "logprobs") if self.logprobs else ()),
-                    *(("top_logprobs",) if self.top_logprobs else ()), *self.kept)
-        return (*BASE_FIELDS, *(("logprobs",) if self.logprobs else ()),
-                *(("top_logprobs",) if self.top_logprobs else ()), *(REPLY_FIELDS if self.replies else ()),
-                *(("parsed",) if self.parsed else ()), *self.kept)
+        return self.of_kind.column_names(self)
 
     @property
     def reserved(self) -> frozenset[str]:
         """The names the rows use for their own fields, which a kept column may not take."""
-        return SCORE_RESERVED_NAMES if self.kind == "score" else RESERVED_NAMES
+        return self.of_kind.reserved_names()
 
     def to_dict(self) -> dict[str, Any]:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "replies": self.replies,
@@ -85,14 +84,14 @@ class OutputColumns:
     def from_dict(cls, data: Mapping[str, Any]) -> OutputColumns:
         return cls(bool(data.get("logprobs")), bool(data.get("top_logprobs")), bool(data.get("replies")),
                    tuple(data.get("kept") or ()), bool(data.get("parsed")), data.get("parsed_schema"),
-                   str(data.get("kind") or "generate"))
+                   str(data.get("kind") or DEFAULT))
 
     @classmethod
     def from_names(cls, names: Set[str], kept: tuple[str, ...]) -> OutputColumns:
         """The columns of rows written before cbgen stored them: read off a shard's column names."""
         return cls("logprobs" in names, "top_logprobs" in names, "reasoning" in names,
                    tuple(name for name in kept if name in names), "parsed" in names,
-                   kind="score" if "num_scored_tokens" in names else "generate")
+                   kind=kind_of_columns(frozenset(names)).name)
 
 
 def top_logprobs_of(generation: GenerationSection, settings: Mapping[str, Any]) -> int:

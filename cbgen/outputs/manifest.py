@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen import __version__
 from cbgen.config import JobConfig
 from cbgen.files import write_json_atomic
+from cbgen.kinds import kind_of
 from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
 from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE, redo_history
@@ -74,11 +75,7 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
         "output_format": job.output.format,
         "shard": list(sharding) if sharding else None,
     }
-    if job.kind == "score":  # what is scored, and how; no generation setting but the logprobs asked for applies
-        fingerprint["kind"] = "score"
-        fingerprint["score"] = {k: v for k, v in dataclasses.asdict(job.score).items() if k != "batch_tokens"}
-        fingerprint["generation"] = {"logprobs": g.logprobs, "top_logprobs": g.top_logprobs}
-    return fingerprint
+    return kind_of(job.kind).fingerprint(job, fingerprint)
 
 
 def package_versions() -> dict[str, str]:
@@ -132,7 +129,7 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         "step_control": summary.step_control,
         "replicas": summary.replicas,
         "result_cache": summary.result_cache or None,  # this run's hits and misses (docs/cache.md)
-        **({"scorer": summary.scorer} if job.kind == "score" else {}),
+        **({"scorer": summary.scorer} if not kind_of(job.kind).generates else {}),
         "input_notices": summary.input_notices,
         "timings": summary.timings,
         "throughput": summary.throughput(),

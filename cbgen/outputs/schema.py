@@ -1,4 +1,4 @@
-"""The Parquet schema of output rows (their fields are cbgen.records.BASE_FIELDS, or SCORE_FIELDS for scores)."""
+"""The Parquet schema of output rows (their fields are their kind's, cbgen.kinds)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pyarrow as pa
 
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.parsed import ParsedType
-from cbgen.records import BASE_FIELDS, SCORE_FIELDS
 
 _BASE_TYPES: dict[str, pa.DataType] = {
     "id": pa.string(),
@@ -45,6 +44,10 @@ TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("tok
 
 
 TOOL_CALLS_TYPE = pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))
+# every column a kind's rows may have (cbgen.kinds), but `parsed`, whose type the job's schema decides
+_TYPES: dict[str, pa.DataType] = _BASE_TYPES | _SCORE_TYPES | {
+    "logprobs": pa.list_(pa.float32()), "top_logprobs": TOP_LOGPROBS_TYPE, "reasoning": pa.string(),
+    "tool_calls": TOOL_CALLS_TYPE}
 
 
 def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Schema | None:
@@ -53,23 +56,8 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
     column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
     """
-    if columns.kind == "score":
-        fields = [pa.field(name, _SCORE_TYPES[name]) for name in SCORE_FIELDS]
-        if columns.logprobs:
-            fields += [pa.field("token_ids", _BASE_TYPES["token_ids"]), pa.field("logprobs", pa.list_(pa.float32()))]
-        if columns.top_logprobs:
-            fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
-        return _with_kept(fields, columns, kept_schema)
-    fields = [pa.field(name, _BASE_TYPES[name]) for name in BASE_FIELDS]
-    if columns.logprobs:
-        fields.append(pa.field("logprobs", pa.list_(pa.float32())))
-    if columns.top_logprobs:
-        fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
-    if columns.replies:
-        fields.append(pa.field("reasoning", pa.string()))
-        fields.append(pa.field("tool_calls", TOOL_CALLS_TYPE))
-    if columns.parsed:
-        fields.append(pa.field("parsed", parsed_type(columns).type))
+    own = columns.names[: len(columns.names) - len(columns.kept)]
+    fields = [pa.field(name, parsed_type(columns).type if name == "parsed" else _TYPES[name]) for name in own]
     return _with_kept(fields, columns, kept_schema)
 
 

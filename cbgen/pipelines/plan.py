@@ -20,6 +20,7 @@ import pyarrow as pa
 from cbgen.config import JobConfig, build_config
 from cbgen.config.flat import flat_overrides
 from cbgen.errors import CbgenError
+from cbgen.kinds import kind_of
 from cbgen.pipelines.spec import Pipeline, Stage
 from cbgen.pipelines.tables import carried_columns, empty_file, infer_query, infer_stage_table, struct_fields
 
@@ -55,7 +56,7 @@ def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
     with tempfile.TemporaryDirectory(prefix="cbgen-pipeline-") as stubs:
         for stage in pipeline.stages:
             try:
-                if stage.kind == "sql":
+                if not stage.of_kind.over_rows:  # a query: its result's schema from DuckDB's own inference
                     assert stage.query is not None
                     schema = infer_query(stage.query, {name: plans[name].table for name in stage.tables},
                                          stage.read_files)
@@ -114,7 +115,7 @@ def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StageP
 
     used = frozenset(c for c in schema.names if c in ROW_SETTINGS)
     # the columns a run of this stage writes, decided by the function the run uses, so later stages plan on them
-    columns = plan_columns(job, used, templates.of(job) if stage.kind == "generate" else None)
+    columns = plan_columns(job, used, templates.of(job) if stage.of_kind.generates else None)
     output = arrow_schema(columns, pa.schema([schema.field(c) for c in carried]))
     assert output is not None  # every kept column's type is known
     notes = tuple(f"stage {stage.name!r} does not carry column {c!r} of its input on: its own rows have a field of "
@@ -160,7 +161,7 @@ def _check_fields(job: JobConfig, schema: pa.Schema) -> None:
             if fields is not None and name not in fields:
                 raise CbgenError(f"the templates read {column}.{name}, and column {column!r} has no field {name!r}; "
                                  f"its fields are: {', '.join(fields)}")
-    if job.kind == "score":
+    if kind_of(job.kind).takes_section("score"):
         prompted = template is not None or any(c in schema.names for c in PROMPT_FIELDS)
         completion = job.score.completion_column.split(".")[0]
         if prompted and not job.score.choices and CHOICES_FIELD not in schema.names \

@@ -131,7 +131,7 @@ class PipelineRun:
             if self.only is not None and stage.name != self.only:
                 continue
             started = time.perf_counter()
-            outcome = self._run_sql(stage) if stage.kind == "sql" else self._run_job(stage)
+            outcome = self._run_job(stage) if stage.of_kind.over_rows else self._run_sql(stage)
             outcome.seconds = time.perf_counter() - started
             report.stages.append(outcome)
             if outcome.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):
@@ -148,7 +148,7 @@ class PipelineRun:
             {k: v for k, v in self.extra.items() if k[1] == "redo"}
         given = extra.pop(("run", "redo"), None)
         redo: list[str] = list(given[0]) if given is not None else []
-        kinds = [k for k in redo if stage.kind != "score" or k != "length"]  # a score is never cut
+        kinds = stage.of_kind.redo_kinds(redo)
         has_run = any((self.output_dir / stage.name).glob("**/fingerprint.json"))  # a first run has nothing to redo
         return extra | ({("run", "redo"): (kinds, "redo")} if kinds and has_run else {})
 
@@ -178,7 +178,7 @@ class PipelineRun:
     def _signature(self, name: str) -> str:
         """A digest of what stage `name` is now: its fingerprint without its sharding."""
         stage = self.pipeline.stage(name)
-        if stage.kind == "sql":
+        if not stage.of_kind.over_rows:
             return _digest(self._sql_fingerprint(stage))
         return _digest({k: v for k, v in self.fingerprint(name).items() if k != "shard"})
 
@@ -276,7 +276,7 @@ class PipelineRun:
         from cbgen.outputs.shards import shard_paths
 
         stage = self.pipeline.stage(name)
-        if stage.kind == "sql":
+        if not stage.of_kind.over_rows:
             if not self._sql_fresh(stage):
                 raise CbgenError(f"stage {name!r} has not run yet (or changed since): run it first "
                                  f"(cbgen pipeline {self.pipeline.where} --stage {name})")
@@ -328,7 +328,7 @@ class PipelineRun:
     # -- sql stages ----------------------------------------------------------------------------------------------
 
     def _sql_fingerprint(self, stage: Stage) -> dict[str, Any]:
-        return {"kind": "sql", "query": stage.query, **({"read_files": True} if stage.read_files else {}),
+        return {"kind": stage.kind, "query": stage.query, **({"read_files": True} if stage.read_files else {}),
                 "upstream": {name: {"fingerprint": self.signature(name), "table": self.table(name).sha256}
                              for name in stage.tables}}
 
@@ -343,10 +343,10 @@ class PipelineRun:
         from cbgen.pipelines.sql import run_sql_stage
 
         if self._sql_fresh(stage):
-            self.say(f"stage {stage.name!r} (sql): up to date")
+            self.say(f"stage {stage.name!r} ({stage.kind}): up to date")
             stored = read_json_or_none(self.output_dir / stage.name / SQL_FILE) or {}
-            return StageOutcome(stage.name, "sql", "up to date", rows=stored.get("rows"))
-        self.say(f"stage {stage.name!r} (sql): running")
+            return StageOutcome(stage.name, stage.kind, "up to date", rows=stored.get("rows"))
+        self.say(f"stage {stage.name!r} ({stage.kind}): running")
         tables = {name: self.table(name).path for name in stage.tables}  # says which stage is not complete
         rows = run_sql_stage(stage, tables, self.output_dir, self._sql_fingerprint(stage))
-        return StageOutcome(stage.name, "sql", "ran", rows=rows)
+        return StageOutcome(stage.name, stage.kind, "ran", rows=rows)

@@ -28,8 +28,9 @@ import yaml
 
 from cbgen.config.flat import closest, flat_keys
 from cbgen.errors import CbgenError, first_line
+from cbgen.kinds import KINDS, OWN_SECTIONS, Kind, kind_of
+from cbgen.kinds.sql import QUERY_KEYS
 
-KINDS = ("generate", "score", "sql")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 STAGE_KEYS = ("name", "kind", "input", "query")
 # an sql stage's key that lets its query read files: by default it reads the tables of the stages it names only
@@ -60,9 +61,13 @@ class Stage:
     read_files: bool = False  # sql: the query may read files too (read_csv, read_parquet, ...), not only stages
 
     @property
+    def of_kind(self) -> Kind:
+        return kind_of(self.kind)
+
+    @property
     def upstream(self) -> tuple[str, ...]:
         """The stages this one reads."""
-        if self.kind == "sql":
+        if not self.of_kind.over_rows:
             return self.tables
         return (self.input,) if self.input_is_stage and self.input is not None else ()
 
@@ -117,7 +122,7 @@ def _parse(data: Any, where: str, base: Path) -> Pipeline:
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise CbgenError(f"{where}: 'defaults' must be a mapping of job keys")
-    _check_keys(defaults, f"{where}: defaults", "generate", allow_score=True)
+    _check_keys(defaults, f"{where}: defaults", None)
     stages: list[Stage] = []
     for i, raw in enumerate(data["stages"]):
         if not isinstance(raw, dict):
@@ -127,7 +132,7 @@ def _parse(data: Any, where: str, base: Path) -> Pipeline:
     for stage in stages:
         for name in stage.upstream:
             if name not in names:
-                what = "a stage" if stage.kind == "sql" else "a stage nor a file"
+                what = "a stage nor a file" if stage.of_kind.over_rows else "a stage"
                 raise CbgenError(f"{where}: stage {stage.name!r} reads {name!r}, which is not {what}; the stages "
                                  f"are: {', '.join(names)}{closest(name, names)}")
             if name == stage.name:
@@ -148,14 +153,13 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
     if kind not in KINDS:
         raise CbgenError(f"{here}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
     settings = {k: v for k, v in raw.items() if k not in STAGE_KEYS}
-    if kind == "sql":
+    if not KINDS[kind].over_rows:  # a query over earlier stages
         query = raw.get("query")
         if not isinstance(query, str) or not query.strip():
-            raise CbgenError(f"{here}: an sql stage needs a 'query' (DuckDB SQL over earlier stages by name)")
-        extra = sorted(set(raw) - {"name", "kind", "query", SQL_FILES_KEY})
+            raise CbgenError(f"{here}: an {kind} stage needs a 'query' (DuckDB SQL over earlier stages by name)")
+        extra = sorted(set(raw) - {"name", "kind", *QUERY_KEYS})
         if extra:
-            raise CbgenError(f"{here}: an sql stage takes only name, kind, query and {SQL_FILES_KEY}, not "
-                             f"{extra[0]!r}")
+            raise CbgenError(f"{here}: {KINDS[kind].setting_error('', extra[0], OWN_SECTIONS)}")
         read_files = raw.get(SQL_FILES_KEY, False)
         if not isinstance(read_files, bool):
             raise CbgenError(f"{here}: {SQL_FILES_KEY} must be true or false, got {read_files!r}")
@@ -165,8 +169,8 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
     source = raw.get("input")
     if not isinstance(source, str) or not source.strip():
         raise CbgenError(f"{here}: needs an 'input': a file, a dataset, or an earlier stage's name")
-    _check_keys(settings, here, kind)
-    applied = {k: v for k, v in defaults.items() if _applies(k, kind)} | settings
+    _check_keys(settings, here, KINDS[kind])
+    applied = {k: v for k, v in defaults.items() if _applies(k, KINDS[kind])} | settings
     resolved = {k: _resolve(k, v, base) for k, v in applied.items()}
     is_stage = bool(NAME.match(source)) and not (base / source).exists()
     if not is_stage and (base / Path(source).expanduser()).exists():
@@ -175,7 +179,9 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
     return Stage(name, kind, source, resolved, input_is_stage=is_stage)
 
 
-def _check_keys(settings: dict[str, Any], here: str, kind: str, allow_score: bool = False) -> None:
+def _check_keys(settings: dict[str, Any], here: str, kind: Kind | None) -> None:
+    """Every key known, none the pipeline decides, and each one that `kind` takes (for defaults, None: that some
+    kind takes)."""
     keys = flat_keys()
     for key in settings:
         if key in OWNED:
@@ -184,21 +190,14 @@ def _check_keys(settings: dict[str, Any], here: str, kind: str, allow_score: boo
             raise CbgenError(f"{here}: {key!r} belongs to a stage, not to defaults")
         if key not in keys:
             raise CbgenError(f"{here}: unknown key {key!r}{closest(key, list(keys) + list(STAGE_KEYS))}")
-        section = keys[key][0]
-        if section == "score" and kind != "score" and not allow_score:
-            raise CbgenError(f"{here}: {key!r} applies to score stages, not to a {kind} stage")
-        if kind == "score" and section == "generation" and key not in ("logprobs", "top_logprobs"):
-            raise CbgenError(f"{here}: {key!r} is a generation setting; a score stage generates nothing")
+        error = kind.setting_error(keys[key][0], key, OWN_SECTIONS) if kind is not None else None
+        if error is not None:
+            raise CbgenError(f"{here}: {error}")
 
 
-def _applies(key: str, kind: str) -> bool:
+def _applies(key: str, kind: Kind) -> bool:
     """Whether a `defaults` key applies to a stage of `kind`."""
-    section = flat_keys()[key][0]
-    if section == "score":
-        return kind == "score"
-    if section == "generation":
-        return kind == "generate" or key in ("logprobs", "top_logprobs")
-    return True
+    return kind.default_applies(flat_keys()[key][0], key, OWN_SECTIONS)
 
 
 def _resolve(key: str, value: Any, base: Path) -> Any:

@@ -33,7 +33,7 @@ def run_sql_stage(stage: Stage, tables: dict[str, Path], output_dir: Path, finge
     write_text_atomic(staging / CARD_FILE, table_card_text(
         shards=[SHARD], columns=result.schema.names, rows=result.num_rows, stage=stage.name, query=stage.query,
         upstream=list(tables), command=sys.argv))
-    write_json_atomic(staging / SQL_FILE, {"kind": "sql", "fingerprint": fingerprint, "rows": result.num_rows,
+    write_json_atomic(staging / SQL_FILE, {"kind": stage.kind, "fingerprint": fingerprint, "rows": result.num_rows,
                                            "columns": result.schema.names, "status": "complete"})
     if target.exists():
         target.rename(old)

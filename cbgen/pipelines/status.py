@@ -8,6 +8,7 @@ from typing import Any
 
 from cbgen.errors import CbgenError
 from cbgen.files import read_json_or_none
+from cbgen.kinds import kind_of
 
 PIPELINE_FILE = "pipeline.json"  # in OUT: the pipeline's stages, written by every run
 SQL_FILE = "stage.json"  # in OUT/<sql stage>: its fingerprint and row count
@@ -41,7 +42,7 @@ def pipeline_status(directory: Path) -> list[StageStatus]:
 
 
 def _stage_status(path: Path, name: str, kind: str) -> StageStatus:
-    if kind == "sql":
+    if not kind_of(kind).over_rows:  # a query's result, written whole
         stored = read_json_or_none(path / SQL_FILE)
         if isinstance(stored, dict) and stored.get("status") == "complete":
             return StageStatus(name, kind, "complete", rows=stored.get("rows"))

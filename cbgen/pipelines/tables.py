@@ -60,8 +60,8 @@ def select_table(name: str, job: JobConfig, columns: OutputColumns, rows: str) -
     """The SELECT of stage `name`'s table from its output rows (`rows`: an SQL relation), with `__position` (its
     input row's) and `__sample` for putting the rows in order."""
     own = [c for c in columns.names if c not in columns.kept and c != "error"]
-    several = job.kind == "generate" and job.generation.num_return_sequences > 1
-    sample = "sample_index" if columns.kind == "generate" else "0"
+    several = columns.of_kind.samples_per_row(job) > 1
+    sample = columns.of_kind.sample_column()
     ident = f"id || '-' || CAST({sample} AS VARCHAR)" if several else "id"
     fields = ", ".join(f"{quote(c)} := {quote(c)}" for c in own)
     carried = "".join(f", {quote(c)}" for c in columns.kept)

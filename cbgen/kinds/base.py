@@ -1,0 +1,104 @@
+"""What a stage kind is: the one description every other module asks instead of comparing kind names.
+
+A kind says which settings its stages take, which columns its rows have and what they mean (for the dataset card),
+what of its job goes into the fingerprint, how its summary counts and reads, and whether it runs over input rows
+through the model (generate, score) or as a query over earlier stages' tables (sql). The modules that run, write,
+plan and show a job read these answers; none of them names a kind.
+
+This module and the kinds' own import only cbgen's bottom layer (records, errors), so that any room may ask them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from cbgen.config import JobConfig
+    from cbgen.outputs.columns import OutputColumns
+    from cbgen.summary import RunSummary
+
+# the settings sections every kind that runs over rows takes (model, input, output, run)
+COMMON_SECTIONS = frozenset({"model", "input", "output", "run", "batching", "cache", "attention"})
+
+
+class Kind:
+    """One kind of stage. Subclasses set the class attributes and override the hooks that differ."""
+
+    name: ClassVar[str]
+    about: ClassVar[str]  # one line: what a stage of this kind does
+    over_rows: ClassVar[bool] = True  # a job over input rows through a model; False: a query over stages' tables
+    generates: ClassVar[bool] = True  # its model writes text (generation settings, formats, replies apply)
+    own_section: ClassVar[str | None] = None  # the settings section only this kind's stages take
+    # generation settings its stages take: None for every one of them
+    generation_keys: ClassVar[frozenset[str] | None] = None
+    several_samples: ClassVar[bool] = False  # a row may have several sequences (sample_index 0..n-1)
+    card_title: ClassVar[str] = ""
+    card_verb: ClassVar[str] = ""  # "answered", "scored": "N rows <verb> by MODEL"
+    card_settings: ClassVar[str] = "generation"  # the job section the card's metadata shows
+    meanings: ClassVar[Mapping[str, str]] = {}  # what its own columns mean (over the shared meanings)
+
+    # -- settings ------------------------------------------------------------------------------------------------
+
+    def setting_error(self, section: str, key: str, own_sections: frozenset[str]) -> str | None:
+        """Why a stage of this kind may not set `key` (of job section `section`), or None. `own_sections`: the
+        sections some kind owns (a stage takes only its own of them)."""
+        if section in own_sections and section != self.own_section:
+            return f"{key!r} applies to {section} stages, not to a {self.name} stage"
+        if section == "generation" and self.generation_keys is not None and key not in self.generation_keys:
+            return f"{key!r} is a generation setting; a {self.name} stage generates nothing"
+        return None
+
+    def default_applies(self, section: str, key: str, own_sections: frozenset[str]) -> bool:
+        """Whether a pipeline's `defaults` key reaches a stage of this kind."""
+        return self.setting_error(section, key, own_sections) is None
+
+    def takes_section(self, section: str) -> bool:
+        """Whether the settings of job section `section` shape its rows (the score section: what is scored)."""
+        return section == self.own_section or (section == "generation" and self.generates)
+
+    # -- its rows ------------------------------------------------------------------------------------------------
+
+    def column_names(self, columns: OutputColumns) -> tuple[str, ...]:
+        """Every column of its rows, in the order rows have them."""
+        raise NotImplementedError
+
+    def reserved_names(self) -> frozenset[str]:
+        """The names its rows use for their own fields, which a kept column may not take."""
+        raise NotImplementedError
+
+    def identifies(self, columns: set[str] | frozenset[str]) -> bool:
+        """Whether rows with these column names (written before cbgen stored their kind) are this kind's."""
+        return False
+
+    def sample_column(self) -> str:
+        """The SQL expression of a row's sample index."""
+        return "sample_index" if self.several_samples else "0"
+
+    # -- its job -------------------------------------------------------------------------------------------------
+
+    def fingerprint(self, job: JobConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
+        """The job's fingerprint (cbgen.outputs.manifest) with what this kind makes of it."""
+        return fingerprint
+
+    def samples_per_row(self, job: JobConfig) -> int:
+        return job.generation.num_return_sequences if self.several_samples else 1
+
+    def redo_kinds(self, kinds: list[str]) -> list[str]:
+        """The --redo selections (failed, length, ...) that apply to its rows."""
+        return kinds
+
+    # -- its summary ---------------------------------------------------------------------------------------------
+
+    def counts(self, summary: RunSummary) -> dict[str, int]:
+        """The summary's counts, as run.json and the card store them."""
+        raise NotImplementedError
+
+    def summary_rows(self, summary: RunSummary, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
+        """The end-of-run summary's lines (label, value); `duration` and `cache_line` format seconds and the
+        result cache's share."""
+        raise NotImplementedError
+
+    @property
+    def summary_title(self) -> str:
+        return f"cbgen {self.name} summary"
