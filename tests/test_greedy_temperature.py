@@ -33,19 +33,26 @@ def _run(tiny_model_dir, tmp_path, name, rows, *extra) -> tuple[dict, dict]:
     source = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     out = tmp_path / name
     assert run_cli(["run", str(source), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
-                    "--max-new-tokens", "6", "-q", *map(str, extra)]) in (0, 1)
-    return _tokens(read_shards(out)), json.loads((out / "run.json").read_text())
+                    "--max-new-tokens", "6", "-q", *map(str, extra)]) == 0
+    manifest = json.loads((out / "run.json").read_text())
+    manifest["fingerprint"] = json.loads((out / "fingerprint.json").read_text())["fingerprint"]
+    return _tokens(read_shards(out)), manifest
 
 
 def test_the_flag_a_yaml_file_and_the_python_api(greedy, tiny_model_dir, tmp_path):
+    """Each job also gives a sampling setting (top-k, top-p, a seed), which alone makes a job sample: temperature 0
+    still makes it greedy. The control: the same job without it samples other tokens."""
     rows = [{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)]
-    flag, manifest = _run(tiny_model_dir, tmp_path, "flag", rows, "--temperature", 0)
+    sampled, manifest = _run(tiny_model_dir, tmp_path, "sampled", rows, "--top-k", 50, "--seed", 3)
+    assert manifest["fingerprint"]["generation"]["do_sample"] is True and sampled != greedy
+    flag, manifest = _run(tiny_model_dir, tmp_path, "flag", rows, "--temperature", 0, "--top-k", 50, "--seed", 3)
     assert flag == greedy and manifest["config"]["generation"]["temperature"] == 0
+    assert manifest["fingerprint"]["generation"]["do_sample"] is False
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({"generation": {"temperature": 0, "top_p": 0.5}}))  # top_p ignored, as vLLM does
     assert _run(tiny_model_dir, tmp_path, "yaml", rows, "--config", config)[0] == greedy
     api = cbgen.generate(rows, model=str(tiny_model_dir), dtype="float32", max_new_tokens=6, temperature=0,
-                         progress=False)
+                         top_k=50, seed=3, progress=False)
     assert _tokens(api) == greedy
 
 
@@ -68,7 +75,7 @@ def test_a_pipeline_stage(greedy, tiny_model_dir, tmp_path):
                                                  for i, p in enumerate(PROMPTS)))
     data = {"defaults": {"model": str(tiny_model_dir), "dtype": "float32"},
             "stages": [{"name": "answers", "kind": "generate", "input": "seed.jsonl", "temperature": 0,
-                        "max_new_tokens": 6}]}
+                        "top_p": 0.9, "seed": 3, "max_new_tokens": 6}]}
     file = tmp_path / "pipeline.yaml"
     file.write_text(yaml.safe_dump(data))
     assert run_cli(["pipeline", str(file), "-o", str(tmp_path / "out"), "-q"]) == 0

@@ -148,7 +148,8 @@ class Bench:
             stopped += [c.token_ids for c in group if c.finish_reason == "stop"]
         seconds = time.perf_counter() - start
         path = {"gated": "cbgen", "ordered": "cbgen-ordered", "input": "cbgen-input-order"}[order]
-        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens}
+        extra: dict[str, Any] = {"cb": engine.stats.resolved_config, "tokens": tokens,
+                                 "batch_invariant": plan.engine.scope.batch_invariant}
         if grammars is not None:
             path += "-json-schema"
             extra["grammar_compile_s"] = round(grammars.compile_seconds, 4)

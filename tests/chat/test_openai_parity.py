@@ -117,7 +117,24 @@ def test_tool_choice_none_hides_the_tools_and_turns_with_calls_render(tool_model
     assert run(tool_model_dir, path, tmp_path / "out") == 0
     out = answers(tmp_path / "out")
     usage = {key: out[key]["response"]["body"]["usage"]["prompt_tokens"] for key in out}
-    assert usage["none"] < usage["auto"] < usage["history"]  # the tools, then the call and its result, rendered
+    # each prompt is the one the model's own chat template renders (transformers' apply_chat_template): without the
+    # tools for tool_choice none; with the assistant's call and the tool's result for the history
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model_dir)
+
+    def rendered(messages, tools):
+        return len(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+
+    # chat templates take a call's arguments as an object (transformers' chat-template docs), OpenAI sends a string
+    as_templates_take_it = [*ASK, {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Lisbon", "unit": "celsius"}}}]}, history[2]]
+    assert usage == {"none": rendered(ASK, None), "auto": rendered(ASK, [WEATHER]),
+                     "history": rendered(as_templates_take_it, [WEATHER])}
+    assert usage["none"] < usage["auto"] < usage["history"]
+    without_call = [m for m in as_templates_take_it if not m.get("tool_calls")]  # what a dropped call would render
+    assert usage["history"] != rendered(without_call, [WEATHER])
 
 
 def test_tools_without_a_response_template_are_a_clear_400(tiny_model_dir, tmp_path):
