@@ -1,8 +1,8 @@
 """Sampling, end to end: the tokens a real job draws follow the softmax of the model's logits after temperature, top-k
-and top-p, as transformers' own warpers compute it. A chi-square test over many seeded draws of one prompt's first
-token; and the same draws against the softmax of near misses (the unprocessed logits, and each setting a little off:
-temperature by a fifth, top-k by a few tokens, top-p by 0.1), each of which the test must reject: so it would catch a
-sampler that got one setting slightly wrong."""
+and top-p, as transformers' own warpers compute it. A chi-square test over many draws of one prompt's first token,
+seeded and unseeded; and the same draws against the softmax of near misses (the unprocessed logits, and each setting
+a little off: temperature by a fifth, top-k by a few tokens, top-p by 0.1), each of which the test must reject: so it
+would catch a sampler that got one setting slightly wrong."""
 
 from __future__ import annotations
 
@@ -77,13 +77,15 @@ def reference(model_dir, prompt_ids: list[int], processed: bool, temperature: fl
 
 
 @pytest.mark.slow
-def test_seeded_draws_follow_the_processed_softmax(sharp_model, tmp_path):
+@pytest.mark.parametrize("seed", [["--seed", "20261201"], []], ids=["seeded", "unseeded"])
+def test_draws_follow_the_processed_softmax(sharp_model, tmp_path, seed):
+    """Seeded draws (cbgen's own, from each request's seed) and unseeded ones (the engine's sampler)."""
     rows = [{"id": f"s{i}", "prompt": "The colour of the sea is"} for i in range(DRAWS)]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out"
     assert run_cli(["run", str(path), "-o", str(out), "--model", str(sharp_model), "--dtype", "float32",
                     "--max-new-tokens", "1", "--temperature", str(TEMPERATURE), "--top-k", str(TOP_K),
-                    "--top-p", str(TOP_P), "--seed", "20261201", "--max-in-flight", "256", "-q"]) == 0
+                    "--top-p", str(TOP_P), *seed, "--max-in-flight", "256", "-q"]) == 0
     drawn = list(read_shards(out))
     assert len(drawn) == DRAWS
     prompt_ids = drawn[0]["num_prompt_tokens"]

@@ -72,10 +72,21 @@ def test_an_object_is_an_object_while_it_is_written(tiny_model_dir, prompts, tmp
     """--json-object on the tiny random model: its strings run on to the token cap (an ended object is checked on
     the embedded model, tests/outputs/test_parsed.py); what it writes is still the start of a JSON object."""
     assert run(tiny_model_dir, prompts, tmp_path / "out", "--json-object", "--max-new-tokens", 12) == 0
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    # every token written is one a JSON object's grammar, built here by llguidance itself, takes at that point
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    info = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
     for row in rows(tmp_path / "out").values():
         assert row["text"].lstrip().startswith("{"), row
+        matcher = LLMatcher(info, grammar, log_level=0)
+        tokens = [t for t in row["token_ids"] if t != tokenizer.eos_token_id]
+        assert matcher.try_consume_tokens(tokens) == len(tokens) and not matcher.is_error(), row
         if row["finish_reason"] == "stop":
-            assert isinstance(json.loads(row["text"]), dict)
+            assert isinstance(json.loads(row["text"]), dict) and matcher.is_accepting()
 
 
 @pytest.mark.parametrize(("name", "text"), [

@@ -144,14 +144,17 @@ def test_entry_checks_what_serves_the_model(pair):
         def theirs(*args, **kwargs):
             return before(*args, **kwargs)
 
-        AttentionInterface.register("sdpa", theirs)
         try:
+            AttentionInterface.register("sdpa", theirs)
             with pytest.raises(RuntimeError, match="something replaced transformers' 'sdpa' attention"):
                 scope.check()
-        finally:
-            pass
-    assert AttentionInterface()["sdpa"] is theirs  # someone else's replacement is theirs to remove
-    AttentionInterface.register("sdpa", before)
+        except BaseException:
+            AttentionInterface.register("sdpa", before)  # the other tests get the stock function back, whatever failed
+            raise
+    try:
+        assert AttentionInterface()["sdpa"] is theirs  # someone else's replacement is theirs to remove
+    finally:
+        AttentionInterface.register("sdpa", before)
     assert _pristine(model) == []
 
 
