@@ -10,6 +10,14 @@ import pytest
 from hypothesis import settings
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# pytest-xdist runs a worker per core: each computes on one thread (and so do the cbgen processes tests start), so
+# that the workers' OpenMP pools do not contend for the same cores (measured on a 2-core AMD EPYC Zen 4: 40 tests of
+# tests/test_run_tiny.py, test_row_settings.py and control/test_structured.py in 69.8 s on 2 threads a worker, 61.2 s
+# on 1). Set before torch loads its OpenMP runtime; tests about thread counts set theirs
+# (tests.helpers.torch_threads).
+if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (
+        os.cpu_count() or 1):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 # converted GGUF weights are cached per test session, never in the user's own cache; pytest-xdist's workers of one
 # run share one (its writers convert the embedded GGUF once, the others wait for it: cbgen.model.cache)

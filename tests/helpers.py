@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -54,3 +55,20 @@ def pytest_under_isa(isa: str, test_file: str, selection: str, examples: int = 6
 def property_examples(default: int) -> int:
     """How many examples a fast property draws (CBGEN_PROPERTY_EXAMPLES overrides, for the runs of pytest_under_isa)."""
     return int(os.environ.get("CBGEN_PROPERTY_EXAMPLES", default))
+
+
+TWO_THREADS = 2  # what a test about thread counts compares one thread with
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count set to `count` for the block (a test about thread counts sets its own: the
+    suite's workers run on one thread each, tests/conftest.py)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

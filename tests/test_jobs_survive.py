@@ -21,11 +21,11 @@ from cbgen.outputs.rundir import DirectoryLock
 from tests.helpers import write_jsonl
 
 
-@pytest.fixture
-def prompts(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
     rows = [{"id": f"r{i:03d}", "prompt": f"Tell me something about the number {i}." + " And more." * (i % 5)}
             for i in range(48)]
-    return write_jsonl(tmp_path / "prompts.jsonl", rows)
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rows)
 
 
 def job_args(tiny_model_dir, prompts, out, *extra):
@@ -49,9 +49,10 @@ def by_id(out: Path) -> dict[str, list[int]]:
     return {r["id"]: r["token_ids"] for r in rows}
 
 
-@pytest.fixture
-def reference(tiny_model_dir, prompts, tmp_path) -> dict[str, list[int]]:
-    out = tmp_path / "reference"
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompts, tmp_path_factory) -> dict[str, list[int]]:
+    """The uninterrupted job's rows, once for the module: the tests compare theirs with it, none writes there."""
+    out = tmp_path_factory.mktemp("reference") / "out"
     assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 0
     return by_id(out)
 

@@ -156,5 +156,6 @@ def test_kinds_are_told_apart_only_in_their_registry():
 
 def test_the_kind_check_sees_comparisons(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("if job.kind == 'score':\n    pass\nok = kind in ('generate', 'sql')\nfine = {'score': 1}['score'] is None\n")
+    module.write_text("if job.kind == 'score':\n    pass\nok = kind in ('generate', 'sql')\n"
+                      "fine = {'score': 1}['score'] is None\n")
     assert [line.split(":")[0] for line in kind_comparisons(module)] == ["line 1", "line 3"]

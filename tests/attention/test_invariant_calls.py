@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cbgen.attention.invariant import attend_invariant
 from cbgen.attention.layout import StepLayout
-from tests.helpers import OTHER_ISAS, property_examples, pytest_under_isa
+from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,6 +66,11 @@ def _attend(case, tensors) -> torch.Tensor:
 
 
 def _check(case) -> None:
+    with torch_threads(TWO_THREADS):  # the batch on two threads, request 0 again on one
+        _check_on_two_threads(case)
+
+
+def _check_on_two_threads(case) -> None:
     tensors = _tensors(case)
     together = _attend(case, tensors)
     threads = torch.get_num_threads()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cbgen.config.cpu import cpu_row
 from cbgen.model.invariant import TILE_ROWS, fixed_shape_linear, pack
-from tests.helpers import OTHER_ISAS, property_examples, pytest_under_isa
+from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -29,6 +29,11 @@ def layers(draw):
 @settings(max_examples=property_examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers())
 def test_a_row_gets_the_same_bits_in_any_batch(case):
+    with torch_threads(TWO_THREADS):  # the batch on two threads, the row again on one
+        _same_bits_on_two_threads(case)
+
+
+def _same_bits_on_two_threads(case) -> None:
     dtype = DTYPES[case["dtype"]]
     generator = torch.Generator().manual_seed(case["seed"])
     weight = torch.randn(case["out_features"], case["in_features"], generator=generator).to(dtype)
