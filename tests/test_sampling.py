@@ -6,6 +6,7 @@ would catch a sampler that got one setting slightly wrong."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -52,11 +53,20 @@ def chi_square(counts: Counter[int], probabilities: dict[int, float], draws: int
     return sum((o - e) ** 2 / e for o, e in kept), len(kept) - 1
 
 
+@functools.cache
+def _last_logits(model_dir: str, prompt_ids: tuple[int, ...]) -> torch.Tensor:
+    """The model's logits after `prompt_ids` (loaded once for every reference of the module)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt_ids])).logits[:, -1].float()
+
+
 def reference(model_dir, prompt_ids: list[int], processed: bool, temperature: float = TEMPERATURE,
               top_k: int = TOP_K, top_p: float = TOP_P) -> dict[int, float]:
     """The next-token distribution of the model for `prompt_ids`: after transformers' own temperature, top-k and
     top-p warpers (in generate's order), or the plain softmax."""
-    from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         TemperatureLogitsWarper,
@@ -64,10 +74,8 @@ def reference(model_dir, prompt_ids: list[int], processed: bool, temperature: fl
         TopPLogitsWarper,
     )
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[:, -1].float()
+    logits = _last_logits(str(model_dir), tuple(prompt_ids)).clone()
     if processed:
         warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k),
                                        TopPLogitsWarper(top_p)])
