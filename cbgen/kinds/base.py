@@ -5,18 +5,15 @@ what of its job goes into the fingerprint, how its summary counts and reads, and
 through the model (generate, score) or as a query over earlier stages' tables (sql). The modules that run, write,
 plan and show a job read these answers; none of them names a kind.
 
-This module and the kinds' own import only cbgen's bottom layer (records, errors), so that any room may ask them.
+This module and the kinds' own import only cbgen's bottom layer (records, errors, progress), not even for types, so
+that any room may ask them without an import running back up: a hook's `job` is a cbgen.config.JobConfig, its
+`columns` a cbgen.outputs.columns.OutputColumns, its `summary` a cbgen.summary.RunSummary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
-
-if TYPE_CHECKING:
-    from cbgen.config import JobConfig
-    from cbgen.outputs.columns import OutputColumns
-    from cbgen.summary import RunSummary
+from typing import Any, ClassVar
 
 # the settings sections every kind that runs over rows takes (model, input, output, run)
 COMMON_SECTIONS = frozenset({"model", "input", "output", "run", "batching", "cache", "attention"})
@@ -59,7 +56,7 @@ class Kind:
 
     # -- its rows ------------------------------------------------------------------------------------------------
 
-    def column_names(self, columns: OutputColumns) -> tuple[str, ...]:
+    def column_names(self, columns: Any) -> tuple[str, ...]:
         """Every column of its rows, in the order rows have them."""
         raise NotImplementedError
 
@@ -77,11 +74,11 @@ class Kind:
 
     # -- its job -------------------------------------------------------------------------------------------------
 
-    def fingerprint(self, job: JobConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    def fingerprint(self, job: Any, fingerprint: dict[str, Any]) -> dict[str, Any]:
         """The job's fingerprint (cbgen.outputs.manifest) with what this kind makes of it."""
         return fingerprint
 
-    def samples_per_row(self, job: JobConfig) -> int:
+    def samples_per_row(self, job: Any) -> int:
         return job.generation.num_return_sequences if self.several_samples else 1
 
     def redo_kinds(self, kinds: list[str]) -> list[str]:
@@ -90,11 +87,11 @@ class Kind:
 
     # -- its summary ---------------------------------------------------------------------------------------------
 
-    def counts(self, summary: RunSummary) -> dict[str, int]:
+    def counts(self, summary: Any) -> dict[str, int]:
         """The summary's counts, as run.json and the card store them."""
         raise NotImplementedError
 
-    def summary_rows(self, summary: RunSummary, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
+    def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
         """The end-of-run summary's lines (label, value); `duration` and `cache_line` format seconds and the
         result cache's share."""
         raise NotImplementedError

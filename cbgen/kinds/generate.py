@@ -3,15 +3,11 @@ sampled sequences per row."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cbgen.kinds.base import Kind
 from cbgen.progress import plural
 from cbgen.records import BASE_FIELDS, RESERVED_NAMES
-
-if TYPE_CHECKING:
-    from cbgen.outputs.columns import OutputColumns
-    from cbgen.summary import RunSummary
 
 REPLY_FIELDS = ("reasoning", "tool_calls")
 
@@ -23,7 +19,7 @@ class Generate(Kind):
     card_title = "Generations by cbgen"
     card_verb = "answered"
 
-    def column_names(self, columns: OutputColumns) -> tuple[str, ...]:
+    def column_names(self, columns: Any) -> tuple[str, ...]:
         return (*BASE_FIELDS, *(("logprobs",) if columns.logprobs else ()),
                 *(("top_logprobs",) if columns.top_logprobs else ()), *(REPLY_FIELDS if columns.replies else ()),
                 *(("parsed",) if columns.parsed else ()), *columns.kept)
@@ -34,13 +30,13 @@ class Generate(Kind):
     def identifies(self, columns: set[str] | frozenset[str]) -> bool:
         return "num_generated_tokens" in columns
 
-    def counts(self, summary: RunSummary) -> dict[str, int]:
+    def counts(self, summary: Any) -> dict[str, int]:
         return {"requests": summary.requests, "failed_requests": summary.failed_requests,
                 "sequences": summary.sequences, "succeeded": summary.succeeded, "failed": summary.failed,
                 "prompt_tokens": summary.prompt_tokens, "generated_tokens": summary.generated_tokens,
                 "resumed_requests": summary.resumed_requests}
 
-    def summary_rows(self, summary: RunSummary, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
+    def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
         throughput = summary.throughput()
         kv = summary.kv_cache
         rows = [

@@ -4,16 +4,11 @@ nothing generated."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cbgen.kinds.base import Kind
 from cbgen.progress import plural
 from cbgen.records import SCORE_FIELDS, SCORE_RESERVED_NAMES
-
-if TYPE_CHECKING:
-    from cbgen.config import JobConfig
-    from cbgen.outputs.columns import OutputColumns
-    from cbgen.summary import RunSummary
 
 
 class Score(Kind):
@@ -33,7 +28,7 @@ class Score(Kind):
         "error": "why the row could not be scored, else null",
     }
 
-    def column_names(self, columns: OutputColumns) -> tuple[str, ...]:
+    def column_names(self, columns: Any) -> tuple[str, ...]:
         return (*SCORE_FIELDS, *(("token_ids", "logprobs") if columns.logprobs else ()),
                 *(("top_logprobs",) if columns.top_logprobs else ()), *columns.kept)
 
@@ -43,7 +38,7 @@ class Score(Kind):
     def identifies(self, columns: set[str] | frozenset[str]) -> bool:
         return "num_scored_tokens" in columns
 
-    def fingerprint(self, job: JobConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    def fingerprint(self, job: Any, fingerprint: dict[str, Any]) -> dict[str, Any]:
         """What is scored, and how; no generation setting but the logprobs asked for applies."""
         g = job.generation
         return fingerprint | {"kind": self.name,
@@ -53,12 +48,12 @@ class Score(Kind):
     def redo_kinds(self, kinds: list[str]) -> list[str]:
         return [k for k in kinds if k != "length"]  # a score is never cut
 
-    def counts(self, summary: RunSummary) -> dict[str, int]:
+    def counts(self, summary: Any) -> dict[str, int]:
         return {"rows": summary.requests, "failed": summary.failed, "succeeded": summary.succeeded,
                 "prompt_tokens": summary.prompt_tokens, "scored_tokens": summary.generated_tokens,
                 "resumed_rows": summary.resumed_requests}
 
-    def summary_rows(self, summary: RunSummary, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
+    def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
         seconds = summary.generation_seconds or float("nan")
         tokens = summary.run_prompt_tokens + summary.run_generated_tokens
         return [
