@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import ExitCode
+from cbgen.kinds import kind_of
 from cbgen.records import Completion
 
 if TYPE_CHECKING:
@@ -137,6 +138,4 @@ class RunSummary:
     def counts(self) -> dict[str, int]:
         cache = {f"result_cache_{key}": self.result_cache.get(key, 0) for key in ("hits", "near_hits", "misses")} \
             if self.result_cache.get("on") else {}
-        from cbgen.kinds import kind_of
-
         return kind_of(self.kind).counts(self) | cache

@@ -21,6 +21,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from cbgen.kinds import kind_of
 from cbgen.pace import Pace
 from cbgen.progress import LiveLengths, NullProgress, plural
 from cbgen.summary import RunSummary
@@ -229,8 +230,6 @@ def make_progress(console: Console, quiet: bool):
 
 def summary_table(summary: RunSummary) -> Table:
     """The end-of-run summary, as the job's kind words it (cbgen.kinds)."""
-    from cbgen.kinds import kind_of
-
     kind = kind_of(summary.kind)
     return _pairs(kind.summary_title, kind.summary_rows(summary, _duration, cache_line))
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from cbgen.progress import plural
+
 # the settings sections every kind that runs over rows takes (model, input, output, run)
 COMMON_SECTIONS = frozenset({"model", "input", "output", "run", "batching", "cache", "attention"})
 
@@ -23,7 +25,6 @@ class Kind:
     """One kind of stage. Subclasses set the class attributes and override the hooks that differ."""
 
     name: ClassVar[str]
-    about: ClassVar[str]  # one line: what a stage of this kind does
     over_rows: ClassVar[bool] = True  # a job over input rows through a model; False: a query over stages' tables
     generates: ClassVar[bool] = True  # its model writes text (generation settings, formats, replies apply)
     own_section: ClassVar[str | None] = None  # the settings section only this kind's stages take
@@ -95,6 +96,17 @@ class Kind:
         """The end-of-run summary's lines (label, value); `duration` and `cache_line` format seconds and the
         result cache's share."""
         raise NotImplementedError
+
+    @staticmethod
+    def timings_row(summary: Any, duration: Any, work: str) -> tuple[str, str]:
+        """The summary's line of model load, `work` (generation, scoring) and total time."""
+        return (f"model load / {work} / total", " / ".join(duration(summary.timings.get(k, 0.0))
+                                                          for k in ("model_load_s", "generation_s", "total_s")))
+
+    @staticmethod
+    def output_row(summary: Any) -> tuple[str, str]:
+        """The summary's line of where the rows went."""
+        return ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)")
 
     @property
     def summary_title(self) -> str:

@@ -14,7 +14,6 @@ REPLY_FIELDS = ("reasoning", "tool_calls")
 
 class Generate(Kind):
     name = "generate"
-    about = "answers each row's prompt with the model (cbgen run)"
     several_samples = True
     card_title = "Generations by cbgen"
     card_verb = "answered"
@@ -46,8 +45,7 @@ class Generate(Kind):
             ("prompt / generated tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
             ("generated tokens/s", f"{throughput['generated_tokens_per_s']:,.1f}"),
             ("prompt + generated tokens/s", f"{throughput['total_tokens_per_s']:,.1f}"),
-            ("model load / generation / total", " / ".join(duration(summary.timings.get(k, 0.0))
-                                                            for k in ("model_load_s", "generation_s", "total_s"))),
+            self.timings_row(summary, duration, "generation"),
         ]
         formats = summary.step_control.get("formats_compiled")
         if formats:
@@ -56,8 +54,7 @@ class Generate(Kind):
         rows.append(("KV cache", f"{kv.get('num_blocks')} blocks of {kv.get('page_size')} tokens "
                                  f"({kv.get('chosen_by')})" if kv.get("num_blocks") is not None
                      else "none: the engine did not start (no request left to compute)"))
-        return [*rows, ("result cache", cache_line(summary.result_cache)),
-                ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)")]
+        return [*rows, ("result cache", cache_line(summary.result_cache)), self.output_row(summary)]
 
     @property
     def summary_title(self) -> str:

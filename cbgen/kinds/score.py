@@ -7,13 +7,11 @@ import dataclasses
 from typing import Any
 
 from cbgen.kinds.base import Kind
-from cbgen.progress import plural
 from cbgen.records import SCORE_FIELDS, SCORE_RESERVED_NAMES
 
 
 class Score(Kind):
     name = "score"
-    about = "scores each row's completion, text or choices by the model's logprobs (cbgen score)"
     generates = False
     own_section = "score"
     generation_keys = frozenset({"logprobs", "top_logprobs"})  # the scored tokens' own, on request
@@ -61,9 +59,8 @@ class Score(Kind):
             ("rows scored / failed", f"{summary.succeeded} / {summary.failed}"),
             ("prompt / scored tokens", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}"),
             ("tokens/s (prompt + scored)", f"{tokens / seconds:,.1f}"),
-            ("model load / scoring / total", " / ".join(duration(summary.timings.get(k, 0.0))
-                                                         for k in ("model_load_s", "generation_s", "total_s"))),
+            self.timings_row(summary, duration, "scoring"),
             ("forward passes", f"{summary.scorer.get('forward_passes', 0):,}"),
             ("result cache", cache_line(summary.result_cache)),
-            ("output", f"{summary.output_dir} ({plural(len(summary.shards), 'shard')} + run.json)"),
+            self.output_row(summary),
         ]

@@ -10,7 +10,6 @@ QUERY_KEYS = ("query", "read_files")  # what an sql stage takes besides its name
 
 class Sql(Kind):
     name = "sql"
-    about = "one DuckDB query over earlier stages by name, its result written whole"
     over_rows = False
     generates = False
 

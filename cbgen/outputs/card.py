@@ -47,6 +47,8 @@ _MEANINGS = {
     "choice_probs": "the choices' probabilities among themselves",
     "best_choice": "the choice with the highest summed logprob",
 }
+
+
 def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict[str, Any], model: str | None,
               counts: dict[str, Any], command: Sequence[str], in_order: bool, merged_from: int = 0,
               saved_to_disk: bool = False) -> str:

@@ -56,7 +56,7 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
     Kept columns take their types from `kept_schema` (the input's own schema, for Parquet input). When a kept
     column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
     """
-    own = columns.names[: len(columns.names) - len(columns.kept)]
+    own = [name for name in columns.names if name not in columns.kept]
     fields = [pa.field(name, parsed_type(columns).type if name == "parsed" else _TYPES[name]) for name in own]
     return _with_kept(fields, columns, kept_schema)
 
