@@ -74,7 +74,7 @@ def main() -> None:
 
     from cbgen.config.cpu import cpu_model, cpu_row
     from cbgen.evaluation.lm import CbgenLM
-    from cbgen.model.cache import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
+    from cbgen.model.gguf import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
     from cbgen.model.source import embedded_model_path
 
     print(f"{cpu_model()} ({cpu_row().kind}), {len(os.sched_getaffinity(0))} threads, torch {torch.__version__}, "

@@ -68,7 +68,8 @@ def prompts(path: Path, n: int) -> Path:
 STOCK_CACHE = """
 import dataclasses, sys
 from cbgen.cli import run_cli
-from cbgen.engine import cache_memory, plan
+from cbgen.engine import kv_memory as cache_memory
+from cbgen.engine import setup as plan
 if "--lazy" not in sys.argv:
     cache_memory.LAZY_MIN_BYTES = 1 << 62  # nothing served lazily: transformers' own torch.zeros
 planned = plan.plan_scope  # transformers' dense attention mask, planned as for the stock sdpa

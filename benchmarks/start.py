@@ -34,10 +34,10 @@ def note(name):
     with open(os.environ["CBGEN_START_EVENTS"], "w") as f:
         json.dump(events, f)
 note("interpreter")
-from cbgen.startup import hold_gc
+from cbgen.process.startup import hold_gc
 hold_gc()  # as `cbgen` itself does before its heavy imports
 from cbgen.cli import main
-import cbgen.job, cbgen.engine.engine, cbgen.model.load as load, cbgen.outputs.writers as writers
+import cbgen.job.run, cbgen.engine.engine, cbgen.model.load as load, cbgen.outputs.writers as writers
 note("imported")
 real_load = load.load_model
 def load_model(*args, **kwargs):

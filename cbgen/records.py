@@ -1,6 +1,14 @@
 """The small typed records that flow between the stages of a job, and the fields of an output row.
 
     PromptRecord (read) -> Request (rendered, ordered) -> Completion (generated) -> output row (written)
+
+The engine's names for a request's sequences live here too: the manager knows each sequence by an id made from
+the request's key.
+
+A request asking for the job's number of sequences is one manager request: its first sequence is the key itself and
+transformers names the others `<key>__child#<k>` (k from 0, for sample index k + 1). A request asking for another
+number runs as that many separate manager requests, which cbgen names `<key>~copy<j>` (sample index j). The engine
+builds these ids, and the step control reads a sequence's sample index back from them.
 """
 
 from __future__ import annotations
@@ -9,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cbgen.formats import ResponseFormat
+    from cbgen.chat.formats import ResponseFormat
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,3 +152,31 @@ SCORE_FIELDS: tuple[str, ...] = (
 RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls",
                                             "parsed"))
 SCORE_RESERVED_NAMES: frozenset[str] = frozenset((*SCORE_FIELDS, "token_ids", "logprobs", "top_logprobs"))
+
+
+# The sequences of a request, as the engine names them (see the module's docstring)
+CHILD_MARK = "__child#"  # transformers' suffix for a request's extra sequences
+COPY_MARK = "~copy"  # cbgen's own suffix for the separate copies of a request
+
+
+def sequence_ids(key: str, n: int, *, copies: bool) -> dict[str, int]:
+    """The manager id of each of the request's `n` sequences, with its sample index."""
+    if copies:
+        return {f"{key}{COPY_MARK}{j}": j for j in range(n)}
+    return {key: 0} | {f"{key}{CHILD_MARK}{k}": k + 1 for k in range(n - 1)}
+
+
+def request_key(manager_id: str) -> str:
+    """The key of the request a sequence belongs to."""
+    return manager_id.partition(CHILD_MARK)[0].partition(COPY_MARK)[0]
+
+
+def sample_index(manager_id: str) -> int:
+    """A sequence's index among its request's sequences (the inverse of `sequence_ids`)."""
+    key, child, k = manager_id.rpartition(CHILD_MARK)
+    if child and key and k.isdigit():
+        return int(k) + 1
+    key, copy, j = manager_id.rpartition(COPY_MARK)
+    if copy and key and j.isdigit():
+        return int(j)
+    return 0

@@ -20,7 +20,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WO
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 # converted GGUF weights are cached per test session, never in the user's own cache; pytest-xdist's workers of one
-# run share one (its writers convert the embedded GGUF once, the others wait for it: cbgen.model.cache)
+# run share one (its writers convert the embedded GGUF once, the others wait for it: cbgen.model.gguf)
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 if _RUN:
     os.environ["CBGEN_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"cbgen-test-cache-{_RUN}")

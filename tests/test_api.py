@@ -30,16 +30,16 @@ def test_cbgen_error_is_exported():
 
 
 def test_the_keyword_types_are_generated_from_the_settings_table():
-    """cbgen/settings_types.py is what the settings table gives now (regenerate it with the command its first line
+    """cbgen/api/settings.py is what the settings table gives now (regenerate it with the command its first line
     names), and it has every flat key but `model`, which the functions name themselves."""
     from pathlib import Path
 
+    from cbgen.api.settings import CallSettings, JobSettings, ModelSettings
     from cbgen.config.flat import flat_keys
     from cbgen.config.typed import MODULE, typed_settings_source
-    from cbgen.settings_types import CallSettings, JobSettings, ModelSettings
 
     assert (Path(__file__).parent.parent / MODULE).read_text() == typed_settings_source(), \
-        "cbgen/settings_types.py is stale: python -m cbgen.config.typed > cbgen/settings_types.py"
+        "cbgen/api/settings.py is stale: python -m cbgen.config.typed > cbgen/api/settings.py"
     assert set(JobSettings.__annotations__) == set(flat_keys()) - {"model"}
     assert set(ModelSettings.__annotations__) | set(CallSettings.__annotations__) == set(JobSettings.__annotations__)
 

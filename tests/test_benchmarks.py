@@ -63,10 +63,10 @@ def test_every_name_a_script_imports_from_cbgen_exists(script):
 def test_the_check_reads_child_code_and_late_imports():
     source = '''
 def main():
-    from cbgen.job import run_job
+    from cbgen.job.run import run_job
 CHILD = """
 from cbgen.nowhere import thing
 print(thing)
 """
 '''
-    assert cbgen_imports(source) == {("cbgen.job", "run_job"), ("cbgen.nowhere", "thing")}
+    assert cbgen_imports(source) == {("cbgen.job.run", "run_job"), ("cbgen.nowhere", "thing")}

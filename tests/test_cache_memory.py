@@ -1,4 +1,4 @@
-"""The KV cache's memory is taken as pages are written (cbgen.engine.cache_memory), with the same results."""
+"""The KV cache's memory is taken as pages are written (cbgen.engine.kv_memory), with the same results."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cbgen.cli import run_cli
-from cbgen.engine import cache_memory
-from cbgen.engine.cache_memory import LazyCache, lazy_cache_memory
+from cbgen.engine import kv_memory as cache_memory
+from cbgen.engine.kv_memory import LazyCache, lazy_cache_memory
 from cbgen.outputs import read_shards
 from tests.helpers import write_jsonl
 

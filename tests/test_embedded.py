@@ -64,7 +64,7 @@ def model_and_tokenizer(greedy_runs):
     cbgen's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cbgen.model.cache import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
+    from cbgen.model.gguf import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
     from cbgen.model.source import embedded_model_path
 
     cache = GgufCache(default_cache_dir(), embedded_model_path())

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from cbgen.chat.formats import FormatError, ResponseFormat, job_format, parse_response_format
 from cbgen.cli import run_cli
 from cbgen.config import GenerationSection
-from cbgen.formats import FormatError, ResponseFormat, job_format, parse_response_format
 from tests.helpers import write_jsonl
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

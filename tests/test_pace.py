@@ -1,5 +1,5 @@
-"""The rate and the time left follow the tokens as the engine produces them (cbgen.pace), tested on a fake clock and a
-simulated engine whose short answers finish first."""
+"""The rate and the time left follow the tokens as the engine produces them (cbgen.progress.pace), tested on a fake
+clock and a simulated engine whose short answers finish first."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from rich.console import Console
 
 from cbgen.cli.display import PlainProgress, RichProgress
-from cbgen.pace import Pace
+from cbgen.progress.pace import Pace
 
 
 class Clock:
@@ -111,7 +111,7 @@ def test_a_job_shows_the_engine_s_unfinished_tokens(tiny_model_dir, tmp_path):
     import threading
 
     from cbgen.config import build_config
-    from cbgen.job import run_job
+    from cbgen.job.run import run_job
     from cbgen.progress import NullProgress
     from tests.helpers import write_jsonl
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from cbgen.prompts import Renderer, RenderPlan, prefix_aware_order
 from cbgen.records import PromptRecord, Request
+from cbgen.render.prompts import Renderer, RenderPlan, prefix_aware_order
 
 
 def request(i: int, ids: list[int] | None, error: str | None = None) -> Request:

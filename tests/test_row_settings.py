@@ -8,10 +8,10 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.config import JobConfig
+from cbgen.control.sampling import SamplingPlan
 from cbgen.errors import RowError
 from cbgen.inputs.settings import parse_settings
 from cbgen.outputs import read_shards
-from cbgen.sampling import SamplingPlan
 from tests.helpers import write_jsonl
 
 PROMPTS = ["Tell me a story.", "List some fruits.", "Why is the sky blue?"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cbgen.sequences import request_key, sample_index, sequence_ids
+from cbgen.records import request_key, sample_index, sequence_ids
 
 
 @pytest.mark.parametrize("copies", [False, True])

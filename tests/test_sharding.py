@@ -10,7 +10,7 @@ import yaml
 
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError
-from cbgen.sharding import resolve_sharding
+from cbgen.parallel.sharding import resolve_sharding
 
 
 def job(num_shards=None, shard_index=None) -> JobConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 
 from cbgen.cli import run_cli
-from cbgen.startup import hold_gc, release_gc
+from cbgen.process.startup import hold_gc, release_gc
 from tests.helpers import write_jsonl
 
 

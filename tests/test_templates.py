@@ -19,8 +19,8 @@ from cbgen.cli import run_cli
 from cbgen.config import InputSection
 from cbgen.errors import CbgenError, RowError
 from cbgen.outputs import read_shards
-from cbgen.sandbox import Limits, RenderStopped
-from cbgen.templates import PromptTemplate, syntax_error_position
+from cbgen.render.sandbox import Limits, RenderStopped
+from cbgen.render.templates import PromptTemplate, syntax_error_position
 from tests.helpers import write_jsonl
 
 SEED = [
@@ -115,7 +115,7 @@ def test_a_stop_ends_a_render_in_progress():
 
 def test_the_size_budget_follows_the_models_context(tiny_model_dir):
     from cbgen.config import build_config
-    from cbgen.templates import render_limits
+    from cbgen.render.templates import render_limits
 
     embedded = render_limits(build_config(None))
     assert embedded.max_chars == 16 * 8192 and embedded.seconds == 10.0  # SmolLM2: an 8,192-token context

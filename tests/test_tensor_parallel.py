@@ -100,8 +100,8 @@ if os.environ.get("RANK") == "0" and where:
         raise CbgenError(f"injected failure at {where}")
 
     if where == "plan":
-        import cbgen.planning
-        cbgen.planning.plan_job = fail
+        import cbgen.job.plan
+        cbgen.job.plan.plan_job = fail
     elif where == "gguf":
         import cbgen.model.sharded
         cbgen.model.sharded.load_gguf = fail

@@ -7,10 +7,10 @@ the work: for HumanEval's 164 prompts on the embedded model (a 512-block cache o
 tokens) it is 1,024 x 132,096 x 2 bytes = 258 MB, resident from the warm-up on (measured with `mincore` and smaps on
 a 2-core Intel Xeon, Sapphire Rapids). The per-sequence attention rebuilds each request's causal (and sliding-window)
 structure from the cumulative sequence lengths and ignores that mask, so while it serves the `sdpa` name and no
-compiled forward pass could reach the stock function (the plan decides: cbgen.engine.plan), the manager is built
+compiled forward pass could reach the stock function (the plan decides: cbgen.engine.setup), the manager is built
 without one: transformers then passes `is_causal=True` and no mask, and the model makes its own [query tokens, query
-tokens] mask, which is ignored too. transformers asks one process-wide function whether a config needs the mask;
-while an engine skips it, that function is cbgen's dispatcher (cbgen.shared_patch), which answers for the configs of
+tokens] mask, which is ignored too. transformers asks one process-wide function whether a config needs the mask; while
+an engine skips it, that function is cbgen's dispatcher (cbgen.process.shared_patch), which answers for the configs of
 the models whose engines skip it and asks transformers' own for every other.
 
 The stock function cannot attend a paged batch without the engine's mask, so a call the per-sequence path would hand
@@ -28,7 +28,7 @@ import torch
 
 from cbgen.attention.registry import model_configs
 from cbgen.attention.support import paged_cache_class
-from cbgen.shared_patch import SharedPatch
+from cbgen.process.shared_patch import SharedPatch
 
 _lock = threading.Lock()
 _skipped: dict[int, int] = {}  # id(config) -> engines skipping its mask

@@ -2,7 +2,7 @@
 
 transformers looks a model's attention function up by name (`"sdpa"`, `"paged|eager"`) in one process-wide registry
 (`AttentionInterface`), and its continuous-batching engine accepts only those names. So while any engine of cbgen's
-runs, the name holds cbgen's dispatcher (cbgen.shared_patch), which routes each call by the config of the module
+runs, the name holds cbgen's dispatcher (cbgen.process.shared_patch), which routes each call by the config of the module
 that makes it: to the function that model's engine bound, or else to what the name held before. Two engines in one
 process (two `cbgen.Generator`s in two threads) each get their own function, and a model no engine holds attends as
 transformers would have it. One model takes one function per name at a time: a second engine asking another one for
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cbgen.errors import CbgenError
-from cbgen.shared_patch import SharedPatch
+from cbgen.process.shared_patch import SharedPatch
 
 # transformers' own function for each name cbgen may bind, used when nothing else was registered before
 _TRANSFORMERS_DEFAULTS = {

@@ -25,11 +25,11 @@ from cbgen.engine.engine import Engine
 from cbgen.engine.scope import ScopePlan
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import IdChoice
+from cbgen.job.plan import JobPlan
+from cbgen.job.request_settings import RequestSettings
 from cbgen.model.load import LoadedModel
-from cbgen.planning import JobPlan
-from cbgen.prompts import LOOKAHEAD, prefix_aware_order
 from cbgen.records import PromptRecord, Request
-from cbgen.request_settings import RequestSettings
+from cbgen.render.prompts import LOOKAHEAD, prefix_aware_order
 
 LLAMACPP_QUANTIZED = "llamacpp-q8_0"  # llama.cpp on the Q8_0 GGUF: the quantization a llama.cpp user would run
 
@@ -101,10 +101,10 @@ class Bench:
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
               onednn: bool = False, compiled: bool | None = None) -> tuple[JobConfig, JobPlan, list[Request]]:
-        """The plan `cbgen run` would make for these prompts (cbgen.planning), under the workload's schema when
+        """The plan `cbgen run` would make for these prompts (cbgen.job.plan), under the workload's schema when
         `constrained`, and the requests rendered as it renders them."""
-        from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
-        from cbgen.prompts import Renderer
+        from cbgen.job.plan import InputFacts, plan_job, plan_rendering, used_settings
+        from cbgen.render.prompts import Renderer
 
         job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled)
         if constrained:

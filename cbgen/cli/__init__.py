@@ -16,7 +16,7 @@ import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line  # noqa: E402
-from cbgen.startup import hold_gc  # noqa: E402
+from cbgen.process.startup import hold_gc  # noqa: E402
 
 HELP = ("Offline batch generation with LLMs on Hugging Face transformers' continuous batching.\n\n"
         "Give it a file of prompts; it answers every one and writes sharded outputs plus run.json.")

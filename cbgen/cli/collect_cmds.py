@@ -41,7 +41,7 @@ def status(
 
     Example: cbgen status out/ --json | jq .remaining
     """
-    from cbgen.collect import job_status
+    from cbgen.outputs.collect import job_status
     from cbgen.pipelines.status import is_pipeline_directory
 
     if is_pipeline_directory(Path(directory)):
@@ -92,7 +92,7 @@ def merge(
 
     Example: cbgen merge out/ -o merged/ --json
     """
-    from cbgen.collect import merge_shards
+    from cbgen.outputs.collect import merge_shards
 
     report = merge_shards(Path(directory), Path(output) if output else None, input_path, to_dataset=to_dataset)
     if as_json:

@@ -22,16 +22,16 @@ from rich.table import Table
 from rich.text import Text
 
 from cbgen.kinds import kind_of
-from cbgen.pace import Pace
+from cbgen.outputs.summary import RunSummary
 from cbgen.progress import LiveLengths, NullProgress, plural
-from cbgen.summary import RunSummary
+from cbgen.progress.pace import Pace
 
 if TYPE_CHECKING:
-    from cbgen.dry_run import DryRunReport
+    from cbgen.job.dry_run import DryRunReport
 
 
 class _Counters:
-    """What the display shows: counts from finished results, and the pace (cbgen.pace) of the tokens the engine
+    """What the display shows: counts from finished results, and the pace (cbgen.progress.pace) of the tokens the engine
     produces, read from `live` at most every REFRESH seconds, when the job gave one and sequences are the unit."""
 
     REFRESH = 0.25

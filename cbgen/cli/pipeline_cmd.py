@@ -102,8 +102,8 @@ def pipeline(
 
 
 def _check(spec: Pipeline, output_dir: Path, file: str, as_json: bool) -> int:
-    """--check: every stage planned (cbgen.pipelines.plan), shown with the columns of its table."""
-    from cbgen.pipelines.plan import plan_pipeline
+    """--check: every stage planned (cbgen.pipelines.checks), shown with the columns of its table."""
+    from cbgen.pipelines.checks import plan_pipeline
 
     plans = plan_pipeline(spec, output_dir)
     if as_json:

@@ -19,7 +19,7 @@ from cbgen.config import JobConfig, build_config
 from cbgen.errors import CbgenError, ExitCode
 
 if TYPE_CHECKING:
-    from cbgen.summary import RunSummary
+    from cbgen.outputs.summary import RunSummary
 
 EPILOG = (
     "[bold]Examples[/bold]\n\n"
@@ -63,7 +63,7 @@ def run(
     overrides: dict[tuple[str, str], tuple[Any, str]],
 ):
     """Generate an answer for every prompt in INPUT with continuous batching."""
-    from cbgen.job import run_job  # imports torch and transformers: only once the arguments are known to be good
+    from cbgen.job.run import run_job  # imports torch and transformers: only once the arguments are known to be good
 
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
@@ -77,8 +77,8 @@ def run(
 
         console = Console(stderr=True, log_path=False)
         raise typer.Exit(run_on_ray(job, lambda line: console.log(line, markup=False, highlight=False)))
-    from cbgen.distributed import setup
-    from cbgen.job import follow_job
+    from cbgen.job.run import follow_job
+    from cbgen.parallel.tensor import setup
 
     tp = setup(job)  # None unless started by torchrun with --tp
     if tp is not None and not tp.driver:
@@ -108,7 +108,7 @@ def report(console: Console, job: JobConfig, summary: RunSummary) -> None:
 
 
 def _dry_run(job: JobConfig, estimate: bool, as_json: bool) -> int:
-    from cbgen.dry_run import dry_run
+    from cbgen.job.dry_run import dry_run
 
     report = dry_run(job, estimate)
     if as_json:

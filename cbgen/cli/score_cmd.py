@@ -41,7 +41,7 @@ def score(
     overrides: dict[tuple[str, str], tuple[Any, str]],
 ):
     """Score text with the model: completions after their prompts, choices, or texts on their own."""
-    from cbgen.job import run_job  # imports torch and transformers: only once the arguments are known to be good
+    from cbgen.job.run import run_job  # imports torch and transformers: only once the arguments are known to be good
 
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")

@@ -101,7 +101,7 @@ def check_combinations(job: JobConfig) -> None:
     r = job.run
     if r.redo and job.output.overwrite:
         raise CbgenError("--redo regenerates part of an earlier run, and --overwrite deletes it: give one")
-    # a flag alone may be completed from the environment (cbgen.sharding.resolve_sharding); both must agree
+    # a flag alone may be completed from the environment (cbgen.parallel.sharding.resolve_sharding); both must agree
     if r.num_shards is not None and r.shard_index is not None and r.shard_index >= r.num_shards:
         raise CbgenError(f"--shard-index {r.shard_index} must be below --num-shards {r.num_shards} (counted from 0)")
     if not kind_of(job.kind).generates:  # a job that generates nothing: what it scores is checked instead
@@ -141,7 +141,7 @@ def _check_format(job: JobConfig) -> None:
     if g.json_schema is None and not g.json_object and g.regex is None and not g.choice and g.grammar is None \
             and g.response_format is None:
         return
-    from cbgen.formats import FormatError, check_format, job_format
+    from cbgen.chat.formats import FormatError, check_format, job_format
 
     try:
         fmt = job_format(g)

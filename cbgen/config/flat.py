@@ -40,3 +40,17 @@ def flat_overrides(settings: Mapping[str, Any], where: str = "") -> dict[tuple[s
     checked later under the name `where` + key."""
     keys = flat_keys()
     return {keys[name]: (value, f"{where}{name}") for name, value in settings.items()}
+
+
+def keyword_overrides(settings: Mapping[str, Any], allowed: set[str] | None = None, why: str = ""
+                      ) -> dict[tuple[str, str], tuple[Any, str]]:
+    """Overrides from the Python API's keyword arguments, each checked to be a flat key (of a section in `allowed`,
+    when given): an unknown one is a TypeError naming it, the closest known key, and `why` when the key exists but
+    is not taken here."""
+    keys = flat_keys()
+    for name in settings:
+        if name not in keys or (allowed is not None and keys[name][0] not in allowed):
+            choices = [k for k in keys if allowed is None or keys[k][0] in allowed]
+            raise TypeError(f"unexpected keyword argument {name!r}{why if name in keys else ''}"
+                            f"{closest(name, choices)}")
+    return flat_overrides(settings)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from cbgen.chat.formats import FormatError, ResponseFormat, grammar_text
 from cbgen.errors import first_line
-from cbgen.formats import FormatError, ResponseFormat, grammar_text
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate

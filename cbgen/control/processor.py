@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
+from cbgen.chat.formats import ResponseFormat
 from cbgen.control.grammars import Grammars
-from cbgen.formats import ResponseFormat
-from cbgen.sequences import sample_index
+from cbgen.records import sample_index
 
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher

@@ -12,8 +12,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from math import ceil
 
-from cbgen.prompts import prefix_key
 from cbgen.records import Completion, Request
+from cbgen.render.prompts import prefix_key
 
 
 def rejection(request: Request, error: str, n: int) -> list[Completion]:

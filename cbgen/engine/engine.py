@@ -21,10 +21,9 @@ from cbgen.engine.openmp import release_caller_pool
 from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
-from cbgen.quiet import quiet
-from cbgen.records import Completion, Request
-from cbgen.sequences import request_key, sequence_ids
-from cbgen.startup import older_objects_frozen
+from cbgen.process.quiet import quiet
+from cbgen.process.startup import older_objects_frozen
+from cbgen.records import Completion, Request, request_key, sequence_ids
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
@@ -66,7 +65,7 @@ class _InFlight:
     started: float  # time.monotonic() when handed to the manager
     ids: dict[str, int] = field(default_factory=dict)  # manager id of each sequence -> its sample index
     done: dict[int, Completion] = field(default_factory=dict)  # sample index -> completion
-    copies: bool = False  # its sequences run as separate manager requests (cbgen.sequences), not forks
+    copies: bool = False  # its sequences run as separate manager requests (cbgen.records), not forks
     later: list[str] = field(default_factory=list)  # copies admitted once the first has computed the prompt
     stop: StopStrings | None = None
     checked: dict[int, int] = field(default_factory=dict)  # sample index -> tokens already searched for stops
@@ -218,7 +217,7 @@ class Engine:
     # the manager
 
     def live(self) -> list[int]:
-        """The tokens generated so far by each unfinished sequence (cbgen.pace); callable from any thread."""
+        """The tokens generated so far by each unfinished sequence (cbgen.progress.pace); callable from any thread."""
         manager = self._manager
         return live_lengths(manager) if manager is not None else []
 

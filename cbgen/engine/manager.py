@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.openmp import release_caller_pool
 from cbgen.engine.scope import EngineScope, ScopePlan
-from cbgen.quiet import quiet
+from cbgen.process.quiet import quiet
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from transformers.generation.continuous_batching.requests import GenerationOutput
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    from cbgen.control.plan import StepPlan
+    from cbgen.control.needs import StepPlan
     from cbgen.control.processor import StepControl
     from cbgen.model.load import CausalLM
 
@@ -43,7 +43,7 @@ class CacheFacts:
     page_size: int
     num_blocks: int | None
     prefix_sharing: bool  # block sharing is only ever allowed: the cache turns it off for sliding-window layers
-    # "as used": the cache came from an anonymous mapping (cbgen.engine.cache_memory), "as used, returned when freed":
+    # "as used": the cache came from an anonymous mapping (cbgen.engine.kv_memory), "as used, returned when freed":
     # and the blocks the pool takes back free give their pages back
     resident: str = "all at start"
     resolved_config: dict[str, Any] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """Everything cbgen installs into transformers and torch for one engine, entered and left as one scope.
 
-A job's plan decides how its engine computes (`ScopePlan`, made by cbgen.engine.plan): which attention function
+A job's plan decides how its engine computes (`ScopePlan`, made by cbgen.engine.setup): which attention function
 serves the model, whether the numerics are batch-invariant, how its linear layers run, whether transformers builds
 its dense attention mask, and whether the KV cache takes memory as it is used. `EngineScope` carries that out around
 the engine's whole life, and nothing of it outlives the scope:
@@ -196,7 +196,7 @@ class EngineScope:
             from cbgen.control.processor import install
 
             undo.append(install(manager, control))
-        from cbgen.engine.cache_memory import lazy_cache_memory
+        from cbgen.engine.kv_memory import lazy_cache_memory
 
         built = BuiltCache()
         with lazy_cache_memory(self.plan.lazy_kv_cache) as lazy:

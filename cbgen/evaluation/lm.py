@@ -42,7 +42,8 @@ class CbgenLM(TemplateLM):
 
     def __init__(self, model: str | None = None, max_length: int | None = None, **args: Any) -> None:
         super().__init__()
-        from cbgen.api import Generator, _overrides
+        from cbgen.api import Generator
+        from cbgen.config.flat import keyword_overrides
 
         harness = {name: args.pop(name) for name in HARNESS_ARGS if name in args}
         settings = dict(args)
@@ -50,7 +51,7 @@ class CbgenLM(TemplateLM):
         if device is not None and "device" not in settings and _device_usable(str(device)):
             settings["device"] = str(device)
         try:  # checked here, so that the message names lm-eval's model args
-            self._overrides = _overrides({**settings, **({"model": model} if model is not None else {})})
+            self._overrides = keyword_overrides({**settings, **({"model": model} if model is not None else {})})
         except TypeError as error:  # lm-eval's message names the model args, not a Python call
             raise CbgenError(f"--model_args: {str(error).replace('unexpected keyword argument', 'unknown setting')}"
                              ) from None
@@ -142,7 +143,7 @@ class CbgenLM(TemplateLM):
         return whole[: len(whole) - len(continuation)], continuation
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        from cbgen.execution import score_in_memory
+        from cbgen.job.sequence import score_in_memory
         from cbgen.progress import NullProgress
         from cbgen.records import PromptRecord, Request, ScoreTarget
         from cbgen.score.requests import ScoreRequest

@@ -39,7 +39,7 @@ def run_shard(job: JobConfig, marker: str) -> dict[str, Any]:
         raise CbgenError(f"the output directory '{Path(marker).parent}' is not visible from node "
                          f"{socket.gethostname()}: with --executor ray it must be on storage every node sees "
                          "(a shared file system)")
-    from cbgen.job import run_job
+    from cbgen.job.run import run_job
     from cbgen.progress import NullProgress
 
     summary = run_job(job, NullProgress(), threading.Event(), None)
@@ -106,7 +106,7 @@ def _checked(job: JobConfig) -> tuple[int, str]:
 def _wait(ray: Any, pending: dict[Any, int], base: Path, input_path: str, say: Callable[[str], None]
           ) -> dict[int, str]:
     """Waits for the tasks, telling the combined progress; returns the shards that failed, with why."""
-    from cbgen.collect import job_status
+    from cbgen.outputs.collect import job_status
 
     failures: dict[int, str] = {}
     last = ""
@@ -137,7 +137,7 @@ def _wait(ray: Any, pending: dict[Any, int], base: Path, input_path: str, say: C
 
 
 def _merge(base: Path, input_path: str, failures: dict[int, str], say: Callable[[str], None]) -> int:
-    from cbgen.collect import merge_shards
+    from cbgen.outputs.collect import merge_shards
 
     if failures:
         say(f"{len(failures)} shard(s) failed: {', '.join(map(str, sorted(failures)))}; rerun the same command to "

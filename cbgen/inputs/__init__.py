@@ -16,7 +16,7 @@ from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 if TYPE_CHECKING:
     from cbgen.config import InputSection
     from cbgen.inputs.scoring import ScoreFields
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
 __all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_input", "open_reader"]
 
@@ -32,7 +32,7 @@ def open_input(settings: InputSection, *, path: str | None = None, detect_id: bo
     source = path or settings.path
     if source is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
     return open_reader(source, prompt_column=settings.prompt_column, id_column=settings.id_column,
                        keep_columns=settings.keep_columns, input_format=settings.format, split=settings.split,

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from cbgen.inputs.scoring import ScoreFields
-    from cbgen.sandbox import Limits
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.sandbox import Limits
+    from cbgen.render.templates import PromptTemplate
 
 @dataclass(frozen=True)
 class IdChoice:
@@ -73,7 +73,7 @@ class Reader(ABC):
             raise CbgenError("--prompt-column does not apply with --template: the template makes each row's prompt "
                              "from its columns; drop one of them")
         self.template = template  # the job's prompt templates: the prompt is made from the row's columns
-        self.render_limits: Limits | None = None  # a row's rendering budget (cbgen.templates.render_limits)
+        self.render_limits: Limits | None = None  # a row's rendering budget (cbgen.render.templates.render_limits)
         self.stop: threading.Event | None = None  # the job's: set, it ends a render in progress and the reading
         self.score = score  # a scoring job's rows: each also says what to score (cbgen.inputs.scoring)
 
@@ -143,7 +143,7 @@ class Reader(ABC):
                                  f"must be unique: fix the file, or {way_out}")
 
     def __iter__(self) -> Iterator[PromptRecord]:
-        from cbgen.sandbox import RenderStopped
+        from cbgen.render.sandbox import RenderStopped
 
         for index, (location, row, error) in enumerate(self._rows()):
             if self.stop is not None and self.stop.is_set():

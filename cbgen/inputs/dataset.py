@@ -15,7 +15,7 @@ from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
 BATCH_SIZE = 1000
 
@@ -48,7 +48,7 @@ def load(source: str, *, split: str | None, subset: str | None) -> Any:
     """The `datasets.Dataset` that `source` names, or a CbgenError that says why not and what to do."""
     import datasets
 
-    from cbgen.quiet import quiet
+    from cbgen.process.quiet import quiet
 
     path = Path(source)
     try:

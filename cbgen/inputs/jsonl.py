@@ -21,7 +21,7 @@ from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
 _CHUNK = 1 << 20
 

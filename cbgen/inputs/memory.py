@@ -12,7 +12,7 @@ from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
 
 def as_row(item: Any) -> dict[str, Any] | None:

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cbgen.chat.formats import tool_call_format
+from cbgen.chat.openai_batch import COMPLETIONS, RequestLine
 from cbgen.chat.tools import check_tool_choice, check_tools
 from cbgen.errors import RowError, describe_type
-from cbgen.formats import tool_call_format
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 from cbgen.inputs.settings import CHECKS, parse_settings
-from cbgen.openai_batch import COMPLETIONS, RequestLine
 from cbgen.records import PromptRecord
 
 # Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).

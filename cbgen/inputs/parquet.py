@@ -17,7 +17,7 @@ from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
 BATCH_SIZE = 1024
 

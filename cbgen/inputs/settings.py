@@ -106,7 +106,7 @@ def _seed(value: Any, field: str) -> int:
 
 def _response_format(value: Any, field: str) -> Any:
     """A ResponseFormat, or None for text; its own message names the part that is wrong."""
-    from cbgen.formats import FormatError, parse_response_format
+    from cbgen.chat.formats import FormatError, parse_response_format
 
     try:
         return parse_response_format(value, field)

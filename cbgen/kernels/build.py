@@ -80,7 +80,7 @@ def build_key(name: str) -> str:
 
 
 def build_folder(name: str) -> Path:
-    from cbgen.model.cache import default_cache_dir
+    from cbgen.model.gguf import default_cache_dir
 
     return default_cache_dir() / "kernels" / f"{name}-{build_key(name)}"
 

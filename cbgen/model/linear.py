@@ -2,7 +2,7 @@
 the same), bfloat16 linear layers at a few row counts (on by default), and float32 or bfloat16 linear layers through
 oneDNN with prepacked weights (`--onednn-linear`), an opt-in alternative to torch's default matmul.
 
-Which one a job runs is decided in planning (cbgen.engine.plan, `LINEAR_KINDS`), and `linear_layers(model, kind)`
+Which one a job runs is decided in planning (cbgen.engine.setup, `LINEAR_KINDS`), and `linear_layers(model, kind)`
 installs it on the model's `nn.Linear` modules for the life of one engine (cbgen.engine.scope), putting each module's
 forward back on exit: outside an engine the model computes as transformers built it.
 

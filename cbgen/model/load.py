@@ -15,9 +15,9 @@ import torch
 from cbgen.config import ModelSection
 from cbgen.config.cpu import cpu_row
 from cbgen.errors import CbgenError, first_line
-from cbgen.model.cache import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf, model_entry
+from cbgen.model.gguf import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
-from cbgen.quiet import quiet
+from cbgen.process.quiet import quiet
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
@@ -226,7 +226,7 @@ def _load(source: ModelSource, settings: ModelSection, tp, weights: bool, cache_
 
 
 def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> LoadedModel:
-    """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.distributed.TensorParallel) when given;
+    """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.parallel.tensor.TensorParallel) when given;
     without `weights`, the model's structure only (see `_structure`). Raises CbgenError for anything the user can
     fix."""
     source = resolve_source(settings.model)
@@ -239,7 +239,7 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     cache_root = default_cache_dir(settings) if settings.use_cache else None
     cache = None
     try:
-        with quiet("transformers"):  # its bars and advice would break the job's display (cbgen.quiet)
+        with quiet("transformers"):  # its bars and advice would break the job's display (cbgen.process.quiet)
             model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"

@@ -1,5 +1,5 @@
-"""Loading a model sharded over a tensor-parallel group (cbgen.distributed): transformers' `DistributedConfig`, with a
-plan that keeps attention replicated when its heads do not split over the group."""
+"""Loading a model sharded over a tensor-parallel group (cbgen.parallel.tensor): transformers' `DistributedConfig`, with
+a plan that keeps attention replicated when its heads do not split over the group."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from cbgen.distributed import GGUF_CACHE, GGUF_READY
 from cbgen.errors import CbgenError
-from cbgen.model.cache import CACHE_HIT, CACHE_OFF, GgufCache, gguf_tokenizer, load_gguf, model_entry
+from cbgen.model.gguf import CACHE_HIT, CACHE_OFF, GgufCache, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.source import ModelSource
+from cbgen.parallel.tensor import GGUF_CACHE, GGUF_READY
 
 
 def load_sharded(source: ModelSource, cache_root: Path | None, tp, dtype: torch.dtype, **load_kwargs):
-    """The model sharded over the tensor-parallel group `tp` (cbgen.distributed), and its tokenizer.
+    """The model sharded over the tensor-parallel group `tp` (cbgen.parallel.tensor), and its tokenizer.
 
     A GGUF model is sharded from its converted cache: rank 0 converts it first when the cache misses (one rank
     dequantizes, the others wait), since a sharded model cannot save the whole one. A model whose attention heads do

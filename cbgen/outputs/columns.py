@@ -13,7 +13,7 @@ Every row of a generation job has the base fields (cbgen.records.BASE_FIELDS). B
 A scoring job's rows (cbgen.kinds.score) have the score fields (cbgen.records.SCORE_FIELDS), then `token_ids`,
 `logprobs` and `top_logprobs` of the scored tokens on request, then the kept columns.
 
-The run decides this once it knows its input and model (cbgen.planning) and stores it in fingerprint.json, so a
+The run decides this once it knows its input and model (cbgen.job.plan) and stores it in fingerprint.json, so a
 resume writes the same columns and `cbgen merge`, `merge --to-dataset` and `cbgen status` read them back instead of
 guessing from the job's flags. A request whose row did not ask for logprobs has them as null in a job where others
 did: `wants_logprobs` says which.
@@ -47,7 +47,7 @@ class OutputColumns:
     def decide(cls, job: JobConfig, used: Set[str], replies: bool) -> OutputColumns:
         """The columns of `job`, whose rows carry the settings `used` (cbgen.inputs.Reader.settings_present), with
         replies split by a response template when `replies`."""
-        from cbgen.formats import job_format
+        from cbgen.chat.formats import job_format
 
         g = job.generation
         top = bool(g.top_logprobs) or "top_logprobs" in used

@@ -16,7 +16,7 @@ from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.order import put_in_input_order
 from cbgen.outputs.rundir import MANIFEST_FILE, read_json, read_stored_run, stored_columns
 from cbgen.outputs.shards import read_shards, shard_paths
-from cbgen.quiet import quiet
+from cbgen.process.quiet import quiet
 
 if TYPE_CHECKING:
     import datasets

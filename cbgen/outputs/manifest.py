@@ -18,7 +18,7 @@ from cbgen.kinds import kind_of
 from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
 from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE, redo_history
-from cbgen.summary import RunSummary
+from cbgen.outputs.summary import RunSummary
 
 if TYPE_CHECKING:
     from cbgen.model.load import LoadedModel
@@ -53,7 +53,7 @@ def input_identity(path: str | None) -> dict[str, Any]:
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
     resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
     g, i = job.generation, job.input
     template = PromptTemplate.from_input(i)

@@ -6,8 +6,8 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from cbgen.chat.openai_batch import COMPLETIONS, Choice, OutputLine, stable_hex
 from cbgen.config import JobConfig
-from cbgen.openai_batch import COMPLETIONS, Choice, OutputLine, stable_hex
 from cbgen.outputs.columns import JSON_KINDS, OutputColumns, wants_logprobs
 from cbgen.records import Completion
 

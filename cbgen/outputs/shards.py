@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from cbgen.chat.openai_batch import OutputLine
 from cbgen.files import fsync_directory, read_json_or_none
-from cbgen.openai_batch import OutputLine
 
 SHARD_NAME = re.compile(r"^part-(\d+)\.(jsonl|parquet)$")
 ORDER_JOURNAL = ".ordered.json"  # {"old": [names], "new": [names]}: the new set holds (cbgen.outputs.order)

@@ -280,7 +280,7 @@ class ParquetShardWriter(ShardWriter):
 
 def open_writer(fmt: str, directory: Path, **kwargs: Any) -> ShardWriter:
     """The shard writer for output format `fmt`: "jsonl" or "parquet" (a row per sequence), or "openai" (JSONL
-    with one OpenAI Batch API output line per request, built by cbgen.openai_batch)."""
+    with one OpenAI Batch API output line per request, built by cbgen.chat.openai_batch)."""
     writers: dict[str, type[ShardWriter]] = {"jsonl": JsonlShardWriter, "parquet": ParquetShardWriter,
                                              "openai": JsonlShardWriter}
     if fmt == "openai" and (kwargs.get("columns") or OutputColumns()).kept:

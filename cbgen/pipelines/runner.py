@@ -27,17 +27,17 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.files import read_json_or_none, write_json_atomic
-from cbgen.pipelines.plan import Overrides, StagePlan, plan_pipeline, stage_job
+from cbgen.pipelines.checks import Overrides, StagePlan, plan_pipeline, stage_job
 from cbgen.pipelines.spec import Pipeline, Stage
 from cbgen.pipelines.status import PIPELINE_FILE, SQL_FILE
 from cbgen.pipelines.tables import sha256
 
 if TYPE_CHECKING:
-    from cbgen.collect import RunDirectory
     from cbgen.config import JobConfig
     from cbgen.model.pool import ModelPool
+    from cbgen.outputs.collect import RunDirectory
+    from cbgen.outputs.summary import RunSummary
     from cbgen.progress import ProgressSink
-    from cbgen.summary import RunSummary
 
 TABLES = ".tables"
 FORMAT = 1
@@ -183,9 +183,9 @@ class PipelineRun:
         return _digest({k: v for k, v in self.fingerprint(name).items() if k != "shard"})
 
     def _job_state(self, name: str) -> JobState:
-        from cbgen.collect import find_run_directories
+        from cbgen.outputs.collect import find_run_directories
         from cbgen.outputs.rundir import MANIFEST_FILE, read_json
-        from cbgen.summary import Status
+        from cbgen.outputs.summary import Status
 
         try:
             found = find_run_directories(self.output_dir / name)
@@ -216,8 +216,8 @@ class PipelineRun:
         return JobState(fresh, False, stale)
 
     def _run_job(self, stage: Stage) -> StageOutcome:
-        from cbgen.job import run_job
-        from cbgen.sharding import resolve_sharding
+        from cbgen.job.run import run_job
+        from cbgen.parallel.sharding import resolve_sharding
 
         job, lineage = self.job_of(stage.name)
         state = self._job_state(stage.name)
@@ -225,7 +225,7 @@ class PipelineRun:
             self.say(f"stage {stage.name!r} ({stage.kind}): up to date")
             return StageOutcome(stage.name, stage.kind, "up to date", rows=self.table(stage.name).rows
                                 if self.pipeline.readers(stage.name) else None)
-        from cbgen.sharding import shard_directory
+        from cbgen.parallel.sharding import shard_directory
 
         directory = self.output_dir / stage.name
         sharding = resolve_sharding(job)
@@ -243,7 +243,7 @@ class PipelineRun:
     def _finish_shards(self, stage: Stage, job: JobConfig, lineage: dict[str, Any], state: JobState
                        ) -> StageOutcome:
         """A stage split into shards (by --stage runs) that is not complete: its shards run here, one by one."""
-        from cbgen.job import run_job
+        from cbgen.job.run import run_job
 
         count = max(d.shard[1] for d in state.directories if d.shard is not None)
         outcome = StageOutcome(stage.name, stage.kind, "ran")
@@ -317,7 +317,7 @@ class PipelineRun:
 
     def _input_ids(self, stage: Stage, job: JobConfig, state: JobState) -> list[str]:
         """The ids of the stage's input rows, in input order."""
-        from cbgen.collect import expected_ids
+        from cbgen.outputs.collect import expected_ids
 
         if stage.input_is_stage:
             import pyarrow.parquet as pq

@@ -47,7 +47,7 @@ def _stage_status(path: Path, name: str, kind: str) -> StageStatus:
         if isinstance(stored, dict) and stored.get("status") == "complete":
             return StageStatus(name, kind, "complete", rows=stored.get("rows"))
         return StageStatus(name, kind, "not started")
-    from cbgen.collect import job_status
+    from cbgen.outputs.collect import job_status
 
     try:
         directories = job_status(path)

@@ -22,8 +22,8 @@ from cbgen.errors import CbgenError
 if TYPE_CHECKING:
     from cbgen.config import JobConfig
     from cbgen.engine.scope import ScopePlan
+    from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
-    from cbgen.planning import JobPlan
     from cbgen.records import Completion
     from cbgen.result_cache.cache import ResultCache
 
@@ -37,7 +37,7 @@ def default_cache_dir(chosen: str | None = None) -> Path:
     """--cache DIR, else $CBGEN_CACHE_DIR/results, else $XDG_CACHE_HOME/cbgen/results (~/.cache/cbgen/results)."""
     if chosen:
         return Path(chosen).expanduser()
-    from cbgen.model.cache import default_cache_dir as models
+    from cbgen.model.gguf import default_cache_dir as models
 
     return models() / "results"
 

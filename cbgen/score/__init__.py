@@ -6,5 +6,5 @@
 
 A row scores a completion after its prompt, each of its choices after its prompt (the prompt computed once, the
 choices side by side behind it), or a text on its own. The rest of a job (reading, ids, shards, resume, writing)
-is `cbgen run`'s own: cbgen.job runs a scoring job with the Scorer in the engine's place.
+is `cbgen run`'s own: cbgen.job.run runs a scoring job with the Scorer in the engine's place.
 """

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbgen.errors import first_line
-from cbgen.prompts import Renderer
 from cbgen.records import PromptRecord, Request
+from cbgen.render.prompts import Renderer
 
 
 @dataclass(slots=True)

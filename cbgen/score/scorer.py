@@ -19,9 +19,9 @@ import torch
 
 from cbgen.engine.scope import EngineScope, ScopePlan
 from cbgen.errors import first_line
-from cbgen.prompts import LOOKAHEAD
-from cbgen.quiet import quiet
+from cbgen.process.quiet import quiet
 from cbgen.records import Completion, Score
+from cbgen.render.prompts import LOOKAHEAD
 from cbgen.score.batches import Batch, MaskShape, Piece, make_batch, pieces_of, plan_batches
 from cbgen.score.head import check_head, chunk_positions, decoder_of, output_head
 from cbgen.score.requests import ScoreRequest

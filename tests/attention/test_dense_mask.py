@@ -72,8 +72,8 @@ def test_a_compiled_engine_keeps_the_mask(tiny_model_dir, tmp_path):
     """The plan keeps the mask where transformers compiles the forward pass (a compiled pass could reach the stock
     function): asked through the batching's compile level, the job says so before anything runs."""
     from cbgen.config import JobConfig, ModelSection
-    from cbgen.engine.plan import _compiled, make_cb_config, plan_scope
     from cbgen.engine.scope import PER_SEQUENCE
+    from cbgen.engine.setup import _compiled, make_cb_config, plan_scope
     from cbgen.model.load import load_model
 
     job = JobConfig()

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from cbgen.cli.display import PlainProgress, summary_table
-from cbgen.summary import RunSummary
+from cbgen.outputs.summary import RunSummary
 
 
 def printed(render) -> str:

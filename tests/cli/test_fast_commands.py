@@ -34,7 +34,7 @@ def split_job(tmp_path: Path) -> Path:
     from cbgen.config import JobConfig
     from cbgen.outputs.rundir import open_run_directory
     from cbgen.outputs.writers import JsonlShardWriter
-    from cbgen.sharding import shard_directory, shard_of
+    from cbgen.parallel.sharding import shard_directory, shard_of
 
     ids = [f"q{i}" for i in range(6)]
     job = JobConfig()

@@ -138,7 +138,7 @@ def test_the_embedded_model_through_the_command(tmp_path):
     import subprocess
     import sys
 
-    from cbgen.model.cache import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
+    from cbgen.model.gguf import TOKENIZER_ENTRY, GgufCache, default_cache_dir, model_entry
     from cbgen.model.source import embedded_model_path
 
     def cli(model: str, args: str, out: Path) -> dict[str, list[dict]]:

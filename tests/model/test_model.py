@@ -7,7 +7,7 @@ import torch
 
 from cbgen.config import ModelSection
 from cbgen.errors import CbgenError
-from cbgen.model import cache as model_cache
+from cbgen.model import gguf as model_cache
 from cbgen.model import load as model_load
 from cbgen.model import source as model_source
 

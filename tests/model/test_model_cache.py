@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cbgen.config import ModelSection
-from cbgen.model import cache as model_cache
+from cbgen.model import gguf as model_cache
 from cbgen.model import load as model_load
 from cbgen.model import source as model_source
 
@@ -269,7 +269,7 @@ WAITER = r"""
 import json, sys, time
 from pathlib import Path
 from cbgen.config import ModelSection
-from cbgen.model import cache as model_cache
+from cbgen.model import gguf as model_cache
 from cbgen.model.load import load_model
 
 gguf, cache_dir, role = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from cbgen.chat.formats import ResponseFormat
 from cbgen.control.processor import GRAMMAR_KWARG, SEED_KWARG
-from cbgen.formats import ResponseFormat
 from cbgen.records import Completion, PromptRecord, Request
 from cbgen.result_cache.cache import ResultCache
 from cbgen.result_cache.keys import Keyer, Numerics

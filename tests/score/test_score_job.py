@@ -102,7 +102,7 @@ def test_a_stopped_job_resumes_each_row_exactly_once(tiny_model_dir, tmp_path):
     """Stopped after a few rows (as SIGTERM stops it), then run again: every row once, scored as an uninterrupted
     run scores it."""
     from cbgen.config import build_config
-    from cbgen.job import run_job
+    from cbgen.job.run import run_job
     from cbgen.progress import NullProgress
 
     rows_file = write_jsonl(tmp_path / "rows.jsonl", [{"id": f"r{i}", "text": f"document {i} " * (3 + i % 7)}

@@ -6,7 +6,7 @@
     input (Reader) ──┴──────────────────── InputFacts (row settings used, head, count, ids) ─▶ plan_job ─▶ JobPlan
 
 Both steps are pure: they read the job, the input's facts and the model's configuration and tokenizer, and build
-plain data. The run (cbgen.job) executes a plan; tensor-parallel followers receive rank 0's plan and
+plain data. The run (cbgen.job.run) executes a plan; tensor-parallel followers receive rank 0's plan and
 --data-parallel replicas theirs; `cbgen bench` builds its plans the same way, so what is measured is what runs.
 """
 
@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig
-from cbgen.control.plan import StepPlan
+from cbgen.control.needs import StepPlan
+from cbgen.control.sampling import SamplingPlan
 from cbgen.inputs.base import IdChoice
 from cbgen.outputs.columns import OutputColumns
-from cbgen.prompts import RenderPlan
 from cbgen.records import PromptRecord, Request
-from cbgen.sampling import SamplingPlan
+from cbgen.render.prompts import RenderPlan
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate
-    from cbgen.engine.plan import EnginePlan, WorkloadShape
+    from cbgen.engine.setup import EnginePlan, WorkloadShape
     from cbgen.model.load import LoadedModel
 
 
@@ -35,7 +35,7 @@ class InputFacts:
     """What the input holds, as far as planning needs to know."""
 
     used: frozenset[str]  # the row settings some row carries (cbgen.inputs.settings.ROW_SETTINGS)
-    head: tuple[Request, ...]  # the requests read ahead (at most cbgen.prompts.LOOKAHEAD), rendered
+    head: tuple[Request, ...]  # the requests read ahead (at most cbgen.render.prompts.LOOKAHEAD), rendered
     total: int | None  # requests the run has to do; None when unknown (stdin)
     whole: bool  # the head is all of them
     ids: IdChoice
@@ -96,7 +96,7 @@ def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: 
     do_sample = bool(sampling.generation_fields()["do_sample"])
     steps = StepPlan.decide(job, facts.used, columns, do_sample, vocab_size, rendering.template,
                             own_draws=loaded.device == "cpu" and job.model.tp_size == 1)
-    from cbgen.engine.plan import WorkloadShape, plan_engine  # torch: needed once there is a model to plan for
+    from cbgen.engine.setup import WorkloadShape, plan_engine  # torch: needed once there is a model to plan for
 
     workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole)
     engine = plan_engine(job, loaded, workload, sampling, steps, job.run.data_parallel)

@@ -29,7 +29,7 @@ def prefix_key(input_ids: list[int], key_tokens: int) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class RenderPlan:
-    """How a job's records become token ids (cbgen.planning decides it from the job and the model)."""
+    """How a job's records become token ids (cbgen.job.plan decides it from the job and the model)."""
 
     vocab_size: int
     raw_prompts: bool = False  # text as is, not as a user turn of the chat template

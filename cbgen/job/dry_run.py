@@ -17,10 +17,10 @@ from typing import Any
 
 from cbgen.config import JobConfig
 from cbgen.inputs import open_input
-from cbgen.prompts import LOOKAHEAD
+from cbgen.parallel.sharding import resolve_sharding, shard_of
 from cbgen.records import Request
-from cbgen.sharding import resolve_sharding, shard_of
-from cbgen.templates import render_limits
+from cbgen.render.prompts import LOOKAHEAD
+from cbgen.render.templates import render_limits
 
 SAMPLE = 16  # requests the estimate times
 SHOWN_ERRORS = 5
@@ -49,10 +49,10 @@ class DryRunReport:
 def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     """The report for `job` (see the module's docstring); CbgenError for what the job itself would refuse."""
     from cbgen.engine.admission import Limits
+    from cbgen.job.plan import InputFacts, plan_job, plan_rendering, used_settings
+    from cbgen.job.request_settings import RequestSettings
     from cbgen.model.load import load_model
-    from cbgen.planning import InputFacts, plan_job, plan_rendering, used_settings
-    from cbgen.prompts import Renderer
-    from cbgen.request_settings import RequestSettings
+    from cbgen.render.prompts import Renderer
     from cbgen.result_cache import for_generation
 
     reader = open_input(job.input)
@@ -107,7 +107,7 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
 def _estimate(job: JobConfig, sample: list[Request], sequences_left: int) -> dict[str, Any]:
     """Times the sample's requests on the real model and scales by the sequences to compute (those the result cache
     does not answer): an upper bound for big jobs, whose batches are fuller than a sample's."""
-    from cbgen.execution import generate_in_memory
+    from cbgen.job.sequence import generate_in_memory
     from cbgen.model.load import load_model
     from cbgen.progress import NullProgress
 

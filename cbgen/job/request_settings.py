@@ -11,7 +11,7 @@ from cbgen.records import Request
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
-    from cbgen.planning import JobPlan
+    from cbgen.job.plan import JobPlan
 
 
 class RequestSettings:

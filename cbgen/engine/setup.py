@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig, page_size
 from cbgen.config.cpu import cpu_row
+from cbgen.control.sampling import SamplingPlan
 from cbgen.engine.engine import EngineSettings
 from cbgen.engine.manager import ManagerSpec
 from cbgen.engine.scope import COMPILED, CPU_ATTENTION, PER_SEQUENCE_INVARIANT, SOFT_CAPPED, STOCK, ScopePlan
@@ -24,15 +25,14 @@ from cbgen.engine.scope import PER_SEQUENCE as PER_SEQUENCE_ATTENTION
 from cbgen.errors import CbgenError
 from cbgen.model import dtype_name
 from cbgen.model.load import PER_SEQUENCE, LoadedModel
-from cbgen.prompts import LOOKAHEAD, prefix_key
 from cbgen.records import Request
-from cbgen.sampling import SamplingPlan
+from cbgen.render.prompts import LOOKAHEAD, prefix_key
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
 
-    from cbgen.control.plan import StepPlan
+    from cbgen.control.needs import StepPlan
 
 KV_MEMORY_SHARE = 0.25  # on CPU, the KV cache cbgen sizes never takes more than this share of available RAM
 MAX_REQUESTS_PER_BATCH = 256  # transformers' choice when unset, as far as the in-flight window is concerned
@@ -119,7 +119,7 @@ def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingP
                             ) -> tuple[GenerationConfig, frozenset[int]]:
     """The GenerationConfig for the job, and its end-of-sequence ids. Starts from transformers' defaults, not the
     model's generation_config: a job's sampling is exactly what its configuration (and its rows, see
-    cbgen.sampling) says. End-of-sequence tokens come from the model and tokenizer, plus --stop-token-id."""
+    cbgen.control.sampling) says. End-of-sequence tokens come from the model and tokenizer, plus --stop-token-id."""
     from transformers import GenerationConfig
 
     g = job.generation
@@ -367,7 +367,7 @@ def size_kv_cache(batching: dict[str, Any], loaded: LoadedModel, workload: Workl
 def sharing_choice(batching: dict[str, Any], loaded: LoadedModel, workload: WorkloadShape) -> str:
     """Turns transformers' block sharing off on CPU where it cannot pay, and says why. The cache keeps every completed
     block of a finished request for reuse until it runs out of free blocks; since cbgen's cache takes RAM only as
-    pages are written (cbgen.engine.cache_memory), blocks kept that no request can reuse would grow a job's memory
+    pages are written (cbgen.engine.kv_memory), blocks kept that no request can reuse would grow a job's memory
     to the whole cache. A block is reused only by a request with the same first page, so with one sequence per
     request and no two prompts read ahead sharing their first page, nothing is lost."""
     if "allow_block_sharing" in batching:

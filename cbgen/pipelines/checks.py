@@ -71,7 +71,7 @@ def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
 
 
 class _ResponseTemplates:
-    """Each generate stage's response template, as its run will decide it (cbgen.planning.response_template): from
+    """Each generate stage's response template, as its run will decide it (cbgen.job.plan.response_template): from
     its model's tokenizer, loaded once per model (no weights)."""
 
     def __init__(self) -> None:
@@ -81,8 +81,8 @@ class _ResponseTemplates:
         import dataclasses
         import json
 
+        from cbgen.job.plan import response_template
         from cbgen.model.load import load_tokenizer
-        from cbgen.planning import response_template
 
         key = json.dumps(dataclasses.asdict(job.model), sort_keys=True)
         if key not in self._tokenizers:
@@ -92,10 +92,10 @@ class _ResponseTemplates:
 
 def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StagePlan], output_dir: Path,
                     stubs: Path, templates: _ResponseTemplates) -> StagePlan:
+    from cbgen.job.plan import plan_columns
     from cbgen.model.source import check_available, resolve_source
     from cbgen.outputs.columns import OutputColumns
     from cbgen.outputs.schema import arrow_schema
-    from cbgen.planning import plan_columns
 
     assert stage.input is not None
     if stage.input_is_stage:
@@ -152,7 +152,7 @@ def _check_fields(job: JobConfig, schema: pa.Schema) -> None:
     columns, exist in the input's schema."""
     from cbgen.inputs.base import PROMPT_FIELDS
     from cbgen.inputs.scoring import CHOICES_FIELD
-    from cbgen.templates import PromptTemplate
+    from cbgen.render.templates import PromptTemplate
 
     template = PromptTemplate.from_input(job.input)
     for column, names in (template.attributes.items() if template is not None else ()):

@@ -33,7 +33,7 @@ from cbgen.outputs.rundir import (
 )
 from cbgen.outputs.shards import read_shards, shard_paths
 from cbgen.outputs.writers import open_writer
-from cbgen.sharding import parse_shard_directory, shard_directory, shard_of
+from cbgen.parallel.sharding import parse_shard_directory, shard_directory, shard_of
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -361,7 +361,7 @@ def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, A
     import pyarrow as pa
 
     from cbgen.outputs.schema import arrow_schema, for_arrow, infer_kept_schema
-    from cbgen.quiet import quiet
+    from cbgen.process.quiet import quiet
 
     paths = [d.path for d in directories]
     features, columns = None, None

@@ -15,7 +15,7 @@ class ProgressSink(Protocol):
     def start(self, total: int | None, unit: str = "sequence", verb: str = "generating") -> None: ...
     def watch(self, live: LiveLengths, cap: int) -> None:
         """Before `start`: where to read unfinished sequences' tokens, and the most new tokens a sequence may have:
-        the rate and time left then follow the tokens as the engine produces them (cbgen.pace)."""
+        the rate and time left then follow the tokens as the engine produces them (cbgen.progress.pace)."""
     def advance(self, done: int, prompt_tokens: int, generated_tokens: int, failed: int,
                 lengths: Sequence[int] = ()) -> None:
         """`lengths`: the generated tokens of each finished sequence, when sequences are the unit."""

@@ -12,11 +12,11 @@ from cbgen.records import Completion
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
-    from cbgen.control.plan import StepPlan
+    from cbgen.control.needs import StepPlan
     from cbgen.engine.scope import ScopePlan
     from cbgen.inputs.base import IdChoice
+    from cbgen.job.plan import JobPlan
     from cbgen.outputs.rundir import DoneIndex
-    from cbgen.planning import JobPlan
 
 
 class Status:
@@ -46,7 +46,7 @@ class RunSummary:
     shards: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     kv_cache: dict[str, Any] = field(default_factory=dict)
-    batch_invariant: dict[str, Any] = field(default_factory=dict)  # on or off, and why (cbgen.engine.plan)
+    batch_invariant: dict[str, Any] = field(default_factory=dict)  # on or off, and why (cbgen.engine.setup)
     engine_restarts: int = 0
     attention: str | None = None  # what attention served the engine (cbgen.engine.scope.ATTENTION_KINDS)
     engine_scope: dict[str, Any] = field(default_factory=dict)  # what cbgen installed for it (ScopePlan.describe)

@@ -12,11 +12,11 @@ that row's error record, naming the variable). Nested values are reached with do
 looped over (`{% for q in examples %}`); blocks trim their newlines as chat templates do. With `--raw-prompts` the
 user template's text is the prompt itself, without the chat template. `TEXT` or `@FILE` (read as UTF-8) for each.
 
-A template is checked when the job starts, before any model loads: a syntax error names the line and column, and
-for inputs with a schema (Parquet, datasets) a variable that no row can have names the columns there are. Each row
-renders under a budget of size and time (cbgen.sandbox, `render_limits`): a row whose template would build a value
-or a prompt past `--max-render-chars`, or run past `--render-timeout`, becomes that row's error record; a job that
-is stopping (SIGTERM, Ctrl-C) stops a render in progress at once.
+A template is checked when the job starts, before any model loads: a syntax error names the line and column, and for
+inputs with a schema (Parquet, datasets) a variable that no row can have names the columns there are. Each row renders
+under a budget of size and time (cbgen.render.sandbox, `render_limits`): a row whose template would build a value or a
+prompt past `--max-render-chars`, or run past `--render-timeout`, becomes that row's error record; a job that is
+stopping (SIGTERM, Ctrl-C) stops a render in progress at once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from jinja2 import Template
 
     from cbgen.config import InputSection, JobConfig
-    from cbgen.sandbox import Limits
+    from cbgen.render.sandbox import Limits
 
 ROLES = ("system", "user", "assistant", "developer")
 CHARS_PER_TOKEN = 16  # the default size budget: this many characters per token of the model's context
@@ -48,7 +48,7 @@ def render_limits(job: JobConfig) -> Limits:
     """A row's rendering budget for `job`: --max-render-chars (else derived from the model's context, read without
     loading it) and --render-timeout."""
     from cbgen.model.source import context_tokens, resolve_source
-    from cbgen.sandbox import Limits
+    from cbgen.render.sandbox import Limits
 
     chars = job.input.max_render_chars
     if chars is None:
@@ -135,11 +135,11 @@ class PromptTemplate:
     def render(self, row: Mapping[str, Any], limits: Limits | None = None, stop: threading.Event | None = None
                ) -> str | list[dict[str, str]]:
         """The prompt text (raw) or the chat turns for one row, within `limits` (default: the fallback budget).
-        Raises RowError naming what the row lacks or the limit it hit; cbgen.sandbox.RenderStopped once `stop` is
+        Raises RowError naming what the row lacks or the limit it hit; cbgen.render.sandbox.RenderStopped once `stop` is
         set."""
         from jinja2.exceptions import SecurityError, UndefinedError
 
-        from cbgen.sandbox import Budget, Limits, RenderLimit, render
+        from cbgen.render.sandbox import Budget, Limits, RenderLimit, render
 
         budget = Budget(limits or Limits(FALLBACK_MAX_CHARS, DEFAULT_TIMEOUT), stop)
         rendered = []
@@ -186,7 +186,7 @@ def _turn(index: int, turn: Any) -> tuple[str, str]:
 def _environment() -> Any:
     from jinja2 import StrictUndefined
 
-    from cbgen.sandbox import BoundedEnvironment
+    from cbgen.render.sandbox import BoundedEnvironment
 
     return BoundedEnvironment(undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                               keep_trailing_newline=False, autoescape=False)

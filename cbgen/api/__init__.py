@@ -10,7 +10,7 @@
 
 Keyword names are the YAML keys of a job (`max_new_tokens`, `temperature`, `json_schema`, `page_size`, ...;
 `input_format` and `output_format` for the two `format` keys), checked exactly as flags are; an unknown one raises
-TypeError naming the closest. They are typed (cbgen.settings_types, generated from the settings table that feeds
+TypeError naming the closest. They are typed (cbgen.api.settings, generated from the settings table that feeds
 `--help`), so editors complete them and mypy checks them. Prompts are strings, chat message lists, row dicts
 (templates apply to them) or a `datasets.Dataset`. Nothing here imports torch until a model is needed. Mistakes the
 caller can fix raise cbgen.CbgenError, whose message says what to change.
@@ -25,29 +25,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.config import SECTIONS, build_config
-from cbgen.config.flat import closest, flat_keys, flat_overrides
-from cbgen.execution import generate_in_memory
+from cbgen.config.flat import keyword_overrides
+from cbgen.job.sequence import generate_in_memory
 from cbgen.progress import NullProgress, ProgressSink
 
 if TYPE_CHECKING:
     import datasets
     from typing_extensions import Unpack
 
+    from cbgen.api.settings import CallSettings, JobSettings
     from cbgen.model.load import LoadedModel
+    from cbgen.outputs.summary import RunSummary
     from cbgen.pipelines.runner import PipelineReport
-    from cbgen.settings_types import CallSettings, JobSettings
-    from cbgen.summary import RunSummary
-
-def _overrides(settings: Mapping[str, Any], allowed: set[str] | None = None, why: str = ""
-               ) -> dict[tuple[str, str], tuple[Any, str]]:
-    keys = flat_keys()
-    for name in settings:
-        if name not in keys or (allowed is not None and keys[name][0] not in allowed):
-            choices = [k for k in keys if allowed is None or keys[k][0] in allowed]
-            raise TypeError(f"unexpected keyword argument {name!r}{why if name in keys else ''}"
-                            f"{closest(name, choices)}")
-    return flat_overrides(settings)
-
 
 @dataclass
 class Result:
@@ -92,7 +81,7 @@ class Generator:
 
     def __init__(self, model: str | None = None, *, progress: bool | None = None,
                  **settings: Unpack[JobSettings]) -> None:
-        self._defaults = _overrides(settings)
+        self._defaults = keyword_overrides(settings)
         if model is not None:
             self._defaults[("model", "model")] = (model, "model")
         self._job = build_config(None, self._defaults)
@@ -113,7 +102,7 @@ class Generator:
                  **settings: Unpack[CallSettings]) -> list[Result]:
         """The results for `prompts`, in input order (a prompt's sequences by sample index). Model settings are
         the Generator's own: give them to its constructor."""
-        overrides = self._defaults | _overrides(settings, set(SECTIONS) - {"model"},
+        overrides = self._defaults | keyword_overrides(settings, set(SECTIONS) - {"model"},
                                                 " here: it is a model setting, given to cbgen.Generator(...)")
         job = build_config(None, overrides)
         rows = generate_in_memory(job, self.loaded, prompts,
@@ -149,10 +138,10 @@ def generate(prompts: Sequence[Any] | datasets.Dataset, *, model: str | None = N
 def run(input: str | Path, output_dir: str | Path, *, model: str | None = None, progress: bool | None = None,
         **settings: Unpack[JobSettings]) -> RunSummary:
     """`cbgen run INPUT -o OUTPUT_DIR`: the whole job, written to sharded files; resumable, as the command is."""
-    from cbgen.job import run_job
+    from cbgen.job.run import run_job
 
     named = {("input", "path"): (str(input), "input"), ("output", "dir"): (str(output_dir), "output_dir")}
-    overrides = _overrides({**settings, **({"model": model} if model is not None else {})}) | named
+    overrides = keyword_overrides({**settings, **({"model": model} if model is not None else {})}) | named
     return run_job(build_config(None, overrides), _progress(progress))
 
 

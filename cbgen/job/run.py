@@ -3,10 +3,10 @@
 A job is a pipeline of plain iterators, each stage in its own module:
 
     read      cbgen.inputs             rows -> PromptRecords (bad rows become error records)
-    plan      cbgen.planning           what the input holds + the model -> one frozen JobPlan
-    render    cbgen.prompts.Renderer   chat template, tokenizer -> Requests
-    settings  cbgen.request_settings   the row's own sampling, caps and stop strings over the job's
-    order     cbgen.prompts            prefix-aware order, longest generations first
+    plan      cbgen.job.plan           what the input holds + the model -> one frozen JobPlan
+    render    cbgen.render.prompts.Renderer   chat template, tokenizer -> Requests
+    settings  cbgen.job.request_settings   the row's own sampling, caps and stop strings over the job's
+    order     cbgen.render.prompts            prefix-aware order, longest generations first
     generate  cbgen.engine             transformers' continuous batching, a bounded window in flight
     write     cbgen.outputs            rows or OpenAI lines into atomic shards, resume index, run.json
 
@@ -45,24 +45,24 @@ from cbgen.outputs.rundir import (
     read_stored_run,
     record_columns,
 )
+from cbgen.outputs.summary import RunSummary, Status
+from cbgen.parallel.sharding import Sharding, resolve_sharding, shard_directory, shard_of
+from cbgen.process.startup import release_gc
 from cbgen.progress import NullProgress, ProgressSink, plural
-from cbgen.prompts import LOOKAHEAD
 from cbgen.records import Completion, PromptRecord, Request
-from cbgen.sharding import Sharding, resolve_sharding, shard_directory, shard_of
-from cbgen.startup import release_gc
-from cbgen.summary import RunSummary, Status
-from cbgen.templates import render_limits
+from cbgen.render.prompts import LOOKAHEAD
+from cbgen.render.templates import render_limits
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
-    from cbgen.distributed import TensorParallel
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
+    from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
     from cbgen.model.pool import ModelPool
     from cbgen.outputs.rows import OutputRows
     from cbgen.outputs.writers import ShardWriter
-    from cbgen.planning import JobPlan
+    from cbgen.parallel.tensor import TensorParallel
     from cbgen.score.rows import ScoreRows
 
     Rows = OutputRows | ScoreRows  # what a finished request becomes: generated rows (or OpenAI lines), or scores
@@ -73,7 +73,7 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
             lineage: dict[str, Any] | None = None) -> RunSummary:
     """Runs `job` to the end, or until `stop` is set, and returns its summary. A job whose output directory already
     holds part of its results resumes: finished requests are skipped, each request is written exactly once.
-    With `tp` (cbgen.distributed), this is rank 0 of a tensor-parallel job: the other ranks run `follow_job`.
+    With `tp` (cbgen.parallel.tensor), this is rank 0 of a tensor-parallel job: the other ranks run `follow_job`.
     `models` shares loaded models between jobs (a pipeline's stages); `lineage` joins the job's fingerprint (a
     pipeline stage's upstream stages), so that a change there makes this a different job.
     Raises CbgenError for problems the user can fix."""
@@ -90,11 +90,11 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
 
 def follow_job(job: JobConfig, tp: TensorParallel) -> int:
     """A tensor-parallel follower's whole job: load its shard of the model, then serve the manager of rank 0's plan
-    until rank 0 stops it. Returns the exit code; raises cbgen.distributed.RankZeroStopped, with rank 0's message,
+    until rank 0 stops it. Returns the exit code; raises cbgen.parallel.tensor.RankZeroStopped, with rank 0's message,
     when rank 0 failed before sending its plan."""
-    from cbgen.distributed import LOAD, PLAN, RankZeroStopped
     from cbgen.engine.manager import serve
     from cbgen.model.load import load_model
+    from cbgen.parallel.tensor import LOAD, PLAN, RankZeroStopped
 
     try:
         tp.receive(LOAD)
@@ -168,8 +168,8 @@ class _Run:
         return kind_of(self.job.kind)
 
     def execute(self) -> RunSummary:
-        from cbgen.execution import make_engine, output_rows, plan_input, prepared
-        from cbgen.planning import used_settings
+        from cbgen.job.plan import used_settings
+        from cbgen.job.sequence import make_engine, output_rows, plan_input, prepared
 
         total = self._count_pending()
         if total == 0:
@@ -197,7 +197,7 @@ class _Run:
         record_columns(self.summary.output_dir, plan.columns)
         self.summary.record_plan(plan)
         if self.tp is not None:  # the followers build the very same manager
-            from cbgen.distributed import PLAN
+            from cbgen.parallel.tensor import PLAN
 
             self.tp.send(PLAN, plan)
         engine = make_engine(self.job, planned, loaded, restartable=self.tp is None)
@@ -216,7 +216,7 @@ class _Run:
 
     def _score(self, loaded: LoadedModel, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
         """A scoring job: the scorer in the engine's place, score rows for output rows (cbgen.score)."""
-        from cbgen.execution import make_scorer, plan_scores, score_rows
+        from cbgen.job.sequence import make_scorer, plan_scores, score_rows
 
         planned = plan_scores(self.job, loaded, records)
         record_columns(self.summary.output_dir, planned.columns)
@@ -272,7 +272,7 @@ class _Run:
         n = self.kind.samples_per_row(self.job)
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
         if not self.kind.generates:
-            from cbgen.execution import score_rows
+            from cbgen.job.sequence import score_rows
 
             self._write(refused, score_rows(columns, None), total)
         else:
@@ -307,7 +307,7 @@ class _Run:
         from cbgen.model.load import gguf_unconverted, load_model
 
         if tp is not None:
-            from cbgen.distributed import LOAD
+            from cbgen.parallel.tensor import LOAD
 
             tp.send(LOAD)
         # --data-parallel: the replicas load the weights; this process reads, renders and plans, which needs the

@@ -14,7 +14,7 @@ both sides follow:
     load         rank 0 has checked its input: load the model
     gguf-cache   (a GGUF model with the converted cache) whether rank 0 converts it first
     gguf-ready   (when it did) the converted model is in the cache
-    plan         the job's plan (cbgen.planning.JobPlan): build its manager and serve it
+    plan         the job's plan (cbgen.job.plan.JobPlan): build its manager and serve it
 
 Whenever rank 0 stops before sending the plan, whether it failed or found nothing to do, it sends that instead, and
 a follower waiting for any message gets it at once: it exits with rank 0's message, never waiting for gloo's timeout.

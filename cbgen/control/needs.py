@@ -13,9 +13,9 @@ from collections.abc import Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cbgen.chat.formats import FormatError, ResponseFormat, job_format
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, RowError
-from cbgen.formats import FormatError, ResponseFormat, job_format
 from cbgen.inputs.settings import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Running a plan, whatever the prompts come from and wherever the rows go: the requests read ahead rendered and the
 job planned from them, every request prepared in prefix-aware order, the engine (or replica pool) that generates
 them, and the rows each finished request becomes; for a scoring job, the rows rendered into score requests, the
-scorer and its rows. Shared by a job over files (cbgen.job) and the Python API (cbgen.api), so both run the same
+scorer and its rows. Shared by a job over files (cbgen.job.run) and the Python API (cbgen.api), so both run the same
 way."""
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 from cbgen.config import JobConfig, page_size
 from cbgen.inputs.base import IdChoice
 from cbgen.progress import ProgressSink
-from cbgen.prompts import LOOKAHEAD
 from cbgen.records import Completion, PromptRecord, Request
+from cbgen.render.prompts import LOOKAHEAD
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
     from cbgen.engine.scope import ScopePlan
+    from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
     from cbgen.outputs.columns import OutputColumns
     from cbgen.outputs.rows import OutputRows
-    from cbgen.planning import JobPlan
     from cbgen.score.requests import ScoreRequest
     from cbgen.score.rows import ScoreRows
     from cbgen.score.scorer import Scorer
@@ -45,8 +45,8 @@ class Planned:
 def plan_input(job: JobConfig, loaded: LoadedModel, head: list[PromptRecord], rest: Iterator[PromptRecord],
                used: frozenset[str], total: int | None, ids: IdChoice) -> Planned:
     """Renders the records read ahead (`head`) and plans the job from what they and the input hold."""
-    from cbgen.planning import InputFacts, plan_job, plan_rendering
-    from cbgen.prompts import Renderer
+    from cbgen.job.plan import InputFacts, plan_job, plan_rendering
+    from cbgen.render.prompts import Renderer
 
     rendering = plan_rendering(job, loaded)
     renderer = Renderer(loaded.tokenizer, rendering.render)
@@ -59,8 +59,8 @@ def plan_input(job: JobConfig, loaded: LoadedModel, head: list[PromptRecord], re
 
 def prepared(job: JobConfig, planned: Planned) -> Iterator[Request]:
     """The requests with their own settings applied, in prefix-aware order."""
-    from cbgen.prompts import prefix_aware_order
-    from cbgen.request_settings import RequestSettings
+    from cbgen.job.request_settings import RequestSettings
+    from cbgen.render.prompts import prefix_aware_order
 
     prepare = RequestSettings(job, planned.plan, planned.grammars)
     return prefix_aware_order(map(prepare, planned.requests), key_tokens=page_size(planned.plan.engine.batching),
@@ -100,10 +100,10 @@ class PlannedScores:
 
 def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRecord]) -> PlannedScores:
     """Renders a scoring job's records as `cbgen run` renders prompts, each with what it scores after them."""
-    from cbgen.engine.plan import plan_scoring_scope
+    from cbgen.engine.setup import plan_scoring_scope
+    from cbgen.job.plan import plan_rendering
     from cbgen.outputs.columns import OutputColumns
-    from cbgen.planning import plan_rendering
-    from cbgen.prompts import Renderer
+    from cbgen.render.prompts import Renderer
     from cbgen.score.requests import ScoreRenderer
 
     renderer = ScoreRenderer(Renderer(loaded.tokenizer, plan_rendering(job, loaded).render))
@@ -131,9 +131,9 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     """Every row for `prompts` (strings, message lists, row dicts, or a datasets.Dataset), generated on `loaded`
     with no file read or written, in input order (a prompt's sequences by sample index)."""
     from cbgen.inputs.memory import MemoryReader
-    from cbgen.planning import used_settings
+    from cbgen.job.plan import used_settings
+    from cbgen.render.templates import PromptTemplate, render_limits
     from cbgen.result_cache import for_generation, through
-    from cbgen.templates import PromptTemplate, render_limits
 
     job = replace(job, output=replace(job.output, format="jsonl"))  # rows, whatever format the files would have
     reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
@@ -164,7 +164,7 @@ def score_in_memory(job: JobConfig, loaded: LoadedModel, requests: Sequence[Scor
     """Each of `requests` (token ids already: a context and what is scored after it) scored on `loaded`, with no file
     read or written, in their order; `top_logprobs` alternatives per scored token (the evaluation backend asks for
     one, to tell whether each token was the model's greedy choice). Runs through the result cache, as a job does."""
-    from cbgen.engine.plan import plan_scoring_scope
+    from cbgen.engine.setup import plan_scoring_scope
     from cbgen.result_cache import for_scoring, through
 
     scope = plan_scoring_scope(job, loaded)
