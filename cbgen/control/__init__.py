@@ -1,2 +1,3 @@
-"""Control inside each step: structured outputs (formats.py: what is asked; grammars.py: llguidance), the model's
-own logprobs and top logprobs, and seeded sampling independent of batch-mates (processor.py)."""
+"""Control inside each step: what a job's requests need of it (needs.py), per-request sampler stages (sampling.py),
+structured outputs (grammars.py: llguidance, over the formats of cbgen.chat.formats), the model's own logprobs and
+top logprobs, and seeded sampling independent of batch-mates (processor.py)."""
