@@ -20,16 +20,13 @@ from typing import Any
 import torch
 
 from cbgen.bench.workloads import BenchWorkload, Measurement
-from cbgen.config import JobConfig, ModelSection, page_size
-from cbgen.engine.engine import Engine
+from cbgen.config import JobConfig, ModelSection
 from cbgen.engine.scope import ScopePlan
 from cbgen.errors import CbgenError
 from cbgen.inputs.base import IdChoice
-from cbgen.job.plan import JobPlan
-from cbgen.job.request_settings import RequestSettings
+from cbgen.job.sequence import Planned, make_engine, plan_input, prepared
 from cbgen.model.load import LoadedModel
-from cbgen.records import PromptRecord, Request
-from cbgen.render.prompts import LOOKAHEAD, prefix_aware_order
+from cbgen.records import PromptRecord
 
 LLAMACPP_QUANTIZED = "llamacpp-q8_0"  # llama.cpp on the Q8_0 GGUF: the quantization a llama.cpp user would run
 
@@ -100,24 +97,21 @@ class Bench:
 
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False, compiled: bool | None = None) -> tuple[JobConfig, JobPlan, list[Request]]:
-        """The plan `cbgen run` would make for these prompts (cbgen.job.plan), under the workload's schema when
-        `constrained`, and the requests rendered as it renders them."""
-        from cbgen.job.plan import InputFacts, plan_job, plan_rendering, used_settings
-        from cbgen.render.prompts import Renderer
+              onednn: bool = False, compiled: bool | None = None) -> tuple[JobConfig, Planned]:
+        """The plan `cbgen run` would make for these prompts (cbgen.job.sequence.plan_input), under the workload's
+        schema when `constrained`, with the requests rendered as it renders them."""
+        from cbgen.job.plan import used_settings
 
         job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
-        rendering = plan_rendering(job, self.loaded)
-        head = tuple(Renderer(self.loaded.tokenizer, rendering.render).render(r) for r in records)
-        facts = InputFacts(used_settings(None, records), head, len(head), whole=True, ids=IdChoice(None, "bench"))
-        return job, plan_job(job, facts, self.loaded, rendering), list(head)
+        return job, plan_input(job, self.loaded, records, iter(()), used_settings(None, records), len(records),
+                               IdChoice(None, "bench"), whole=True)
 
     def scope(self, **settings: Any) -> ScopePlan:
         """What the cbgen path (with `cbgen`'s keywords `settings`) installs for its engine on this model."""
-        return self._plan(BenchWorkload("plan", [[1, 2, 3]], 1), **settings)[1].engine.scope
+        return self._plan(BenchWorkload("plan", [[1, 2, 3]], 1), **settings)[1].plan.engine.scope
 
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
@@ -126,17 +120,12 @@ class Bench:
         `cbgen run` does it while reading). `invariant`: --batch-invariant or --no-batch-invariant (None: the
         default); `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear; `compiled`:
         --compiled-attention or --no-compiled-attention."""
-        job, plan, requests = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
-                                         invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled)
-        grammars = plan.steps.make_grammars(self.loaded.tokenizer) if plan.steps is not None else None
-        engine = Engine.for_tokenizer(self.loaded.model, self.loaded.tokenizer, plan.engine.settings,
-                                      grammars=grammars)
-        prepare = RequestSettings(job, plan, grammars)
-        requests = [prepare(request) for request in requests]
+        job, planned = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
+                                  invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled)
+        plan, grammars = planned.plan, planned.grammars
+        engine = make_engine(job, planned, self.loaded)
+        requests = list(prepared(job, planned, ordered=order != "input"))
         assert all(r.error is None for r in requests), next(r.error for r in requests if r.error)
-        if order != "input":
-            requests = list(prefix_aware_order(requests, key_tokens=page_size(plan.engine.batching),
-                                               lookahead=LOOKAHEAD, default_max_new_tokens=workload.max_new_tokens))
         start = time.perf_counter()
         generated = 0
         tokens: list[list[int]] = [[] for _ in workload.prompts]
@@ -199,7 +188,7 @@ class Bench:
 
     def generate_batch(self, workload: BenchWorkload) -> Measurement:
         """One call for the whole workload; it has one max_new_tokens for all, so it runs to the largest cap."""
-        engine = self._plan(workload)[1].engine
+        engine = self._plan(workload)[1].plan.engine
         eos = engine.eos_token_ids
         start = time.perf_counter()
         outputs = self.loaded.model.generate_batch(inputs=workload.prompts, generation_config=engine.generation_config,
@@ -214,7 +203,7 @@ class Bench:
     def static(self, workload: BenchWorkload, batch_size: int) -> Measurement:
         """`model.generate` on left-padded batches, in input order, each run to its largest cap; tokens after a
         sequence's EOS or cap are not counted."""
-        engine = self._plan(workload)[1].engine
+        engine = self._plan(workload)[1].plan.engine
         generation_config, eos = engine.generation_config, engine.eos_token_ids
         pad = generation_config.pad_token_id
         model = self.loaded.model
@@ -247,7 +236,7 @@ class Bench:
             raise RuntimeError(reason)
         n = len(workload.prompts)
         caps = [workload.cap(i) for i in range(n)]
-        eos = self._plan(workload)[1].engine.eos_token_ids
+        eos = self._plan(workload)[1].plan.engine.eos_token_ids
         longest = max(len(p) + c for p, c in zip(workload.prompts, caps))
         engine = LlamaCpp(lib, gguf, torch.get_num_threads(), min(parallel, n), -(-longest // 256) * 256)
         try:

@@ -10,17 +10,13 @@ estimate, saying how it was made.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from cbgen.config import JobConfig
-from cbgen.inputs import open_input
 from cbgen.parallel.sharding import resolve_sharding, shard_of
 from cbgen.records import Request
-from cbgen.render.prompts import LOOKAHEAD
-from cbgen.render.templates import render_limits
 
 SAMPLE = 16  # requests the estimate times
 SHOWN_ERRORS = 5
@@ -49,26 +45,20 @@ class DryRunReport:
 def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     """The report for `job` (see the module's docstring); CbgenError for what the job itself would refuse."""
     from cbgen.engine.admission import Limits
-    from cbgen.job.plan import InputFacts, plan_job, plan_rendering, used_settings
-    from cbgen.job.request_settings import RequestSettings
+    from cbgen.job.plan import used_settings
+    from cbgen.job.sequence import open_job_input, plan_input, prepared, read_ahead
     from cbgen.model.load import load_model
-    from cbgen.render.prompts import Renderer
     from cbgen.result_cache import for_generation
 
-    reader = open_input(job.input)
-    reader.render_limits = render_limits(job)
-    reader.check_ids()
+    reader = open_job_input(job)
     sharding = resolve_sharding(job)
     records = (r for r in reader if sharding is None or shard_of(r.id, sharding[1]) == sharding[0])
     structure = load_model(job.model, weights=False)
-    rendering = plan_rendering(job, structure)
-    renderer = Renderer(structure.tokenizer, rendering.render)
-    head = [renderer.render(record) for record in itertools.islice(records, LOOKAHEAD)]
-    used = used_settings(reader.settings_present(), [r.record for r in head])
+    head, whole = read_ahead(records)
     total = reader.count() if sharding is None else None
-    plan = plan_job(job, InputFacts(used, tuple(head), total, whole=len(head) < LOOKAHEAD, ids=reader.ids),
-                    structure, rendering)
-    prepare = RequestSettings(job, plan, plan.steps.make_grammars(structure.tokenizer) if plan.steps else None)
+    planned = plan_input(job, structure, head, records, used_settings(reader.settings_present(), head), total,
+                         reader.ids, whole)
+    plan = planned.plan
     limits = Limits(job.generation.max_new_tokens, plan.engine.settings.max_positions)
     report = DryRunReport(kv_cache=dict(plan.engine.kv_cache) | {"num_blocks": plan.engine.batching.get("num_blocks")})
     runnable: list[Request] = []  # the first requests the cache does not answer: the estimate's sample
@@ -76,8 +66,7 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     cache = for_generation(job, structure, plan)
     if cache is not None:
         cache.touch = False  # looking is not a use: the eviction order stays as runs left it
-    for request in itertools.chain(head, renderer.render_all(records)):
-        request = prepare(request)
+    for request in prepared(job, planned, ordered=False):  # in input order: the first errors are the input's first
         report.rows += 1
         reason = request.error or limits.never_fits(request)
         if reason is not None:

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from cbgen import result_cache
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
-from cbgen.inputs import Reader, open_input
-from cbgen.inputs.scoring import ScoreFields
+from cbgen.inputs import Reader
+from cbgen.job.sequence import drain, open_job_input, read_ahead
 from cbgen.kinds import DEFAULT, Kind, kind_of
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
@@ -50,8 +50,6 @@ from cbgen.parallel.sharding import Sharding, resolve_sharding, shard_directory,
 from cbgen.process.startup import release_gc
 from cbgen.progress import NullProgress, ProgressSink, plural
 from cbgen.records import Completion, PromptRecord, Request
-from cbgen.render.prompts import LOOKAHEAD
-from cbgen.render.templates import render_limits
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
@@ -118,11 +116,10 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     out_dir = shard_directory(Path(job.output.dir), sharding)
     stored = read_stored_run(out_dir) if out_dir.is_dir() and not job.output.overwrite else None
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
-    reader = open_input(job.input, detect_id=stored is None or stored.detects_ids, score=ScoreFields.of(job))
-    reader.render_limits, reader.stop = render_limits(job), stop  # a render in progress ends when the job stops
     source = resolve_source(job.model.model)
-    progress.stage(f"checking {reader.name}")
-    reader.check_ids()
+    progress.stage(f"checking {'<stdin>' if job.input.path == '-' else job.input.path}")
+    reader = open_job_input(job, detect_id=stored is None or stored.detects_ids, stop=stop,
+                            on_notice=lambda message: progress.stage(f"note: {message}"))  # said once each
     fingerprint = job_fingerprint(job, source, sharding) | ({"pipeline": lineage} if lineage is not None else {})
     lock, done = open_run_directory(out_dir, fingerprint, stored_job(job),
                                     reader.ids.to_dict(), job.output.overwrite, job.run.redo)
@@ -174,25 +171,24 @@ class _Run:
         total = self._count_pending()
         if total == 0:
             return self._nothing_left()
-        self.reader.on_notice = lambda message: self.progress.stage(f"note: {message}")  # said once each
         if self.reader.detected:
             self.progress.stage(f"input: {self.reader.detected}")
         records = (record for record in self.reader if self.wanted(record))
-        head = list(itertools.islice(records, LOOKAHEAD))
+        head, whole = read_ahead(records)
         if self.stop.is_set():  # stopped while reading ahead (a template's render ends at once): no model loads
             self.summary.status = Status.STOPPED
             self._finish(None, None, None, None)
             return self.summary
         used = used_settings(self.reader.settings_present(), head)
         self.summary.row_settings = used
-        if len(head) < LOOKAHEAD and all(record.error is not None for record in head):
+        if whole and all(record.error is not None for record in head):
             self._refuse_all(head, used, total)  # no row can run: no model is loaded
             return self.summary
         loaded = self._load_model()
         self.progress.stage("rendering prompts")
         if not self.kind.generates:
             return self._score(loaded, itertools.chain(head, records), total)
-        planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids)
+        planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids, whole)
         plan = planned.plan
         record_columns(self.summary.output_dir, plan.columns)
         self.summary.record_plan(plan)
@@ -338,29 +334,27 @@ class _Run:
         job, summary, stop = self.job, self.summary, self.stop
         n = job.generation.num_return_sequences
         by_request = "n" in summary.row_settings  # rows with their own n: count requests, whose total is known
+        self.progress.stage(self.kind.starting)
         if not self.kind.generates:
-            self.progress.stage("scoring")
             self.progress.start(total, "row", verb="scoring")
         elif by_request:
-            self.progress.stage("starting the engine")
             self.progress.start(total, "request")
         else:
-            self.progress.stage("starting the engine")
             self.progress.start(total * n if total is not None else None, "sequence")
         started = last_commit = time.perf_counter()
-        for group in groups:
+
+        def write(group: list[Completion]) -> None:
+            nonlocal last_commit
             writer.write_group(rows(group))
-            failed = summary.add_request(group)
-            # a request the result cache answered is done, but its tokens were not computed now: not in tok/s
-            lengths = [len(c.token_ids) for c in group] if group[0].request.answered is None else []
-            self.progress.advance(1 if by_request else len(group), group[0].num_prompt_tokens if lengths else 0,
-                                  sum(lengths), failed, () if by_request else lengths)
+            summary.add_request(group)
             if time.perf_counter() - last_commit >= job.run.commit_interval:
                 writer.commit()
                 last_commit = time.perf_counter()
             if job.run.max_errors is not None and summary.failed_requests > job.run.max_errors and not stop.is_set():
                 summary.status = Status.TOO_MANY_ERRORS
                 stop.set()
+
+        drain(groups, self.progress, write, "sequence" if self.kind.generates and not by_request else "request")
         if stop.is_set() and summary.status == Status.COMPLETE:
             summary.status = Status.STOPPED
         summary.timings["generation_s"] = round(time.perf_counter() - started, 3)

@@ -1,22 +1,34 @@
-"""Running a plan, whatever the prompts come from and wherever the rows go: the requests read ahead rendered and the
-job planned from them, every request prepared in prefix-aware order, the engine (or replica pool) that generates
-them, and the rows each finished request becomes; for a scoring job, the rows rendered into score requests, the
-scorer and its rows. Shared by a job over files (cbgen.job.run) and the Python API (cbgen.api), so both run the same
-way."""
+"""The run sequence, written once: read → plan → render → order → run → write.
+
+    open_job_input   the job's reader, with its rendering budget and stop, ids checked
+    read_ahead       the first LOOKAHEAD records, from which the job is planned
+    plan_input       the head rendered and the job planned from it (cbgen.job.plan); the rest rendered as read
+    prepared         each request's own settings over the job's, in prefix-aware order
+    make_engine      the engine the plan describes (or its --data-parallel replicas)
+    drain            each finished request handed on as it finishes, counted on the progress display
+
+For a scoring job, plan_scores, make_scorer and score_rows take the place of plan_input, make_engine and
+output_rows. A job over files (cbgen.job.run), `--dry-run` (cbgen.job.dry_run), `cbgen bench` (cbgen.bench.paths)
+and the Python API (generate_in_memory, score_in_memory here) all run these same steps; pipelines run their stages
+as jobs over files.
+"""
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from cbgen.config import JobConfig, page_size
+from cbgen.inputs import Reader, open_input
 from cbgen.inputs.base import IdChoice
+from cbgen.inputs.scoring import ScoreFields
 from cbgen.progress import ProgressSink
 from cbgen.records import Completion, PromptRecord, Request
 from cbgen.render.prompts import LOOKAHEAD
+from cbgen.render.templates import render_limits
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
@@ -32,6 +44,24 @@ if TYPE_CHECKING:
     from cbgen.score.scorer import Scorer
 
 
+def open_job_input(job: JobConfig, *, detect_id: bool = True, stop: threading.Event | None = None,
+                   on_notice: Callable[[str], None] | None = None, reader: Reader | None = None) -> Reader:
+    """The job's reader (or `reader`, prompts handed over in Python), with the job's rendering budget, the job's
+    `stop` (a render in progress ends when it is set) and `on_notice` (told each input notice once), its ids
+    checked. `detect_id`: see cbgen.inputs.base.Reader."""
+    if reader is None:
+        reader = open_input(job.input, detect_id=detect_id, score=ScoreFields.of(job))
+    reader.render_limits, reader.stop, reader.on_notice = render_limits(job), stop, on_notice
+    reader.check_ids()
+    return reader
+
+
+def read_ahead(records: Iterator[PromptRecord]) -> tuple[list[PromptRecord], bool]:
+    """The records a job is planned from (the first LOOKAHEAD), and whether they are the whole input."""
+    head = list(itertools.islice(records, LOOKAHEAD))
+    return head, len(head) < LOOKAHEAD
+
+
 @dataclass
 class Planned:
     """A planned job, ready to run: its plan, every request rendered (the head, then the rest as they are read),
@@ -43,28 +73,46 @@ class Planned:
 
 
 def plan_input(job: JobConfig, loaded: LoadedModel, head: list[PromptRecord], rest: Iterator[PromptRecord],
-               used: frozenset[str], total: int | None, ids: IdChoice) -> Planned:
-    """Renders the records read ahead (`head`) and plans the job from what they and the input hold."""
+               used: frozenset[str], total: int | None, ids: IdChoice, whole: bool | None = None) -> Planned:
+    """Renders the records read ahead (`head`) and plans the job from what they and the input hold (`whole`: the
+    head is the whole input; by default, when it is shorter than a read-ahead)."""
+    whole = len(head) < LOOKAHEAD if whole is None else whole
     from cbgen.job.plan import InputFacts, plan_job, plan_rendering
     from cbgen.render.prompts import Renderer
 
     rendering = plan_rendering(job, loaded)
     renderer = Renderer(loaded.tokenizer, rendering.render)
     rendered = tuple(renderer.render(record) for record in head)
-    facts = InputFacts(used, rendered, total, whole=len(head) < LOOKAHEAD, ids=ids)
+    facts = InputFacts(used, rendered, total, whole=whole, ids=ids)
     plan = plan_job(job, facts, loaded, rendering)
     grammars = plan.steps.make_grammars(loaded.tokenizer) if plan.steps is not None else None
     return Planned(plan, itertools.chain(rendered, renderer.render_all(rest)), grammars)
 
 
-def prepared(job: JobConfig, planned: Planned) -> Iterator[Request]:
-    """The requests with their own settings applied, in prefix-aware order."""
+def prepared(job: JobConfig, planned: Planned, *, ordered: bool = True) -> Iterator[Request]:
+    """The requests with their own settings applied, in prefix-aware order (in input order unless `ordered`)."""
     from cbgen.job.request_settings import RequestSettings
     from cbgen.render.prompts import prefix_aware_order
 
-    prepare = RequestSettings(job, planned.plan, planned.grammars)
-    return prefix_aware_order(map(prepare, planned.requests), key_tokens=page_size(planned.plan.engine.batching),
+    requests = map(RequestSettings(job, planned.plan, planned.grammars), planned.requests)
+    if not ordered:
+        return requests
+    return prefix_aware_order(requests, key_tokens=page_size(planned.plan.engine.batching),
                               lookahead=LOOKAHEAD, default_max_new_tokens=job.generation.max_new_tokens)
+
+
+def drain(groups: Iterator[list[Completion]], progress: ProgressSink, consume: Callable[[list[Completion]], Any],
+          unit: str = "sequence") -> None:
+    """The one loop every run ends in: each finished request's completions (`groups`, as they finish) handed to
+    `consume`, and counted on `progress` in `unit`s: one a sequence ("sequence"), else one a request. A request
+    the result cache answered counts as done, not in the tokens per second (its tokens were not computed now)."""
+    per_sequence = unit == "sequence"
+    for group in groups:
+        consume(group)
+        lengths = [len(c.token_ids) for c in group] if group[0].request.answered is None else []
+        progress.advance(len(group) if per_sequence else 1, group[0].num_prompt_tokens if lengths else 0,
+                         sum(lengths), sum(c.finish_reason == "error" for c in group),
+                         lengths if per_sequence else ())
 
 
 def make_engine(job: JobConfig, planned: Planned, loaded: LoadedModel, *, restartable: bool = True
@@ -132,16 +180,15 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     with no file read or written, in input order (a prompt's sequences by sample index)."""
     from cbgen.inputs.memory import MemoryReader
     from cbgen.job.plan import used_settings
-    from cbgen.render.templates import PromptTemplate, render_limits
+    from cbgen.render.templates import PromptTemplate
     from cbgen.result_cache import for_generation, through
 
     job = replace(job, output=replace(job.output, format="jsonl"))  # rows, whatever format the files would have
     reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
                           template=PromptTemplate.from_input(job.input))
-    reader.render_limits = render_limits(job)
-    reader.check_ids()
+    open_job_input(job, reader=reader)
     records: Iterator[PromptRecord] = iter(reader)
-    head = list(itertools.islice(records, LOOKAHEAD))
+    head, _ = read_ahead(records)
     planned = plan_input(job, loaded, head, records, used_settings(reader.settings_present(), head),
                          reader.count(), reader.ids)
     rows = output_rows(job, planned.plan, loaded, loaded.source.name)
@@ -149,11 +196,13 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     progress.start(reader.count() * job.generation.num_return_sequences, "sequence")
     results: list[tuple[int, int, dict[str, Any]]] = []
     cache = for_generation(job, loaded, planned.plan)
-    for group in through(cache, prepared(job, planned), lambda requests: engine.run(requests, threading.Event())):
+
+    def keep(group: list[Completion]) -> None:
         index = group[0].request.record.index
-        results += [(index, row.get("sample_index", 0), row) for row in rows(group)]
-        progress.advance(len(group), group[0].num_prompt_tokens, sum(len(c.token_ids) for c in group),
-                         sum(c.finish_reason == "error" for c in group))
+        results.extend((index, row.get("sample_index", 0), row) for row in rows(group))
+
+    drain(through(cache, prepared(job, planned), lambda requests: engine.run(requests, threading.Event())),
+          progress, keep)
     progress.finish()
     results.sort(key=lambda item: item[:2])
     return [row for _, _, row in results]
@@ -173,10 +222,11 @@ def score_in_memory(job: JobConfig, loaded: LoadedModel, requests: Sequence[Scor
     progress.start(len(requests), "row", "scoring")
     cache = for_scoring(replace(job, generation=replace(job.generation, top_logprobs=top_logprobs or None)), loaded,
                         scope)
-    for group in through(cache, iter(requests), lambda rs: scorer.run(rs, threading.Event()), scores=True):
-        completion = group[0]
-        found[completion.request.record.index] = completion
-        progress.advance(1, completion.num_prompt_tokens, len(completion.token_ids),
-                         int(completion.finish_reason == "error"))
+
+    def keep(group: list[Completion]) -> None:
+        found[group[0].request.record.index] = group[0]
+
+    drain(through(cache, iter(requests), lambda rs: scorer.run(rs, threading.Event()), scores=True), progress, keep,
+          unit="row")
     progress.finish()
     return [found[request.request.record.index] for request in requests]

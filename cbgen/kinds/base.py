@@ -33,6 +33,7 @@ class Kind:
     several_samples: ClassVar[bool] = False  # a row may have several sequences (sample_index 0..n-1)
     card_title: ClassVar[str] = ""
     card_verb: ClassVar[str] = ""  # "answered", "scored": "N rows <verb> by MODEL"
+    starting: ClassVar[str] = "starting the engine"  # what the progress display says as its rows start
     card_settings: ClassVar[str] = "generation"  # the job section the card's metadata shows
     meanings: ClassVar[Mapping[str, str]] = {}  # what its own columns mean (over the shared meanings)
 

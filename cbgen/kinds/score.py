@@ -17,6 +17,7 @@ class Score(Kind):
     generation_keys = frozenset({"logprobs", "top_logprobs"})  # the scored tokens' own, on request
     card_title = "Scores by cbgen"
     card_verb = "scored"
+    starting = "scoring"
     card_settings = "score"
     meanings = {
         "num_prompt_tokens": "tokens before the scored ones (the prompt; a text's first token)",
