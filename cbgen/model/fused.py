@@ -13,6 +13,12 @@ of the step. `fused_layers(model)` gives each decoder layer a forward of its own
 - RMSNorm with its intermediate in place (operator for operator transformers', bitwise the same);
 - SiLU(gate) * up and the residual additions in place.
 
+The merge is done once per model, the first time an engine fuses its layers, and is the model's own from then on: its
+projections stay views of the merged tensors (equal values, one storage per group), which every later engine on the
+model reuses without copying (`_merge`, checked each time to still be the model's weights: a replaced or moved
+parameter is merged again). `separate(model)` gives each projection its own storage again (before saving the
+model, whose safetensors writer refuses tensors that share memory).
+
 Attention itself still goes through transformers' attention registry (cbgen's per-sequence function on CPU, or the
 stock one), so the engine's cache and masks are untouched. The merged matmuls sum each output in the same order
 along its inputs, but a BLAS may pick another kernel for the wider matrix, so results may differ from the stock path
@@ -28,6 +34,8 @@ Elsewhere the model keeps transformers' layers, and run.json says why.
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -188,6 +196,56 @@ def _unmerged(parts: list[torch.nn.Linear]) -> None:
                 p.bias.data = p.bias.data.clone()
 
 
+def _groups(layer: Any) -> list[list[torch.nn.Linear]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype,
+                                                                        b.device)
+
+
+def _views_of(merged: torch.nn.Linear, parts: list[torch.nn.Linear]) -> bool:
+    """Each part's weight (and bias) is still the view of `merged` it became: nothing replaced or moved them since."""
+    start = 0
+    for p in parts:
+        end = start + p.out_features
+        if not _same(p.weight, merged.weight[start:end]):
+            return False
+        if p.bias is not None and (merged.bias is None or not _same(p.bias, merged.bias[start:end])):
+            return False
+        start = end
+    return start == merged.weight.shape[0]
+
+
+# decoder layer -> its merged (qkv, gate_up) projections: made once per model, the model's own (see the module)
+_merges: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Linear, ...]] = weakref.WeakKeyDictionary()
+_merges_lock = threading.Lock()
+
+
+def _merge(layer: Any) -> tuple[torch.nn.Linear, ...]:
+    """The layer's merged projections: each group's of an earlier engine while its weights are still their views, else
+    merged now."""
+    groups = _groups(layer)
+    with _merges_lock:
+        known = _merges.get(layer) or (None,) * len(groups)
+        merged = _merges[layer] = tuple(m if m is not None and _views_of(m, group) else _merged(group)
+                                        for m, group in zip(known, groups))
+    return merged
+
+
+def separate(model: torch.nn.Module) -> None:
+    """Each projection of the model's decoder layers owns its storage again, and the merge is forgotten (the next
+    engine that fuses the layers merges them again)."""
+    for layer in decoder_layers(model):
+        with _merges_lock:
+            merged = _merges.pop(layer, None)
+        if merged is not None:
+            for group in _groups(layer):
+                _unmerged(group)
+
+
 def _window(layer: Any) -> dict[str, Any]:
     source = FUSED_ARCHITECTURES[type(layer).__name__]
     attn = layer.self_attn
@@ -198,15 +256,13 @@ def _window(layer: Any) -> dict[str, Any]:
     return {}
 
 
-def _build(layer: Any) -> tuple[_Fused, list[list[torch.nn.Linear]]]:
+def _build(layer: Any) -> _Fused:
     attn, mlp = layer.self_attn, layer.mlp
-    groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
-    qkv, gate_up = (_merged(group) for group in groups)
+    qkv, gate_up = _merge(layer)
     config = attn.config
-    fused = _Fused(layer, qkv, gate_up, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                   head_dim=attn.head_dim, intermediate=mlp.gate_proj.out_features, window=_window(layer),
-                   eager=sys.modules[type(attn).__module__].eager_attention_forward)
-    return fused, groups
+    return _Fused(layer, qkv, gate_up, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                  head_dim=attn.head_dim, intermediate=mlp.gate_proj.out_features, window=_window(layer),
+                  eager=sys.modules[type(attn).__module__].eager_attention_forward)
 
 
 def _probe_reason(layer: Any) -> str | None:
@@ -258,19 +314,13 @@ def unfit_reason(model: torch.nn.Module) -> str | None:
 def fused_layers(model: torch.nn.Module) -> Iterator[MergedLinears]:
     """Every decoder layer of `model` computes through its fused forward while the block runs (the caller checked
     `unfit_reason`); yields the merged linear layers, for the engine's linear kind to be installed on them too. On exit
-    the layers' forwards are transformers' again and each projection owns its weights."""
+    the layers' forwards are transformers' again; the projections stay views of the merged weights, for the next
+    engine (see the module)."""
     from cbgen.model.linear import replaced_forwards
 
-    built: list[tuple[_Fused, list[list[torch.nn.Linear]]]] = []
-    try:
-        for layer in decoder_layers(model):
-            built.append(_build(layer))  # inside the try: a layer that fails leaves the merged ones put back
-        # each layer's forward is its _Fused's bound method: the layer's own arguments, no wrapper in between
-        forwards: dict[torch.nn.Module, object] = {fused.layer: fused.forward for fused, _ in built}
-        with replaced_forwards(forwards):
-            yield MergedLinears(tuple(linear for fused, _ in built for linear in (fused.qkv, fused.gate_up)),
-                                frozenset(id(part) for _, groups in built for group in groups for part in group))
-    finally:
-        for _, groups in built:
-            for group in groups:
-                _unmerged(group)
+    built = [_build(layer) for layer in decoder_layers(model)]
+    # each layer's forward is its _Fused's bound method: the layer's own arguments, no wrapper in between
+    forwards: dict[torch.nn.Module, object] = {fused.layer: fused.forward for fused in built}
+    with replaced_forwards(forwards):
+        yield MergedLinears(tuple(linear for fused in built for linear in (fused.qkv, fused.gate_up)),
+                            frozenset(id(part) for fused in built for group in _groups(fused.layer) for part in group))

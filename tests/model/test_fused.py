@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cbgen.cli import run_cli
-from cbgen.model.fused import decoder_layers, fused_layers, unfit_reason
+from cbgen.model import fused
+from cbgen.model.fused import decoder_layers, fused_layers, separate, unfit_reason
 from cbgen.model.invariant import batch_invariant_linear
 from cbgen.model.linear import ROW_BUCKETS, linear_layers
 from tests.helpers import write_jsonl
@@ -63,6 +64,10 @@ def test_fused_layers_compute_what_transformers_layers_compute(name, dtype):
     assert torch.equal(fused.argmax(-1), expected.argmax(-1))
 
 
+def _storages(model) -> list[int]:
+    return [p.untyped_storage().data_ptr() for p in model.parameters()]
+
+
 def test_the_scope_puts_the_model_back():
     model = _model(FITTING["llama, biases"])
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -76,9 +81,39 @@ def test_the_scope_puts_the_model_back():
     assert all("forward" not in vars(m) for m in model.modules())
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    # each projection owns its storage again (saving would refuse tensors that share memory)
-    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
-    assert len(storages) == len(set(storages))
+    # the merge is the model's own: its projections stay views of it, until `separate` gives each its own storage
+    # again (saving would refuse tensors that share memory)
+    assert len(set(_storages(model))) < len(_storages(model))
+    separate(model)
+    assert len(set(_storages(model))) == len(_storages(model))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_weights_are_merged_once_per_model(monkeypatch):
+    model = _model(FITTING["qwen2"])
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    merges: list = []
+    original = fused._merged
+    monkeypatch.setattr(fused, "_merged", lambda parts: merges.append(parts) or original(parts))
+    with torch.no_grad():
+        with fused_layers(model) as first:
+            expected = model(ids).logits
+        assert len(merges) == 2 * 2  # per layer qkv, gate_up
+        with fused_layers(model) as second:
+            again = model(ids).logits
+        assert len(merges) == 2 * 2  # nothing merged again, nothing copied back in between
+        assert [m.weight.data_ptr() for m in first.linears] == [m.weight.data_ptr() for m in second.linears]
+        assert torch.equal(expected, again)
+        # a weight replaced since (loaded anew, moved): that layer's group is merged again, from the new weights
+        q_proj = decoder_layers(model)[1].self_attn.q_proj
+        q_proj.weight = torch.nn.Parameter(q_proj.weight.detach().clone() * 2)
+        stock = model(ids).logits
+        with fused_layers(model) as third:
+            changed = model(ids).logits
+    assert len(merges) == 2 * 2 + 1
+    assert q_proj.weight.untyped_storage().data_ptr() == third.linears[2].weight.untyped_storage().data_ptr()
+    torch.testing.assert_close(changed, stock, atol=1e-5, rtol=1e-5)
 
 
 def test_the_linear_kind_reaches_the_merged_projections():
