@@ -17,12 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
 from cbgen.engine.manager import CacheFacts, ManagerSpec, drain, live_lengths, loop_error, start_manager, stop_manager
-from cbgen.engine.openmp import release_caller_pool
 from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
-from cbgen.process.quiet import quiet
-from cbgen.process.startup import older_objects_frozen
 from cbgen.records import Completion, Request, request_key, sequence_ids
 
 if TYPE_CHECKING:
@@ -130,8 +127,9 @@ class Engine:
         When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
         A request that comes with its sequences (`answered`, from the result cache) is yielded as it is, in turn.
-        Everything the plan installs into transformers and torch (cbgen.engine.scope) is in place while the engine
-        runs, and gone when it ends. The manager (and its KV cache) starts only once a request that can run arrives.
+        Everything the plan installs into transformers and torch, and every process-wide change of the run (logging,
+        gc, OpenMP: cbgen.engine.scope), is in place while the engine runs, and gone when it ends. The manager (and
+        its KV cache) starts only once a request that can run arrives.
         """
         source = iter(requests)
         for first in source:  # answered: the result cache holds its sequences (cbgen.result_cache)
@@ -140,8 +138,7 @@ class Engine:
             yield first.answered if first.answered is not None else self._reject(first, first.error or "")
         else:
             return  # nothing could run: no manager, no cache
-        with quiet("transformers"), older_objects_frozen(), \
-                EngineScope(self.model, self.settings.spec.scope) as self._scope:
+        with EngineScope(self.model, self.settings.spec.scope) as self._scope:
             try:
                 self._start()
                 yield from self._loop(itertools.chain([first], source), stop or threading.Event())
@@ -200,7 +197,8 @@ class Engine:
     def _collect(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """Waits briefly for one result (the caller's idle OpenMP workers freed first: cbgen.engine.openmp) and yields
         the request it completes, if any."""
-        release_caller_pool()
+        assert self._scope is not None
+        self._scope.release_caller_pool()
         result = self.manager.get_result(timeout=0.05)
         if result is None:
             if not self.manager.is_running():
@@ -306,14 +304,12 @@ class Engine:
 
     def _add(self, entry: _InFlight, manager_id: str, streaming: bool) -> bool:
         request, manager = entry.request, self.manager
-        forks = manager.num_return_sequences
-        if entry.copies:  # one sequence each: the manager forks every request it is given into the job's n
-            manager.num_return_sequences = 1  # read by add_request alone, in this thread
-        try:
+        assert self._scope is not None
+        # copies: one sequence each (the manager forks every request it is given into the job's n; add_request alone
+        # reads it, in this thread)
+        with self._scope.forking(1 if entry.copies else None):
             accepted = manager.add_request(request.ids, request_id=manager_id, max_new_tokens=entry.max_new_tokens,
                                            streaming=streaming or entry.stop is not None, **request.sampling)
-        finally:
-            manager.num_return_sequences = forks
         return accepted is not None
 
     def _admit_later(self, key: str, in_flight: dict[str, _InFlight]) -> None:

@@ -8,9 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cbgen.engine.openmp import release_caller_pool
 from cbgen.engine.scope import EngineScope, ScopePlan
-from cbgen.process.quiet import quiet
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -69,7 +67,7 @@ def start_manager(model: CausalLM, spec: ManagerSpec, scope: EngineScope, contro
                          if isinstance(v, (int, float, str, bool, tuple, type(None)))},
     )
     manager.start()
-    release_caller_pool()  # the warm-up's OpenMP workers, idle from now on (cbgen.engine.openmp)
+    scope.release_caller_pool()  # the warm-up's OpenMP workers, idle from now on (cbgen.engine.openmp)
     return manager, facts
 
 
@@ -109,7 +107,7 @@ def serve(model: CausalLM, tokenizer: PreTrainedTokenizerBase, spec: ManagerSpec
     """A tensor-parallel follower's part: run the manager rank 0 describes until rank 0 stops it, with the same step
     control (so every rank masks and draws alike). Every rank receives every result; the follower drops them."""
     control = spec.control.control(tokenizer) if spec.control is not None else None
-    with quiet("transformers"), EngineScope(model, spec.scope) as scope:
+    with EngineScope(model, spec.scope) as scope:
         manager, _ = start_manager(model, spec, scope, control)
         try:
             while manager.is_running():

@@ -12,9 +12,13 @@ about a thousand such operators.
 
 `release_caller_pool()` frees the calling thread's pool with OpenMP 5's `omp_pause_resource_all`, which libgomp
 implements as exactly that (the calling thread's pool, nothing of any other thread's; a region the thread runs later
-builds a new pool). The engine calls it after starting its manager and each time it waits for results, so a parallel
-region the caller runs meanwhile (reading input, writing output) costs the generation thread only until the next
-wait. Where torch's OpenMP runtime is not libgomp, or has no such function, it does nothing.
+builds a new pool). Where torch's OpenMP runtime is not libgomp, or has no such function, it does nothing.
+
+The policy is the engine scope's (`CallerPool`, one of cbgen.engine.changes): while a scope is open, its engine frees
+the caller's pool after starting its manager and each time it waits for results (`EngineScope.release_caller_pool`),
+so a parallel region the caller runs meanwhile (reading input, writing output) costs the generation thread only until
+the next wait; once the scope is closed nothing frees it any more, and the caller's next parallel region builds its
+pool again. Nothing else of OpenMP's changes: torch's thread count is checked to be what it was.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import ctypes
 import functools
 import os
 from collections.abc import Callable
+
+from cbgen.engine.changes import Change
 
 OMP_PAUSE_SOFT = 1  # omp_pause_soft: the pool's threads end; nothing the program keeps is lost
 
@@ -55,3 +61,32 @@ def release_caller_pool() -> bool:
     """Frees the calling thread's idle OpenMP pool (see the module); whether libgomp was there to do it."""
     pause = _pause()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+
+
+class CallerPool(Change):
+    """The caller's idle OpenMP pool freed whenever the scope's engine waits, and only while the scope is open."""
+
+    what = "the caller's idle OpenMP pool freed while the engine waits"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads = 0  # torch.get_num_threads() on install
+        self.releases = 0  # how often the pool was freed
+
+    def install(self) -> None:
+        import torch
+
+        self.threads = torch.get_num_threads()
+
+    def release(self) -> bool:
+        """Frees the calling thread's idle pool while the scope is open (see the module); whether it was freed."""
+        if not self.installed:
+            return False
+        self.releases += 1
+        return release_caller_pool()
+
+    def problem(self) -> str | None:
+        import torch
+
+        threads = torch.get_num_threads()
+        return None if threads == self.threads else f"torch runs {threads} threads, not the {self.threads} it ran"

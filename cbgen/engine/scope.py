@@ -11,7 +11,7 @@ the engine's whole life, and nothing of it outlives the scope:
                      memo's forward hooks (cbgen.attention.pass_memo); or the soft-capped paged eager function
     dense mask       transformers told this model's manager needs no dense mask (cbgen.attention.dense_mask)
     decoder layers   a fused forward of cbgen's on each decoder layer of the architectures it knows, over merged
-                     projections (cbgen.model.fused)
+                     projections (cbgen.model.fused: the merge itself is made once per model, and is the model's own)
     linear layers    a forward of cbgen's on each nn.Linear: fixed-shape tiles (cbgen.model.invariant), row buckets,
                      vocabulary chunks or prepacked oneDNN weights (cbgen.model.linear)
     KV cache         big zero tensors from anonymous mappings while the manager builds its cache (a torch function
@@ -19,20 +19,29 @@ the engine's whole life, and nothing of it outlives the scope:
     step control     cbgen's logits processors in the manager's list, and transformers' own draw left to them
                      (cbgen.control.processor)
 
+and around them what a run changes in the process, each a `Change` of cbgen.engine.changes with one way to be made,
+undone and checked: the model held by this scope, transformers' logging quietened, the older objects frozen for the
+collector (gc.freeze), the caller's idle OpenMP pool freed while the engine waits (`release_caller_pool`), and in each
+manager it builds the step control's processors, the KV cache's page hand-back and its `num_return_sequences`, set
+for one request at a time (`forking`) and always put back. Logging and gc are shared by the scopes open at once: the
+first makes the change, the last undoes it.
+
 On entry the scope checks that what serves the model is what the plan asked for, and raises otherwise; one model is
 held by one scope at a time (a second engine on a model that is generating is refused with a one-line error), while
-two models in one process each run their own plan. On exit everything is put back, in reverse order. run.json records
-`ScopePlan.describe()`: what was installed, from the plan.
+two models in one process each run their own plan. On exit everything is put back, in reverse order, and `check()`
+then finds each change undone. run.json records `ScopePlan.describe()`: what was installed, from the plan.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cbgen.engine.changes import Attribute, Change, GcFrozen, Quieted, Undo
+from cbgen.engine.openmp import CallerPool
 from cbgen.errors import CbgenError
 
 if TYPE_CHECKING:
@@ -85,7 +94,39 @@ class BuiltCache:
 
 
 _held_lock = threading.Lock()
-_held: dict[int, str] = {}  # id(model) -> the thread whose scope holds it
+_held: dict[int, tuple[str, object]] = {}  # id(model) -> the thread whose scope holds it, and that scope's token
+
+
+class _Held(Change):
+    """The model held by one scope (one model runs one engine at a time)."""
+
+    what = "the model held by its engine"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.key, self.token = id(model), (threading.current_thread().name, object())
+
+    def install(self) -> None:
+        with _held_lock:
+            holder = _held.get(self.key)
+            if holder is not None:
+                raise CbgenError(f"this model is already generating in another engine (thread {holder[0]!r}); one "
+                                 "model runs one engine at a time: give each thread its own cbgen.Generator")
+            _held[self.key] = self.token
+
+    def remove(self) -> None:
+        with _held_lock:
+            if _held.get(self.key) is self.token:
+                del _held[self.key]
+
+    def problem(self) -> str | None:
+        holds = _held.get(self.key) is self.token
+        return None if holds == self.installed else "held after its scope ended" if holds else "not held"
+
+
+def process_changes() -> list[Change]:
+    """The process-wide changes every engine scope makes, in the order it makes them (cbgen.engine.changes)."""
+    return [Quieted("transformers"), GcFrozen(), CallerPool()]
 
 
 class EngineScope:
@@ -95,17 +136,23 @@ class EngineScope:
         self.model = model
         self.plan = plan
         self._stack: ExitStack | None = None
+        self.changes: list[Change] = []  # what the scope changed outside the model, checked by `check`
+        self._pool: CallerPool | None = None
+        self._forks: Attribute | None = None  # the manager's num_return_sequences, once a manager is built
 
     def __enter__(self) -> EngineScope:
         stack = ExitStack()
+        self._stack, self.changes = stack, []
         try:
-            self._hold(stack)
+            self._enter(_Held(self.model))
+            for change in process_changes():
+                self._enter(change)
             self._install(stack)
             self.check()
         except BaseException:
+            self._stack = None
             stack.close()
             raise
-        self._stack = stack
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -113,20 +160,26 @@ class EngineScope:
         if stack is not None:
             stack.close()
 
-    def _hold(self, stack: ExitStack) -> None:
-        key = id(self.model)
-        with _held_lock:
-            holder = _held.get(key)
-            if holder is not None:
-                raise CbgenError(f"this model is already generating in another engine (thread {holder!r}); one "
-                                 "model runs one engine at a time: give each thread its own cbgen.Generator")
-            _held[key] = threading.current_thread().name
+    def _enter(self, change: Change) -> Any:
+        assert self._stack is not None
+        self._stack.enter_context(change)
+        self.changes.append(change)
+        if isinstance(change, CallerPool):
+            self._pool = change
+        return change
 
-        def release() -> None:
-            with _held_lock:
-                _held.pop(key, None)
+    def release_caller_pool(self) -> bool:
+        """Frees the calling thread's idle OpenMP pool, while the scope is open (cbgen.engine.openmp)."""
+        return self._pool is not None and self._pool.release()
 
-        stack.callback(release)
+    def forking(self, n: int | None) -> AbstractContextManager[None]:
+        """While the block runs, the manager forks each request it is given into `n` sequences (None: the job's
+        number, as the manager was built with)."""
+        if n is None:
+            return nullcontext()
+        if self._forks is None:
+            raise RuntimeError("the manager's forks are set inside its EngineScope, once it is built")
+        return self._forks.set(n)
 
     def _install(self, stack: ExitStack) -> None:
         plan, model = self.plan, self.model
@@ -160,7 +213,22 @@ class EngineScope:
             stack.enter_context(linear_layers(model, plan.linear, merged))
 
     def check(self) -> None:
-        """Raises RuntimeError unless what serves the model is what the plan asked for."""
+        """Raises RuntimeError unless everything is as the scope should have it: while it is open, what serves the
+        model is what the plan asked for and each of its changes is in effect; once it is closed, each change was
+        undone and no attention function of cbgen's is bound for the model."""
+        if self._stack is not None:
+            self._check_plan()
+        else:
+            from cbgen.attention.registry import bound_function
+            from cbgen.attention.softcap import PAGED_EAGER
+
+            if bound_function(self.model, "sdpa") or bound_function(self.model, PAGED_EAGER):
+                raise RuntimeError("the engine scope is closed, and an attention function of cbgen's is still bound")
+        problems = [f"{change.what}: {problem}" for change in self.changes if (problem := change.problem())]
+        if problems:
+            raise RuntimeError(f"the engine scope's changes are not as they should be: {'; '.join(problems)}")
+
+    def _check_plan(self) -> None:
         from cbgen.attention import batch_invariant_sdpa_forward, compiled_sdpa_forward, per_sequence_sdpa_forward
         from cbgen.attention.dense_mask import built_for
         from cbgen.attention.registry import bound_function, serving
@@ -191,11 +259,11 @@ class EngineScope:
         (a destroyed manager takes it with it anyway)."""
         if self._stack is None:
             raise RuntimeError("a manager is built inside an entered EngineScope")
-        undo: list[Callable[[], None] | None] = []
+        undo: list[Undo] = []
         if control is not None:
             from cbgen.control.processor import install
 
-            undo.append(install(manager, control))
+            undo.append(Undo("the step control's processors in the manager", install(manager, control)))
         from cbgen.engine.kv_memory import lazy_cache_memory
 
         built = BuiltCache()
@@ -205,13 +273,15 @@ class EngineScope:
         if control is not None:
             from cbgen.control.processor import take_over_sampling
 
-            undo.append(take_over_sampling(manager, control))
+            if (taken := take_over_sampling(manager, control)) is not None:
+                undo.append(Undo("the manager's draw left to the step control", taken))
         returned = lazy.return_freed_blocks(getattr(manager.batch_processor, "cache", None)) if lazy else None
-        undo.append(returned)
+        if returned is not None:
+            undo.append(Undo("freed blocks' pages given back", returned))
         built.lazy, built.returns_freed = bool(lazy), returned is not None
-        for step in reversed(undo):
-            if step is not None:
-                self._stack.callback(step)
+        for change in undo:
+            self._enter(change)
+        self._forks = self._enter(Attribute(manager, "num_return_sequences"))
 
     def _check_built(self, manager: Any) -> None:
         resolved = manager.continuous_batching_config

@@ -42,20 +42,27 @@ def test_the_callers_idle_workers_end_and_come_back_when_needed():
 
 
 def test_the_engine_frees_them_after_warm_up_and_while_it_waits(tiny_model_dir, tmp_path, monkeypatch):
-    import cbgen.engine.engine as engine
-    import cbgen.engine.manager as manager
+    """Through its scope, which owns the policy: the manager once after warm-up, the engine each time it waits; and
+    each of them freed the pool (libgomp's pause was called)."""
+    import cbgen.engine.openmp as openmp
     from cbgen.cli import run_cli
+    from cbgen.engine.scope import EngineScope
 
-    calls = {"manager": 0, "engine": 0}
-    for module, key in ((manager, "manager"), (engine, "engine")):
-        original = module.release_caller_pool
+    calls = {"start_manager": 0, "_collect": 0, "paused": 0}
+    asked, paused = EngineScope.release_caller_pool, openmp.release_caller_pool
 
-        def counted(_key=key, _original=original):
-            calls[_key] += 1
-            return _original()
+    def counted_ask(self):
+        calls[sys._getframe(1).f_code.co_name] += 1
+        return asked(self)
 
-        monkeypatch.setattr(module, "release_caller_pool", counted)
+    def counted_pause():
+        calls["paused"] += 1
+        return paused()
+
+    monkeypatch.setattr(EngineScope, "release_caller_pool", counted_ask)
+    monkeypatch.setattr(openmp, "release_caller_pool", counted_pause)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"Count to {i}"} for i in range(4)])
     assert run_cli(["run", str(prompts), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir),
                     "--max-new-tokens", "4", "-q"]) == 0
-    assert calls["manager"] == 1 and calls["engine"] >= 1
+    assert calls["start_manager"] == 1 and calls["_collect"] >= 1
+    assert calls["paused"] == calls["start_manager"] + calls["_collect"]
