@@ -1,5 +1,14 @@
 """Loading the model and its tokenizer as the job's `model` section says: device, dtype and attention resolved, the
-converted-GGUF cache used, random weights built on the device, or the model sharded over a tensor-parallel group."""
+converted-GGUF cache used, random weights built on the device, or the model sharded over a tensor-parallel group.
+
+Loading changes nothing of the process that outlives it: transformers' logging is quietened only while it runs
+(cbgen.process.quiet), and random weights are drawn from torch's generators seeded 0 inside `torch.random.fork_rng`,
+so the caller's random state is what it was. What loading sets is the loaded model's own, and stays with it: the
+generation config read from the checkpoint's generation_config.json (on a structure-only model), a dequantized GGUF
+model's `config._is_quantized` taken off (cbgen.model.gguf: it saves and runs as a safetensors model), `eval()`; and
+once an engine has fused its decoder layers, their projections are views of the merged weights (cbgen.model.fused).
+Everything an engine changes for a run is its scope's, undone when it ends (cbgen.engine.scope).
+"""
 
 from __future__ import annotations
 
@@ -87,6 +96,9 @@ def _supports_flash(source: ModelSource, trust_remote_code: bool) -> bool:
 
 @dataclass
 class LoadedModel:
+    """A loaded model and what it was loaded as. What loading set on `model` is its own (see the module): its
+    generation config, a dequantized GGUF's config, eval mode, and after a fused engine its merged projections."""
+
     model: CausalLM
     tokenizer: PreTrainedTokenizerBase
     source: ModelSource
@@ -122,8 +134,11 @@ def _load_random(source: ModelSource, cache_root: Path | None, dtype: torch.dtyp
     if vocab_size < len(tokenizer):
         raise CbgenError(f"--model {source.name}: vocab_size {vocab_size} is smaller than the SmolLM2 tokenizer's "
                          f"{len(tokenizer)} tokens, so prompts could hold ids the model has no embedding for")
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise on the device: an 8B model is not built on the CPU first
+    # the same weights every time, and the caller's random state left as it was; initialised on the device (an 8B
+    # model is not built on the CPU first)
+    cuda = list(range(torch.cuda.device_count())) if device.startswith("cuda") else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model, tokenizer, status
 
