@@ -36,15 +36,7 @@ from cbgen.kinds import DEFAULT, Kind, kind_of
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import job_fingerprint, write_manifest
-from cbgen.outputs.rundir import (
-    MANIFEST_FILE,
-    DoneIndex,
-    end_redo,
-    open_run_directory,
-    read_json,
-    read_stored_run,
-    record_columns,
-)
+from cbgen.outputs.rundir import MANIFEST_FILE, RunDirectory
 from cbgen.outputs.summary import RunSummary, Status
 from cbgen.parallel.sharding import Sharding, resolve_sharding, shard_directory, shard_of
 from cbgen.process.startup import release_gc
@@ -113,20 +105,19 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     if job.input.path is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
     sharding = resolve_sharding(job)
-    out_dir = shard_directory(Path(job.output.dir), sharding)
-    stored = read_stored_run(out_dir) if out_dir.is_dir() and not job.output.overwrite else None
+    directory = RunDirectory(shard_directory(Path(job.output.dir), sharding), overwrite=job.output.overwrite)
+    stored = directory.stored
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
     source = resolve_source(job.model.model)
     progress.stage(f"checking {'<stdin>' if job.input.path == '-' else job.input.path}")
     reader = open_job_input(job, detect_id=stored is None or stored.detects_ids, stop=stop,
                             on_notice=lambda message: progress.stage(f"note: {message}"))  # said once each
     fingerprint = job_fingerprint(job, source, sharding) | ({"pipeline": lineage} if lineage is not None else {})
-    lock, done = open_run_directory(out_dir, fingerprint, stored_job(job),
-                                    reader.ids.to_dict(), job.output.overwrite, job.run.redo)
-    with lock:
-        summary = RunSummary(output_dir=out_dir, model=source.name, shard=sharding, ids=reader.ids, kind=job.kind)
-        summary.add_done(done)
-        return _Run(job, reader, source, sharding, done, summary, progress, stop, started, tp, models).execute()
+    with directory.open(fingerprint, stored_job(job), reader.ids.to_dict(), job.run.redo):
+        summary = RunSummary(output_dir=directory.path, model=source.name, shard=sharding, ids=reader.ids,
+                             kind=job.kind)
+        summary.add_done(directory.done)
+        return _Run(job, reader, source, sharding, directory, summary, progress, stop, started, tp, models).execute()
 
 
 def stored_job(job: JobConfig) -> dict:
@@ -152,7 +143,7 @@ class _Run:
     reader: Reader
     source: ModelSource
     sharding: Sharding | None
-    done: DoneIndex
+    directory: RunDirectory  # opened: locked, its done requests read
     summary: RunSummary
     progress: ProgressSink
     stop: threading.Event
@@ -190,7 +181,7 @@ class _Run:
             return self._score(loaded, itertools.chain(head, records), total)
         planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids, whole)
         plan = planned.plan
-        record_columns(self.summary.output_dir, plan.columns)
+        self.directory.record_columns(plan.columns)
         self.summary.record_plan(plan)
         if self.tp is not None:  # the followers build the very same manager
             from cbgen.parallel.tensor import PLAN
@@ -215,7 +206,7 @@ class _Run:
         from cbgen.job.sequence import make_scorer, plan_scores, score_rows
 
         planned = plan_scores(self.job, loaded, records)
-        record_columns(self.summary.output_dir, planned.columns)
+        self.directory.record_columns(planned.columns)
         self.summary.record_scope(planned.scope)
         scorer = make_scorer(self.job, loaded, planned.scope, self.job.generation.top_logprobs or 0)
         cache = result_cache.for_scoring(self.job, loaded, planned.scope)
@@ -230,31 +221,30 @@ class _Run:
         """Whether this run should generate `record`: in this shard, and not done by an earlier run."""
         if self.sharding is not None and shard_of(record.id, self.sharding[1]) != self.sharding[0]:
             return False
-        return record.id not in self.done.ids
+        return record.id not in self.directory.done.ids
 
     def _count_pending(self) -> int | None:
-        if self.sharding is not None or self.done.ids:
+        if self.sharding is not None or self.directory.done.ids:
             total = sum(1 for record in self.reader if self.wanted(record)) if self.job.input.path != "-" else None
         else:
             total = self.reader.count()
-        if self.done.requests:
-            self.progress.stage(f"resuming: {plural(self.done.requests, 'request')} already done in "
+        if self.directory.done.requests:
+            self.progress.stage(f"resuming: {plural(self.directory.done.requests, 'request')} already done in "
                                 f"{self.summary.output_dir}, {total} to go")
         return total
 
     def _nothing_left(self) -> RunSummary:
         self.progress.stage("nothing left to do")
         if self.job.run.redo:
-            end_redo(self.summary.output_dir)
+            self.directory.end_redo()
         self._settle(complete=True)
-        path = self.summary.output_dir / MANIFEST_FILE
-        manifest = read_json(path)
+        manifest = self.directory.manifest()
         if manifest is None:
             write_manifest(self.summary, self.job, None, {})
         elif manifest.get("status") != Status.COMPLETE:  # stopped just after its last request: it is complete now
             from cbgen.files import write_json_atomic
 
-            write_json_atomic(path, manifest | {"status": Status.COMPLETE})
+            write_json_atomic(self.directory.path / MANIFEST_FILE, manifest | {"status": Status.COMPLETE})
         self.summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
         return self.summary
 
@@ -264,7 +254,7 @@ class _Run:
         from cbgen.outputs.rows import OutputRows
 
         columns = OutputColumns.decide(self.job, used, replies=False)
-        record_columns(self.summary.output_dir, columns)
+        self.directory.record_columns(columns)
         n = self.kind.samples_per_row(self.job)
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
         if not self.kind.generates:
@@ -322,7 +312,7 @@ class _Run:
         output = self.job.output
         return open_writer(output.format, self.summary.output_dir, rows_per_shard=output.rows_per_shard,
                            columns=rows.columns, kept_schema=self.reader.kept_schema,
-                           first_shard=self.done.next_shard)
+                           first_shard=self.directory.done.next_shard)
 
     def _write(self, groups: Iterator[list[Completion]], rows: Rows, total: int | None) -> None:
         """Writes each request's rows as it finishes, commits on time, and stops on a signal or too many errors."""
@@ -374,5 +364,5 @@ class _Run:
                                     dense_attention_mask=summary.engine_scope["dense_attention_mask"])
         summary.timings["total_s"] = round(time.perf_counter() - self.started, 3)
         if self.job.run.redo and summary.status == Status.COMPLETE:
-            end_redo(summary.output_dir)
+            self.directory.end_redo()
         write_manifest(summary, self.job, loaded, dict(engine.stats.resolved_config) if engine else {})

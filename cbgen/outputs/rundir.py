@@ -204,33 +204,6 @@ def read_stored_run(directory: Path) -> StoredRun | None:
     return StoredRun(version, data.get("fingerprint", {}), data.get("job", {}), data.get("ids"), columns)
 
 
-def record_columns(directory: Path, columns: OutputColumns) -> None:
-    """Keeps the columns a run's rows have beside its fingerprint, once it has planned. A directory whose rows
-    were written with other columns is refused: its shards and the new ones could not be read as one table."""
-    directory = Path(directory)
-    stored = read_stored_run(directory)
-    if stored is None:
-        raise CbgenError(f"'{directory / FINGERPRINT_FILE}' disappeared while the run was starting")
-    if stored.columns == columns:
-        return
-    existing = stored_columns(directory, stored) if shard_paths(directory) else None
-    if existing is not None and existing != columns:
-        raise CbgenError(f"output directory '{directory}' holds rows with the columns {', '.join(existing.names)}; "
-                         f"this run's rows would have {', '.join(columns.names)}; pass --overwrite to start over, "
-                         "or choose another directory with -o")
-    data = read_json(directory / FINGERPRINT_FILE) or {}
-    write_json_atomic(directory / FINGERPRINT_FILE, data | {"columns": columns.to_dict()})
-
-
-def end_redo(directory: Path) -> None:
-    """The redo of the locked `directory` has written every request: its history says it is finished."""
-    from cbgen.outputs.redo import finish_redo
-
-    data = read_json(Path(directory) / FINGERPRINT_FILE) or {}
-    if data.get("redos"):
-        write_json_atomic(Path(directory) / FINGERPRINT_FILE, finish_redo(data))
-
-
 def redo_history(directory: Path) -> list[dict[str, Any]]:
     """The redos run in a directory, oldest first (for run.json)."""
     return list((read_json(Path(directory) / FINGERPRINT_FILE) or {}).get("redos") or [])
@@ -252,11 +225,10 @@ def stored_columns(directory: Path, stored: StoredRun) -> OutputColumns:
     return OutputColumns(kept=kept)
 
 
-def open_run_directory(
-    directory: Path, fingerprint: dict[str, Any], job: dict[str, Any], ids: dict[str, Any], overwrite: bool,
-    redo: Sequence[str] = (),
-) -> tuple[DirectoryLock, DoneIndex]:
-    """Locks `directory` and returns what it already holds, after checking it belongs to the same job.
+class RunDirectory:
+    """A job's output directory over one run's life: what it held before the run (`stored`); once opened, its lock
+    and what its committed shards already hold (`done`); the rows' columns recorded once the run has planned; a
+    redo ended when every request is written; the lock let go when the run's `with` block ends.
 
     FINGERPRINT_FILE keeps the fingerprint (compared on every resume), the job's configuration and where its ids
     come from (for `cbgen status` and `cbgen merge`). A directory with results of a different job is refused unless
@@ -265,48 +237,102 @@ def open_run_directory(
     settings may differ from the stored ones, and the requests to redo are taken out of the shards first
     (cbgen.outputs.redo).
     """
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise CbgenError(f"output directory '{directory}' is a file; choose another with -o")
-    try:
-        lock = DirectoryLock(directory).acquire()
-    except OSError as e:
-        reason = e.strerror or e
-        raise CbgenError(f"output directory '{directory}' is not writable: {reason}; choose another with -o") from None
-    try:
-        remove_temporary_files(directory)
-        if overwrite:
-            clear_results(directory)
-        current = StoredRun(FORMAT, fingerprint, job, ids)
-        stored = read_stored_run(directory)
-        if redo and stored is None:
-            raise CbgenError(f"--redo generates part of an earlier run again, and '{directory}' holds none; run the "
-                             "job without --redo first")
-        if stored is None:
-            if shard_paths(directory):
-                raise CbgenError(
-                    f"output directory '{directory}' holds shards but no {FINGERPRINT_FILE}, so cbgen cannot tell "
-                    "which job wrote them; choose another directory with -o, or pass --overwrite to replace them"
-                )
-            write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict())
-            return lock, DoneIndex()
-        differences = compare_fingerprints(stored.fingerprint, fingerprint)
-        if redo:  # a redo runs with the job's current generation settings
-            differences = [d for d in differences if not d.startswith("generation.")]
-        if differences:
-            raise CbgenError(
-                f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
-                "rerun with the same model, input and generation settings to resume it, pass --overwrite to start "
-                "over, or choose another directory with -o"
-            )
-        if stored.format < FORMAT:
-            write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict() | {"upgraded_from": stored.format})
-        if redo:
-            from cbgen.outputs.redo import start_redo
 
-            data = read_json(directory / FINGERPRINT_FILE) or {}
-            write_json_atomic(directory / FINGERPRINT_FILE, start_redo(directory, data, fingerprint, redo))
-        return lock, scan_done(directory)
-    except BaseException:
-        lock.release()
-        raise
+    def __init__(self, path: Path, *, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        self.overwrite = overwrite
+        self.stored = read_stored_run(self.path) if self.path.is_dir() and not overwrite else None
+        self.done = DoneIndex()
+        self._lock: DirectoryLock | None = None
+
+    def __enter__(self) -> RunDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def open(self, fingerprint: dict[str, Any], job: dict[str, Any], ids: dict[str, Any], redo: Sequence[str] = ()
+             ) -> RunDirectory:
+        """Locks the directory and reads what it already holds (`done`), after checking it belongs to the same
+        job (see the class's docstring); use as `with directory.open(...):`, which lets the lock go at its end."""
+        directory = self.path
+        if directory.exists() and not directory.is_dir():
+            raise CbgenError(f"output directory '{directory}' is a file; choose another with -o")
+        try:
+            lock = DirectoryLock(directory).acquire()
+        except OSError as e:
+            reason = e.strerror or e
+            raise CbgenError(f"output directory '{directory}' is not writable: {reason}; choose another with -o"
+                             ) from None
+        try:
+            remove_temporary_files(directory)
+            if self.overwrite:
+                clear_results(directory)
+            current = StoredRun(FORMAT, fingerprint, job, ids)
+            stored = read_stored_run(directory)
+            if redo and stored is None:
+                raise CbgenError(f"--redo generates part of an earlier run again, and '{directory}' holds none; run "
+                                 "the job without --redo first")
+            if stored is None:
+                if shard_paths(directory):
+                    raise CbgenError(
+                        f"output directory '{directory}' holds shards but no {FINGERPRINT_FILE}, so cbgen cannot "
+                        "tell which job wrote them; choose another directory with -o, or pass --overwrite to replace "
+                        "them"
+                    )
+                write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict())
+                self._lock, self.done = lock, DoneIndex()
+                return self
+            differences = compare_fingerprints(stored.fingerprint, fingerprint)
+            if redo:  # a redo runs with the job's current generation settings
+                differences = [d for d in differences if not d.startswith("generation.")]
+            if differences:
+                raise CbgenError(
+                    f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
+                    "rerun with the same model, input and generation settings to resume it, pass --overwrite to "
+                    "start over, or choose another directory with -o"
+                )
+            if stored.format < FORMAT:
+                write_json_atomic(directory / FINGERPRINT_FILE,
+                                  current.to_dict() | {"upgraded_from": stored.format})
+            if redo:
+                from cbgen.outputs.redo import start_redo
+
+                data = read_json(directory / FINGERPRINT_FILE) or {}
+                write_json_atomic(directory / FINGERPRINT_FILE, start_redo(directory, data, fingerprint, redo))
+            self._lock, self.done = lock, scan_done(directory)
+            return self
+        except BaseException:
+            lock.release()
+            raise
+
+    def record_columns(self, columns: OutputColumns) -> None:
+        """Keeps the columns a run's rows have beside its fingerprint, once it has planned. A directory whose rows
+        were written with other columns is refused: its shards and the new ones could not be read as one table."""
+        directory = self.path
+        stored = read_stored_run(directory)
+        if stored is None:
+            raise CbgenError(f"'{directory / FINGERPRINT_FILE}' disappeared while the run was starting")
+        if stored.columns == columns:
+            return
+        existing = stored_columns(directory, stored) if shard_paths(directory) else None
+        if existing is not None and existing != columns:
+            raise CbgenError(f"output directory '{directory}' holds rows with the columns "
+                             f"{', '.join(existing.names)}; this run's rows would have {', '.join(columns.names)}; "
+                             "pass --overwrite to start over, or choose another directory with -o")
+        data = read_json(directory / FINGERPRINT_FILE) or {}
+        write_json_atomic(directory / FINGERPRINT_FILE, data | {"columns": columns.to_dict()})
+
+    def end_redo(self) -> None:
+        """The redo of the locked `directory` has written every request: its history says it is finished."""
+        from cbgen.outputs.redo import finish_redo
+
+        data = read_json(self.path / FINGERPRINT_FILE) or {}
+        if data.get("redos"):
+            write_json_atomic(self.path / FINGERPRINT_FILE, finish_redo(data))
+
+    def manifest(self) -> dict[str, Any] | None:
+        """The run.json of the directory's last run, None before one has ended."""
+        return read_json(self.path / MANIFEST_FILE)

@@ -32,7 +32,7 @@ def split_job(tmp_path: Path) -> Path:
     """The output directory of a job split in two, written with cbgen's own run-directory and writer code (what a
     Slurm array of two tasks leaves), so the commands below have something real to read."""
     from cbgen.config import JobConfig
-    from cbgen.outputs.rundir import open_run_directory
+    from cbgen.outputs.rundir import RunDirectory
     from cbgen.outputs.writers import JsonlShardWriter
     from cbgen.parallel.sharding import shard_directory, shard_of
 
@@ -42,9 +42,9 @@ def split_job(tmp_path: Path) -> Path:
     base = tmp_path / "out"
     for index in range(2):
         directory = shard_directory(base, (index, 2))
-        lock, _ = open_run_directory(directory, {"model": "m", "shard": [index, 2]}, job.to_dict(),
-                                     {"column": "id", "chosen_by": "the rows' own id field"}, False)
-        with lock, JsonlShardWriter(directory) as writer:
+        opened = RunDirectory(directory).open({"model": "m", "shard": [index, 2]}, job.to_dict(),
+                                              {"column": "id", "chosen_by": "the rows' own id field"})
+        with opened, JsonlShardWriter(directory) as writer:
             for request_id in ids:
                 if shard_of(request_id, 2) == index:
                     writer.write({"id": request_id, "sample_index": 0, "text": "hi", "token_ids": [1],

@@ -14,7 +14,7 @@ import pytest
 from cbgen.cli import run_cli
 from cbgen.errors import CbgenError
 from cbgen.outputs import read_shards
-from cbgen.outputs.rundir import FORMAT, open_run_directory, read_stored_run
+from cbgen.outputs.rundir import FORMAT, RunDirectory, read_stored_run
 from tests.helpers import write_jsonl
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "rundir-v1"
@@ -63,7 +63,7 @@ def test_a_newer_format_is_refused(tmp_path):
     out.mkdir()
     (out / "fingerprint.json").write_text(json.dumps({"format": FORMAT + 1, "fingerprint": {}, "job": {}}))
     with pytest.raises(CbgenError, match=rf"written by a newer cbgen \(format {FORMAT + 1}"):
-        open_run_directory(out, {}, {}, {}, False)
+        RunDirectory(out).open({}, {}, {})
 
 
 def test_new_directories_record_their_format_and_ids(tiny_model_dir, tmp_path):
