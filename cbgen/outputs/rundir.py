@@ -180,6 +180,7 @@ class StoredRun:
     ids: dict[str, Any] | None = None  # {"column": name or None, "chosen_by": ...}; None in format 1
     # the rows' columns, recorded once the run has planned (None before that, and in directories of older cbgens)
     columns: OutputColumns | None = None
+    data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the whole file, as read
 
     @property
     def detects_ids(self) -> bool:
@@ -201,7 +202,7 @@ def read_stored_run(directory: Path) -> StoredRun | None:
         raise CbgenError(f"'{Path(directory) / FINGERPRINT_FILE}' was written by a newer cbgen (format {version}, this "
                          f"one reads up to {FORMAT}); upgrade cbgen, or choose another directory with -o")
     columns = OutputColumns.from_dict(data["columns"]) if isinstance(data.get("columns"), dict) else None
-    return StoredRun(version, data.get("fingerprint", {}), data.get("job", {}), data.get("ids"), columns)
+    return StoredRun(version, data.get("fingerprint", {}), data.get("job", {}), data.get("ids"), columns, data)
 
 
 def redo_history(directory: Path) -> list[dict[str, Any]]:
@@ -272,41 +273,46 @@ class RunDirectory:
                 clear_results(directory)
             current = StoredRun(FORMAT, fingerprint, job, ids)
             stored = read_stored_run(directory)
-            if redo and stored is None:
-                raise CbgenError(f"--redo generates part of an earlier run again, and '{directory}' holds none; run "
-                                 "the job without --redo first")
+            self._check(stored, fingerprint, redo)
             if stored is None:
-                if shard_paths(directory):
-                    raise CbgenError(
-                        f"output directory '{directory}' holds shards but no {FINGERPRINT_FILE}, so cbgen cannot "
-                        "tell which job wrote them; choose another directory with -o, or pass --overwrite to replace "
-                        "them"
-                    )
-                write_json_atomic(directory / FINGERPRINT_FILE, current.to_dict())
-                self._lock, self.done = lock, DoneIndex()
-                return self
-            differences = compare_fingerprints(stored.fingerprint, fingerprint)
-            if redo:  # a redo runs with the job's current generation settings
-                differences = [d for d in differences if not d.startswith("generation.")]
-            if differences:
-                raise CbgenError(
-                    f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
-                    "rerun with the same model, input and generation settings to resume it, pass --overwrite to "
-                    "start over, or choose another directory with -o"
-                )
-            if stored.format < FORMAT:
-                write_json_atomic(directory / FINGERPRINT_FILE,
-                                  current.to_dict() | {"upgraded_from": stored.format})
-            if redo:
-                from cbgen.outputs.redo import start_redo
+                data: dict[str, Any] | None = current.to_dict()
+            else:  # an older format brought to this one; a redo's requests taken out of the shards first
+                data = current.to_dict() | {"upgraded_from": stored.format} if stored.format < FORMAT else None
+                if redo:
+                    from cbgen.outputs.redo import start_redo
 
-                data = read_json(directory / FINGERPRINT_FILE) or {}
-                write_json_atomic(directory / FINGERPRINT_FILE, start_redo(directory, data, fingerprint, redo))
-            self._lock, self.done = lock, scan_done(directory)
+                    data = start_redo(directory, data or stored.data, fingerprint, redo)
+            if data is not None:
+                write_json_atomic(directory / FINGERPRINT_FILE, data)
+            self._lock, self.done = lock, DoneIndex() if stored is None else scan_done(directory)
             return self
         except BaseException:
             lock.release()
             raise
+
+    def _check(self, stored: StoredRun | None, fingerprint: dict[str, Any], redo: Sequence[str]) -> None:
+        """Refuses a directory that holds another job's results (or shards no cbgen run wrote)."""
+        directory = self.path
+        if stored is None:
+            if redo:
+                raise CbgenError(f"--redo generates part of an earlier run again, and '{directory}' holds none; run "
+                                 "the job without --redo first")
+            if shard_paths(directory):
+                raise CbgenError(
+                    f"output directory '{directory}' holds shards but no {FINGERPRINT_FILE}, so cbgen cannot "
+                    "tell which job wrote them; choose another directory with -o, or pass --overwrite to replace "
+                    "them"
+                )
+            return
+        differences = compare_fingerprints(stored.fingerprint, fingerprint)
+        if redo:  # a redo runs with the job's current generation settings
+            differences = [d for d in differences if not d.startswith("generation.")]
+        if differences:
+            raise CbgenError(
+                f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
+                "rerun with the same model, input and generation settings to resume it, pass --overwrite to "
+                "start over, or choose another directory with -o"
+            )
 
     def record_columns(self, columns: OutputColumns) -> None:
         """Keeps the columns a run's rows have beside its fingerprint, once it has planned. A directory whose rows
