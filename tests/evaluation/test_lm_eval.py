@@ -5,6 +5,7 @@ the same greedy generations (with and without the chat template), and lm-eval's 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import lm_eval  # the eval extra, which `make install` installs: a missing one fails here, never skips
@@ -24,12 +25,41 @@ def at_the_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # the example tasks name their data files from the repository root
 
 
-def evaluate(model: str, args: dict, tasks: list[str], **options) -> dict:
+@functools.cache
+def task_manager():
+    """lm-eval's index of the example tasks, made once: without lm-eval's own tasks, which the tests never run (an
+    index of those reads every task file lm-eval ships: 10 s on a 2-core AMD EPYC Zen 4, each time; the command's
+    tests below still build it)."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(TASKS), include_defaults=False)
+
+
+def evaluate(model, args: dict | None, tasks: list[str], **options) -> dict:
+    """lm-eval's simple_evaluate on `model`: a registered name built from `args`, or a model already built."""
     register()
     return lm_eval.simple_evaluate(model=model, model_args=args, tasks=tasks, device="cpu", log_samples=True,
-                                   task_manager=TaskManager(include_path=str(TASKS)), **options)
+                                   task_manager=task_manager(), **options)
+
+
+def build(name: str, args: dict, batch_size: int | None = None):
+    """The model lm-eval's simple_evaluate builds for `--model name --model_args args` (its registry, its harness
+    arguments), built once so that several evaluations share it."""
+    from lm_eval.api.registry import get_model
+
+    register()
+    return get_model(name).create_from_arg_obj(args, {"batch_size": batch_size, "max_batch_size": None,
+                                                      "device": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    """cbgen's model and lm-eval's hf backend on the tiny model in float32, built once for the module (each build
+    loads the weights; no test changes them): the tests that need other model args (max_length) build their own
+    through simple_evaluate's model_args, so that path is tested too."""
+    ours = build("cbgen", {"model": str(tiny_model_dir), "dtype": "float32"})
+    theirs = build("hf", {"pretrained": str(tiny_model_dir), "dtype": "float32"}, batch_size=4)
+    return ours, theirs
 
 
 def samples(results: dict, task: str) -> list[dict]:
@@ -37,6 +67,7 @@ def samples(results: dict, task: str) -> list[dict]:
 
 
 def both(tiny_model_dir, tasks, *, limit=8, cbgen_args=None, hf_args=None, **options):
+    """The tasks on both backends, each built from its model args by simple_evaluate."""
     ours = evaluate("cbgen", {"model": str(tiny_model_dir), "dtype": "float32", **(cbgen_args or {})}, tasks,
                     limit=limit, **options)
     theirs = evaluate("hf", {"pretrained": str(tiny_model_dir), "dtype": "float32", **(hf_args or {})}, tasks,
@@ -44,8 +75,14 @@ def both(tiny_model_dir, tasks, *, limit=8, cbgen_args=None, hf_args=None, **opt
     return ours, theirs
 
 
-def test_multiple_choice_and_generation_match_hf(tiny_model_dir):
-    ours, theirs = both(tiny_model_dir, ["cbgen_capitals", "cbgen_arithmetic"])
+def both_built(models, tasks, *, limit=8, **options):
+    """The tasks on the module's two built models."""
+    ours, theirs = models
+    return evaluate(ours, None, tasks, limit=limit, **options), evaluate(theirs, None, tasks, limit=limit, **options)
+
+
+def test_multiple_choice_and_generation_match_hf(models):
+    ours, theirs = both_built(models, ["cbgen_capitals", "cbgen_arithmetic"])
     mc_ours, mc_theirs = samples(ours, "cbgen_capitals"), samples(theirs, "cbgen_capitals")
     assert len(mc_ours) == 8 and all(len(s["resps"]) == 4 for s in mc_ours)  # --limit, four choices each
     for a, b in zip(mc_ours, mc_theirs, strict=True):
@@ -69,49 +106,48 @@ def test_rolling_loglikelihoods_match_hf_across_windows(tiny_model_dir):
     assert all(value < 0 for value in mine)
 
 
-def test_the_chat_template_applies_as_in_hf(tiny_model_dir):
-    ours, theirs = both(tiny_model_dir, ["cbgen_arithmetic"], limit=4, apply_chat_template=True)
+def test_the_chat_template_applies_as_in_hf(models):
+    ours, theirs = both_built(models, ["cbgen_arithmetic"], limit=4, apply_chat_template=True)
     prompts = [s["arguments"][0][0] for s in samples(ours, "cbgen_arithmetic")]
     assert all(prompt.startswith("<|im_start|>") for prompt in prompts)  # SmolLM2's template
     assert [s["resps"][0][0] for s in samples(ours, "cbgen_arithmetic")] == \
         [s["resps"][0][0] for s in samples(theirs, "cbgen_arithmetic")]
 
 
-def test_an_empty_context_and_input_order(tiny_model_dir):
+def test_an_empty_context_and_input_order(models):
     from lm_eval.models.huggingface import HFLM
 
     from cbgen.evaluation.lm import CbgenLM
 
+    lm, hf = models
+    assert isinstance(lm, CbgenLM) and isinstance(hf, HFLM)
     pairs = [("", " Paris is a city."), ("The capital of France is", " Paris"), ("Two plus two is", " four"),
              ("", "Hello")]
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
-    ours = CbgenLM(model=str(tiny_model_dir), dtype="float32").loglikelihood(requests)
-    theirs = HFLM(pretrained=str(tiny_model_dir), dtype="float32", device="cpu", batch_size=2).loglikelihood(requests)
+    ours = lm.loglikelihood(requests)
+    theirs = hf.loglikelihood(requests)
     assert [greedy for _, greedy in ours] == [greedy for _, greedy in theirs]
     assert [value for value, _ in ours] == pytest.approx([value for value, _ in theirs], abs=1e-4)
 
 
-def test_lm_evals_cache_serves_a_second_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_lm_evals_cache_serves_a_second_run(models, tmp_path, monkeypatch):
     from cbgen.evaluation.lm import CbgenLM
 
-    first = evaluate("cbgen", {"model": str(tiny_model_dir), "dtype": "float32"}, ["cbgen_capitals"], limit=3,
-                     use_cache=str(tmp_path / "lm-cache"))
+    lm, _ = models
+    first = evaluate(lm, None, ["cbgen_capitals"], limit=3, use_cache=str(tmp_path / "lm-cache"))
     assert list(tmp_path.glob("lm-cache_rank*.db"))
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was asked again")
 
     monkeypatch.setattr(CbgenLM, "_loglikelihood_tokens", no_model)
-    second = evaluate("cbgen", {"model": str(tiny_model_dir), "dtype": "float32"}, ["cbgen_capitals"], limit=3,
-                      use_cache=str(tmp_path / "lm-cache"))
+    second = evaluate(lm, None, ["cbgen_capitals"], limit=3, use_cache=str(tmp_path / "lm-cache"))
     assert [s["resps"] for s in samples(second, "cbgen_capitals")] == \
         [s["resps"] for s in samples(first, "cbgen_capitals")]
 
 
-def test_a_request_that_cannot_run_is_an_error(tiny_model_dir):
-    from cbgen.evaluation.lm import CbgenLM
-
-    lm = CbgenLM(model=str(tiny_model_dir), dtype="float32")
+def test_a_request_that_cannot_run_is_an_error(models):
+    lm, _ = models
     too_long = Instance("generate_until", {}, ("Hello", {"until": ["\n"], "max_gen_toks": 400}), 0)
     with pytest.raises(CbgenError, match="max_gen_toks 400 leaves no room"):
         lm.generate_until([too_long])
