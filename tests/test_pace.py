@@ -139,3 +139,33 @@ def test_a_job_shows_the_engine_s_unfinished_tokens(tiny_model_dir, tmp_path):
     assert len(recorder.seen) == 8
     first = recorder.seen[0]  # the shortest answer just finished: the longer ones are under way
     assert first and all(0 < tokens < 64 for tokens in first)
+
+
+def test_the_count_never_falls_when_a_final_length_is_below_its_last_observed_count():
+    """A finishing sequence's final length can be below what was last observed of it (its stop string trimmed, or
+    read a step late), and the engine can drop a finished sequence before its result arrives: the tokens counted
+    never fall, so the rate is never negative, even in a job's last stretch, where few tokens come."""
+    clock = Clock()
+    pace = Pace(total=80, cap=256, clock=clock)
+    counted, rates = [], []
+
+    def look() -> None:
+        counted.append(pace.produced)
+        rates.append(pace.rate())
+
+    running = [[0, 40 + 30 * i] for i in range(4)]  # [generated, length]: the last four sequences, one token a second
+    while running:
+        clock.now += 1.0
+        for sequence in running:
+            sequence[0] += 1
+        done = [s for s in running if s[0] >= s[1]]
+        running = [s for s in running if s[0] < s[1]]
+        if done:
+            pace.observe([s[0] for s in running])  # the engine has let them go; their results are not in yet
+            look()
+            pace.finished([s[0] - 25 for s in done])  # 25 tokens fewer than last observed
+        pace.observe([s[0] for s in running])
+        look()
+    assert all(later >= earlier for earlier, later in zip(counted, counted[1:])), counted
+    assert min(rates) >= 0.0, min(rates)
+    assert pace.produced >= sum(40 + 30 * i for i in range(4)) - 4 * 25  # what the finished lengths say, at least

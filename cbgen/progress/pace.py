@@ -12,6 +12,12 @@ seen assumed to run to the cap. Until a sequence has finished, every one is assu
 left is at least what the unfinished sequence furthest from its end needs at one token per step. It still runs
 short in a job's last stretch, once the queue is empty and the last sequences run with few others (in the test's
 simulation: 40 % short at 80 % of the way); a schedule simulation over the length distribution would fix that.
+
+The tokens counted never fall: finished lengths plus the unfinished sequences' counts can drop below an earlier sum
+(a finishing sequence's final length can be below what was last observed of it, and the engine lets a sequence go
+before its result arrives), and such a drop once made the display say "-40.7 generated tok/s". So the count is the
+highest sum seen, taken when the engine is read (`observe`): a finished sequence is then no longer among the live
+ones, and is counted once.
 """
 
 from __future__ import annotations
@@ -40,23 +46,27 @@ class Pace:
         self.lengths: Counter[int] = Counter()  # finished sequences by length
         self.live: list[int] = []  # tokens so far of each unfinished sequence, as last observed
         self.samples: deque[tuple[float, int]] = deque([(self.started, 0)])
+        self._produced = 0  # the highest count seen: tokens produced never fall
         self.longest_remaining = 0.0  # expected tokens left of the unfinished sequence furthest from its end
         self._to_come: float | None = None  # the estimate for the latest observation
 
     @property
     def produced(self) -> int:
-        return self.finished_tokens + sum(self.live)
+        """Generated tokens so far: never fewer than before."""
+        return self._produced
 
     def finished(self, lengths: Sequence[int]) -> None:
-        """Sequences that finished with these numbers of generated tokens."""
+        """Sequences that finished with these numbers of generated tokens. Counted at the next `observe`: until
+        then the last observation still holds them among the live ones."""
         self.done += len(lengths)
         self.finished_tokens += sum(lengths)
         self.lengths.update(min(length, self.cap) for length in lengths if length > 0)  # a failed one: no length
-        self._sample()
+        self._to_come = None
 
     def observe(self, live: Sequence[int]) -> None:
         """The generated tokens so far of every unfinished sequence in the engine."""
         self.live = list(live)
+        self._produced = max(self._produced, self.finished_tokens + sum(self.live))
         self._sample()
 
     def _sample(self) -> None:
