@@ -139,13 +139,13 @@ class PipelineRun:
         return report
 
     def _overrides(self, stage: Stage) -> Overrides:
-        """The command line's overrides for `stage`: a whole pipeline runs unsplit, whatever the environment says
-        (a Slurm array runs one stage at a time, with --stage)."""
+        """The command line's overrides for `stage`, every one of them (--no-cache, --cache, ...): a whole pipeline
+        runs unsplit, whatever the environment says (a Slurm array runs one stage at a time, with --stage)."""
         if self.only is not None and stage.name != self.only:
             return {}
-        extra: Overrides = dict(self.extra) if self.only is not None else \
-            {("run", "num_shards"): (1, "num_shards"), ("run", "shard_index"): (0, "shard_index")} | \
-            {k: v for k, v in self.extra.items() if k[1] == "redo"}
+        extra: Overrides = dict(self.extra)
+        if self.only is None:
+            extra |= {("run", "num_shards"): (1, "num_shards"), ("run", "shard_index"): (0, "shard_index")}
         given = extra.pop(("run", "redo"), None)
         redo: list[str] = list(given[0]) if given is not None else []
         kinds = stage.of_kind.redo_kinds(redo)
