@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -20,6 +21,27 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def disk_full_at_shard(commit: int):
+    """The disk fills up as a run in this process commits its `commit`-th shard (os.replace of a part-* file raises
+    ENOSPC): the run stops part-way, its earlier shards committed and the requests in flight lost, as a real fault
+    in its writer leaves it (the run exits 2). Restored when the block ends."""
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def full_disk(src, dst):
+        calls["n"] += "part-" in str(dst)
+        if calls["n"] == commit and "part-" in str(dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    os.replace = full_disk
+    try:
+        yield
+    finally:
+        os.replace = real_replace
 
 
 def torchrun_cbgen(*args, processes: int = 2) -> subprocess.CompletedProcess:

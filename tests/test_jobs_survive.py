@@ -3,7 +3,6 @@ disk full, Slurm-style sharding and merge."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import pytest
 from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
 from cbgen.outputs.rundir import DirectoryLock
-from tests.helpers import write_jsonl
+from tests.helpers import disk_full_at_shard, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -219,23 +218,12 @@ def test_request_timeout_is_recorded(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_full_leaves_no_corrupt_shard_and_resumes(tiny_model_dir, prompts, tmp_path, monkeypatch, capsys,
-                                                       reference):
+def test_disk_full_leaves_no_corrupt_shard_and_resumes(tiny_model_dir, prompts, tmp_path, capsys, reference):
     out = tmp_path / "out"
-    real_replace = os.replace
-    calls = {"n": 0}
-
-    def full_disk(src, dst):  # the disk fills up as the second shard is committed
-        calls["n"] += "part-" in str(dst)
-        if calls["n"] == 2 and "part-" in str(dst):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", full_disk)
-    assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 2
+    with disk_full_at_shard(2):  # the disk fills up as the second shard is committed
+        assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 2
     assert "disk full while writing" in capsys.readouterr().err
     assert not list(out.glob(".part-*")) and len(list(out.glob("part-*"))) == 1
-    monkeypatch.setattr(os, "replace", real_replace)
     assert cbgen(*job_args(tiny_model_dir, prompts, out)) == 0
     assert by_id(out) == reference
 

@@ -3,11 +3,13 @@ they are the same in any batch size, input order, resumed run or shard; each sam
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
-from tests.helpers import write_jsonl
+from tests.helpers import disk_full_at_shard, write_jsonl
 
 ROWS = [{"id": f"q{i}", "prompt": f"Tell me about {i}."} for i in range(6)]
 SAMPLING = ["--seed", "11", "--temperature", "1.0", "--top-p", "0.95", "-n", "2", "--max-new-tokens", "8"]
@@ -45,11 +47,12 @@ def test_the_same_in_any_batch_and_order(tiny_model_dir, tmp_path, reference):
 def test_the_same_after_a_resume_and_across_shards(tiny_model_dir, tmp_path, reference):
     path = write_jsonl(tmp_path / "p.jsonl", ROWS)
     out = tmp_path / "out"
+    with disk_full_at_shard(3):  # the run stops as it commits its third shard: two committed, the rest lost
+        assert run(tiny_model_dir, path, out, *SAMPLING, "--rows-per-shard", 2) == 2
+    assert len(list(out.glob("part-*.jsonl"))) == 2 and not list(out.glob(".part-*"))
     assert run(tiny_model_dir, path, out, *SAMPLING, "--rows-per-shard", 2) == 0
-    for shard in sorted(out.glob("part-*.jsonl"))[2:]:
-        shard.unlink()  # a run killed after two requests
-    assert run(tiny_model_dir, path, out, *SAMPLING, "--rows-per-shard", 2) == 0
-    assert tokens(out) == reference
+    assert json.loads((out / "run.json").read_text())["counts"]["resumed_requests"] > 0  # it resumed
+    assert tokens(out) == reference  # the resumed samples are those of an uninterrupted run
     split = tmp_path / "split"
     for index in range(2):
         assert run(tiny_model_dir, path, split, *SAMPLING, "--num-shards", 2, "--shard-index", index) == 0

@@ -11,7 +11,7 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.outputs import read_shards
-from tests.helpers import write_jsonl
+from tests.helpers import disk_full_at_shard, write_jsonl
 
 # a record the random model can finish in a few tokens (bounded values, compact JSON)
 RECORD = {"type": "object", "additionalProperties": False, "required": ["age", "ok", "color"],
@@ -151,16 +151,18 @@ def test_a_stop_string_that_cuts_a_format_short_is_an_honest_error(tiny_model_di
 
 @pytest.mark.slow
 def test_a_constrained_job_resumes(tiny_model_dir, prompts, tmp_path):
-    out = tmp_path / "out"
     args = ["--json-schema", json.dumps(RECORD), "--max-new-tokens", 40, "--rows-per-shard", 1]
+    assert run(tiny_model_dir, prompts, tmp_path / "whole", *args) == 0
+    first = rows(tmp_path / "whole")  # an uninterrupted run
+    out = tmp_path / "out"
+    with disk_full_at_shard(4):  # the run stops as it commits its fourth shard: three committed, the rest lost
+        assert run(tiny_model_dir, prompts, out, *args) == 2
+    assert len(list(out.glob("part-*.jsonl"))) == 3 and not list(out.glob(".part-*"))
     assert run(tiny_model_dir, prompts, out, *args) == 0
-    first = rows(out)
-    for shard in sorted(out.glob("part-*.jsonl"))[3:]:
-        shard.unlink()  # as if the run had been killed after three
-    assert run(tiny_model_dir, prompts, out, *args) == 0
+    assert json.loads((out / "run.json").read_text())["counts"]["resumed_requests"] > 0  # it resumed
     again = rows(out)
     assert sorted(again) == sorted(first) and len(list(read_shards(out))) == 6
-    assert again == first  # greedy: the resumed half is what the first run wrote
+    assert again == first  # greedy: the resumed run's rows are what the uninterrupted run wrote
 
 
 @pytest.mark.slow
