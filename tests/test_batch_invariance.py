@@ -42,10 +42,25 @@ def _folder(name: str, tiny_model_dir: Path, root: Path) -> Path:
     return folder
 
 
-def test_the_block_puts_the_model_back(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def folders(tiny_model_dir, tmp_path_factory):
+    """The tiny model of an architecture (ARCHITECTURES), saved once for the module when first asked for: the tests
+    only read them."""
+    root = tmp_path_factory.mktemp("architectures")
+    made: dict[str, Path] = {}
+
+    def folder(name: str) -> Path:
+        if name not in made:
+            made[name] = _folder(name, tiny_model_dir, root)
+        return made[name]
+
+    return folder
+
+
+def test_the_block_puts_the_model_back(folders):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(_folder("qwen3-moe", tiny_model_dir, tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(folders("qwen3-moe"))
     before = model.get_experts_implementation()
     with batch_invariant_linear(model):
         assert "forward" in vars(model) and "forward" in vars(model.get_output_embeddings())
@@ -67,12 +82,12 @@ class _CountLinear(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3-moe", "mixtral"])
-def test_every_linear_of_a_forward_pass_runs_in_tiles(name, tiny_model_dir, tmp_path):
+def test_every_linear_of_a_forward_pass_runs_in_tiles(name, folders):
     """Dense models through their nn.Linear layers, MoE models' routers and experts too: a forward pass inside the
     block leaves no F.linear to the stock matmul (and outside it, the same pass does call it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(_folder(name, tiny_model_dir, tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(folders(name))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         with _CountLinear() as outside:
@@ -233,19 +248,18 @@ def _three_batchings(folder: Path, dtype: str, invariant: bool, compiled: bool |
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name", MATRIX)
-def test_sequences_do_not_move_with_the_batch(name, dtype, tiny_model_dir, tmp_path):
-    one, three, sixty_four = _three_batchings(_folder(name, tiny_model_dir, tmp_path), dtype, invariant=True)
+def test_sequences_do_not_move_with_the_batch(name, dtype, folders):
+    one, three, sixty_four = _three_batchings(folders(name), dtype, invariant=True)
     assert three == one
     assert sixty_four == one
 
 
 @pytest.mark.slow
-def test_without_it_the_same_check_finds_sequences_that_moved(tiny_model_dir, tmp_path):
+def test_without_it_the_same_check_finds_sequences_that_moved(folders):
     """The control: the stock numerics (cbgen's eager attention, torch's linear layers) under the same three batchings
     (measured: 6 of 20 sequences kept their tokens and logprobs in float32), so the comparison above does see a batch's
     effect when there is one."""
-    one, three, sixty_four = _three_batchings(_folder("llama", tiny_model_dir, tmp_path), "float32", invariant=False,
-                                              compiled=False)
+    one, three, sixty_four = _three_batchings(folders("llama"), "float32", invariant=False, compiled=False)
     assert three != one or sixty_four != one
 
 

@@ -5,6 +5,7 @@ stage, status, and bad pipelines refused before any model loads."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import datasets
 import pyarrow.parquet as pq
@@ -22,12 +23,27 @@ def pipeline(file, out, *extra) -> int:
     return run_cli(["pipeline", str(file), "-o", str(out), "-q", *map(str, extra)])
 
 
+@pytest.fixture(scope="module")
+def finished(tiny_model_dir, tmp_path_factory):
+    """The whole pipeline run once for the module, and a pristine copy of its folder (a pipeline's stages know it by
+    its files' paths, so each test gets the run back in the same folder: `ran`)."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    file = write_pipeline(folder, tiny_model_dir)
+    assert pipeline(file, folder / "out") == 0
+    pristine = tmp_path_factory.mktemp("pristine") / "copy"
+    shutil.copytree(folder, pristine, symlinks=True)
+    return folder, pristine
+
+
 @pytest.fixture
-def ran(tiny_model_dir, tmp_path):
-    file = write_pipeline(tmp_path, tiny_model_dir)
-    out = tmp_path / "out"
-    assert pipeline(file, out) == 0
-    return file, out
+def ran(finished):
+    """A finished run of the pipeline for the test alone (which may rerun, change or extend it): the module's run,
+    put back as it was in its own folder, the pipeline file, seed and schema beside it as write_pipeline leaves
+    them."""
+    folder, pristine = finished
+    shutil.rmtree(folder)
+    shutil.copytree(pristine, folder, symlinks=True)
+    return folder / "pipeline.yaml", folder / "out"
 
 
 def test_the_recipe_ends_in_a_dataset_with_one_best_answer_per_question(ran):
@@ -68,10 +84,10 @@ def test_rerun_skips_every_finished_stage(ran, capsys):
     assert {stage: shard_times(out / stage) for stage in before} == before
 
 
-def test_a_changed_stage_reruns_with_the_stages_after_it_and_only_those(ran, tiny_model_dir, tmp_path, capsys):
+def test_a_changed_stage_reruns_with_the_stages_after_it_and_only_those(ran, tiny_model_dir, capsys):
     file, out = ran
     before = {stage: shard_times(out / stage) for stage in ("questions", "answers", "judge", "kept")}
-    write_pipeline(tmp_path, tiny_model_dir, answers={"max_new_tokens": 6})
+    write_pipeline(file.parent, tiny_model_dir, answers={"max_new_tokens": 6})
     assert run_cli(["pipeline", str(file), "-o", str(out), "--json", "-q"]) == 0
     states = {s["stage"]: s["state"] for s in json.loads(capsys.readouterr().out)["stages"]}
     assert states == {"questions": "up to date", "answers": "ran", "judge": "ran", "kept": "ran"}
