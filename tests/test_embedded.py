@@ -176,3 +176,23 @@ def test_the_synth_example_as_the_readme_runs_it(tmp_path):
     read = subprocess.run([sys.executable, "examples/synth/read.py", str(out)], capture_output=True, text=True,
                           timeout=120, cwd=root)
     assert read.returncode == 0 and f"{len(complete)} of {len(seed)} records complete" in read.stdout
+
+
+def test_make_example_leaves_what_the_readme_says(tmp_path):
+    """The README's first-run sentence: the files `make example`'s command leaves (the Makefile's own line, run in a
+    scratch folder), each named by the sentence, and the sentence names no file the run did not leave."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    line = next(line for line in (root / "Makefile").read_text().splitlines() if "cbgen run examples/" in line)
+    args = shlex.split(line.split("$(BIN)/cbgen", 1)[1])
+    args = [str(root / a) if a.startswith("examples/") else a for a in args]
+    done = subprocess.run([str(CBGEN), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    readme = (root / "README.md").read_text()
+    sentence = readme[readme.index("`make example` leaves"):].split("; the embedded model")[0]
+    named = set(re.findall(r"`cbgen-out/([^`]+)`", sentence))
+    left = {p.name for p in (tmp_path / "cbgen-out").iterdir() if not p.name.startswith(".")} - {"fingerprint.json"}
+    assert named == left
+    assert len(list(read_shards(tmp_path / "cbgen-out"))) == 20
