@@ -7,7 +7,9 @@ request types answered by cbgen's own scorer (`loglikelihood`, `loglikelihood_ro
 (`generate_until`), with lm-eval's own tokenization rules so that the numbers are the ones `--model hf` gives.
 
 lm-eval finds a model by name in its registry, which a package joins by calling `register_model` when it is
-imported (lm-eval reads no plugin entry point). `cbgen eval` is lm-eval's own command line with cbgen registered
+imported; lm-eval 0.4.13 and earlier read no plugin entry point. cbgen also declares one (`lm_eval.models`:
+`cbgen = cbgen.evaluation.lm:CbgenLM`, the group lm-eval merged upstream in its PR 4013), so that `lm_eval --model
+cbgen` works with the first release that reads it. `cbgen eval` is lm-eval's own command line with cbgen registered
 first; from Python, `cbgen.evaluation.register()` and then `lm_eval.simple_evaluate(model="cbgen", ...)`.
 Installed with the `eval` extra: `pip install 'cbgen[eval]'`.
 """
