@@ -11,8 +11,6 @@ made so far into the permanent generation (gc.freeze), which later collections s
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 _held = False
 
@@ -33,20 +31,3 @@ def release_gc() -> None:
         gc.freeze()
         gc.enable()
         _held = False
-
-
-@contextmanager
-def older_objects_frozen() -> Iterator[None]:
-    """While the block runs, the cyclic collector skips every object that existed when it started (gc.freeze), and
-    afterwards they are collectable again (gc.unfreeze). transformers collects garbage twice each time a manager
-    stops, which scans the hundreds of thousands of objects torch, transformers and the model made: 0.4 s per call
-    of a Generator on a 2-core AMD EPYC, for the few cycles the manager itself left. Where objects are frozen already
-    (the CLI froze them once its model loaded), nothing changes."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -19,7 +19,6 @@ import torch
 
 from cbgen.engine.scope import EngineScope, ScopePlan
 from cbgen.errors import first_line
-from cbgen.process.quiet import quiet
 from cbgen.records import Completion, Score
 from cbgen.render.prompts import LOOKAHEAD
 from cbgen.score.batches import Batch, MaskShape, Piece, make_batch, pieces_of, plan_batches
@@ -70,7 +69,7 @@ class Scorer:
     def run(self, requests: Iterator[ScoreRequest], stop: threading.Event) -> Iterator[list[Completion]]:
         """Each request's result (a one-item list, as the engine yields groups), as its forward pass finishes;
         refused requests at once. Stops between passes once `stop` is set."""
-        with quiet("transformers"), EngineScope(self.model, self.scope):
+        with EngineScope(self.model, self.scope):  # quiets transformers too (cbgen.engine.changes)
             window: list[ScoreRequest] = []
             for request in requests:
                 if stop.is_set():
