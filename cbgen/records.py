@@ -69,6 +69,7 @@ class Request:
     n: int | None = None  # its own number of sequences; None: the job's
     response_format: ResponseFormat | None = None  # the format its sequences follow
     top_logprobs: int = 0  # how many alternatives per token it wants (0: none)
+    min_tokens: int = 0  # stop strings count only where they end after this many tokens
     # the result cache (cbgen.result_cache): each sequence's key, and the sequences found there, when all were;
     # a request that arrives with `answered` set is yielded as it is by the engine (and the scorer), never run
     cache_keys: list[str] | None = None
@@ -99,7 +100,7 @@ class Completion:
     sample_index: int
     token_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "repetition" (the loop stop) | "error"
     error: str | None = None
     text: str | None = None  # set when a stop string cut the text; else the tokens decode to it
     rejected: bool = False  # failed before reaching the engine: the request itself is bad (or too long)
@@ -128,7 +129,7 @@ BASE_FIELDS: tuple[str, ...] = (
     "token_ids",
     "num_prompt_tokens",
     "num_generated_tokens",
-    "finish_reason",  # "stop" | "length" | "error"
+    "finish_reason",  # "stop" | "length" | "repetition" | "error"
     "error",  # None unless finish_reason is "error"
 )
 # One output row per scored input row (cbgen score), with its keys in this order; `token_ids`, `logprobs` and

@@ -139,6 +139,37 @@ class CallSettings(TypedDict, total=False):
     # generation.top_logprobs: Also write, for every generated token, this many (1-20) of the most likely tokens with
     # their logprobs, from the model's own distribution.
     top_logprobs: int | None
+    # generation.repetition_penalty: Divide the logit of every token already in the prompt or the generated text by
+    # this (multiply it when negative), as transformers and vLLM define it: 1 is off, 1.1-1.3 discourages repeats.
+    # Rows may carry their own.
+    repetition_penalty: float | None
+    # generation.presence_penalty: Subtract this from the logit of every token the sequence has generated at least
+    # once (OpenAI's definition, -2 to 2; positive favours new tokens). Rows may carry their own.
+    presence_penalty: float | None
+    # generation.frequency_penalty: Subtract this times the number of times a token was generated from its logit
+    # (OpenAI's definition, -2 to 2). Rows may carry their own.
+    frequency_penalty: float | None
+    # generation.no_repeat_ngram_size: Never let an n-gram of this many tokens occur twice in prompt and generated
+    # text together (transformers' definition). Rows may carry their own.
+    no_repeat_ngram_size: int | None
+    # generation.min_p: When sampling, drop the tokens whose probability is below this fraction of the most likely
+    # token's (after temperature, top-k and top-p). Rows may carry their own.
+    min_p: float | None
+    # generation.min_tokens: Generate at least this many tokens: end-of-sequence tokens are held back until then, and
+    # stop strings count only where they end after them. Rows may carry their own.
+    min_tokens: int | None
+    # generation.logit_bias: Add a bias to chosen tokens' logits: a JSON object of token id -> -100 to 100 (OpenAI's
+    # logit_bias; -100 bans a token, 100 all but forces it). Rows may carry their own.
+    logit_bias: dict
+    # generation.ignore_eos: Never choose an end-of-sequence token (as llama.cpp's --ignore-eos): every sequence runs
+    # to max_new_tokens, for benchmarks and fixed-length jobs.
+    ignore_eos: bool
+    # generation.loop_stop: End a sequence once its generated tokens end with one span (up to loop_stop_span tokens)
+    # repeated this many times in a row: finish_reason 'repetition', counted in the summary and run.json, instead of
+    # burning max_new_tokens on a loop. 4 catches the loops small models fall into. Default: off.
+    loop_stop: int | None
+    # generation.loop_stop_span: Longest span, in tokens, that the loop stop looks for.
+    loop_stop_span: int
     # generation.json_schema: Make every output a JSON value that validates against this JSON schema: a file, or the
     # schema inline. Rows may carry their own response_format.
     json_schema: str | None

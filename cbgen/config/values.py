@@ -12,6 +12,14 @@ from cbgen.config.batching import BATCHING_FIELDS, BATCHING_REDIRECTS, SCHEDULER
 from cbgen.config.sections import SECTIONS
 from cbgen.errors import CbgenError
 
+def _bias_ok(value: dict) -> bool:
+    try:
+        return all(int(k) >= 0 and isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100
+                   for k, b in value.items())
+    except (TypeError, ValueError):
+        return False
+
+
 # Range checks beyond the type: (predicate, what the value must be).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.cache_dir": (lambda v: v.strip() != "", "a directory path"),
@@ -41,6 +49,15 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "generation.stop_token_ids": (lambda v: all(t >= 0 for t in v), "a list of token ids (integers >= 0)"),
     "generation.stop": (lambda v: all(s != "" for s in v), "a list of non-empty strings"),
     "generation.top_logprobs": (lambda v: 1 <= v <= 20, "an integer from 1 to 20"),
+    "generation.repetition_penalty": (lambda v: v > 0, "a number above 0 (1 = off)"),
+    "generation.presence_penalty": (lambda v: -2 <= v <= 2, "a number from -2 to 2"),
+    "generation.frequency_penalty": (lambda v: -2 <= v <= 2, "a number from -2 to 2"),
+    "generation.no_repeat_ngram_size": (lambda v: v >= 1, "a positive integer"),
+    "generation.min_p": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+    "generation.min_tokens": (lambda v: v >= 0, "an integer of at least 0"),
+    "generation.logit_bias": (_bias_ok, 'a JSON object of token id -> bias from -100 to 100, such as {"50256": -100}'),
+    "generation.loop_stop": (lambda v: v >= 2, "an integer of at least 2 (repeats of one span)"),
+    "generation.loop_stop_span": (lambda v: 1 <= v <= 512, "an integer from 1 to 512"),
     "generation.regex": (lambda v: v != "", "a regular expression"),
     "generation.json_schema": (lambda v: v.strip() != "", "a JSON schema file or inline JSON"),
     "generation.grammar": (lambda v: v.strip() != "", "a grammar file"),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen.chat.formats import FormatError, ResponseFormat, job_format
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, RowError
-from cbgen.inputs.settings import MAX_TOP_LOGPROBS
+from cbgen.inputs.settings import CONTROL_SETTINGS, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate
@@ -35,6 +35,9 @@ class StepPlan:
     top_logprobs: int  # alternatives recorded per token (0: none)
     seeds: bool  # the job or some row gives a seed
     response_template: ResponseTemplate | None = None  # the model's: how it writes tool calls (required ones)
+    history: dict[str, Any] | None = None  # the job's history controls (cbgen.control.penalties), when some request
+    # has one (the job or a row)
+    eos: tuple[int, ...] = ()  # the end-of-sequence ids (min_tokens, ignore_eos and the loop stop hold them back)
 
     @classmethod
     def decide(cls, job: JobConfig, used: Set[str], columns: OutputColumns, do_sample: bool, vocab_size: int,
@@ -51,12 +54,16 @@ class StepPlan:
         except FormatError as e:  # checked before any model loads (cbgen.config.build): a library caller's job
             raise CbgenError(str(e)) from None
         top = g.top_logprobs or (MAX_TOP_LOGPROBS if "top_logprobs" in used else 0)
+        history = job_controls(job, vocab_size)
         plan = cls(vocab_size, fmt, fmt is not None or "response_format" in used, do_sample, columns.logprobs,
-                   top if columns.top_logprobs else 0, g.seed is not None or "seed" in used, response_template)
-        return plan if plan.formats or plan.capture or (plan.do_sample and (plan.seeds or own_draws)) else None
+                   top if columns.top_logprobs else 0, g.seed is not None or "seed" in used, response_template,
+                   history if history or used & set(CONTROL_SETTINGS) else None)
+        return plan if plan.formats or plan.capture or plan.history is not None \
+            or (plan.do_sample and (plan.seeds or own_draws)) else None
 
     def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None,
-                       grammars: Grammars | None) -> tuple[dict[str, Any], ResponseFormat | None]:
+                       grammars: Grammars | None, max_new_tokens: int = 0
+                       ) -> tuple[dict[str, Any], ResponseFormat | None]:
         """The processor kwargs of one request and the format it follows. Raises RowError when its format does not
         compile."""
         from cbgen.control.processor import GRAMMAR_KWARG, SEED_KWARG
@@ -75,7 +82,29 @@ class StepPlan:
         seed = settings.get("seed", job_seed)
         if seed is not None and self.do_sample:
             kwargs[SEED_KWARG] = request_seed(seed, record_id)
+        if self.history is not None:
+            controls = self.request_controls(settings, max_new_tokens)
+            if controls is not None:
+                from cbgen.control.penalties import CONTROLS_KWARG
+
+                kwargs[CONTROLS_KWARG] = controls
         return kwargs, fmt
+
+    def request_controls(self, settings: dict[str, Any], max_new_tokens: int) -> str | None:
+        """The key of a request's history controls (the row's over the job's), or None when it has none. Raises
+        RowError for a value that cannot apply to this model or this request."""
+        from cbgen.control.penalties import Controls
+
+        values = {**(self.history or {}), **{k: settings[k] for k in CONTROL_SETTINGS if k in settings}}
+        if values.get("min_tokens") and values["min_tokens"] > max_new_tokens:
+            raise RowError(f"min_tokens {values['min_tokens']} is more than the request's max_new_tokens "
+                           f"{max_new_tokens}: lower it, or raise the cap")
+        outside = [t for t in (values.get("logit_bias") or {}) if int(t) >= self.vocab_size]
+        if outside:
+            raise RowError(f"logit_bias names token {outside[0]}, outside the model's vocabulary of "
+                           f"{self.vocab_size}")
+        controls = Controls.of(values)
+        return controls.key() if controls.active else None
 
     def make_grammars(self, tokenizer: Any) -> Grammars | None:
         """The job's grammar compiler for `tokenizer`, when some request follows a format."""
@@ -90,7 +119,23 @@ class StepPlan:
         from cbgen.control.processor import StepControl
 
         return StepControl(vocab_size=self.vocab_size, grammars=grammars or self.make_grammars(tokenizer),
-                           do_sample=self.do_sample, capture=self.capture, top_logprobs=self.top_logprobs)
+                           do_sample=self.do_sample, capture=self.capture, top_logprobs=self.top_logprobs,
+                           eos=self.eos)
+
+
+def job_controls(job: JobConfig, vocab_size: int) -> dict[str, Any]:
+    """The job's own history controls (those set, by name), checked against the model's vocabulary."""
+    from cbgen.control.penalties import NEUTRAL
+
+    g = job.generation
+    values = {name: getattr(g, name) for name in NEUTRAL if getattr(g, name) not in (None, NEUTRAL[name])}
+    values.pop("loop_stop_span", None)
+    if values.get("loop_stop"):
+        values["loop_stop_span"] = g.loop_stop_span
+    outside = [t for t in g.logit_bias if int(t) >= vocab_size]
+    if outside:
+        raise CbgenError(f"--logit-bias names token {outside[0]}, outside the model's vocabulary of {vocab_size}")
+    return values
 
 
 def request_seed(seed: int, record_id: str) -> int:

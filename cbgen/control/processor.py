@@ -34,6 +34,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 
 from cbgen.chat.formats import ResponseFormat
 from cbgen.control.grammars import Grammars
+from cbgen.control.penalties import CONTROLS_KWARG, Controls, History, apply_history, apply_min_p
 from cbgen.records import sample_index
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class SequenceRecord:
     top: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token: the k most likely
     grammar: bool = False  # it followed a format
     accepted: bool = False  # its format was complete when it ended (or could end there)
+    looped: bool = False  # the loop stop ended it: its last token is the end-of-sequence it was given
 
 
 @dataclass
@@ -60,6 +62,7 @@ class _Sequence:
     seed: int | None = None
     sample_index: int = 0
     position: int = 0  # of the token this step draws: how many the sequence has generated before it
+    history: History | None = None  # its history controls' state, when it has any
 
 
 def uniform(seed: int, index: int, position: int) -> float:
@@ -104,7 +107,9 @@ class StepControl:
     """The state the two processors share: one entry per sequence in the engine, keyed by its manager id."""
 
     def __init__(self, *, vocab_size: int, grammars: Grammars | None, do_sample: bool, capture: bool,
-                 top_logprobs: int) -> None:
+                 top_logprobs: int, eos: tuple[int, ...] = ()) -> None:
+        self.eos = eos
+        self._controls: dict[str, Controls] = {}  # parsed once per distinct key
         self.vocab_words = (vocab_size + 31) // 32
         self.grammars = grammars
         self.do_sample = do_sample
@@ -140,7 +145,14 @@ class StepControl:
         """Before the forward pass: which sequence each logits row is, and their grammars' masks."""
         self._rows = [self._sequence(request.state) for request in requests_with_new_token]
         for request, sequence in zip(requests_with_new_token, self._rows):
-            sequence.position = len(request.state.generated_tokens)
+            state = request.state
+            initial, generated = state.initial_tokens, state.generated_tokens
+            # after a soft reset the generated tokens so far are part of initial_tokens: the prompt is the first
+            # _true_initial_tokens of them
+            prompt = getattr(state, "_true_initial_tokens", 0) or len(initial)
+            sequence.position = len(initial) + len(generated) - prompt
+            if sequence.history is not None:
+                sequence.history.sync(initial, generated, prompt)
         masked = [(sequence.matcher, i) for i, sequence in enumerate(self._rows) if sequence.matcher is not None]
         if masked:
             from llguidance.torch import fill_next_token_bitmask_par
@@ -154,6 +166,11 @@ class StepControl:
             kwargs = state.logit_processor_kwargs
             sequence = _Sequence(SequenceRecord(), seed=kwargs.get(SEED_KWARG),
                                  sample_index=sample_index(state.request_id))
+            controls = kwargs.get(CONTROLS_KWARG)
+            if controls:
+                if controls not in self._controls:
+                    self._controls[controls] = Controls.from_key(controls)
+                sequence.history = History(self._controls[controls])
             key = kwargs.get(GRAMMAR_KWARG)
             if key and self.grammars is not None:
                 sequence.matcher = self.grammars.matcher(ResponseFormat.from_key(key))
@@ -194,6 +211,9 @@ class StepControl:
             else:
                 index = torch.tensor(masked, device=scores.device)
                 scores[index] = scores[index].masked_fill(blocked[index], float("-inf"))
+        controlled = [(i, s.history) for i, s in enumerate(rows) if s.history is not None]
+        if controlled:
+            apply_history(scores, controlled, self.eos)
         return scores
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
@@ -201,6 +221,10 @@ class StepControl:
         if scores.size(0) < len(rows) or not rows:
             return scores
         live = scores[: len(rows)]
+        min_p = [(i, s.history.controls.min_p) for i, s in enumerate(rows)
+                 if s.history is not None and s.history.controls.min_p > 0 and not s.history.looped]
+        if min_p and self.do_sample:
+            apply_min_p(live, min_p)
         chosen = torch.argmax(live, dim=-1) if not self.do_sample else self._draw(live, rows)
         for i, sequence in enumerate(rows):
             token = int(chosen[i])
@@ -210,6 +234,8 @@ class StepControl:
                 if self.top_logprobs:
                     values, ids = torch.topk(raw, self.top_logprobs)
                     sequence.record.top.append((ids.tolist(), values.tolist()))
+            if sequence.history is not None and sequence.history.looped:
+                sequence.record.looped = True
             if sequence.matcher is not None:
                 sequence.matcher.consume_token(token)
                 sequence.record.accepted = sequence.matcher.is_accepting() or sequence.matcher.is_stopped()
@@ -236,7 +262,7 @@ def _blocked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class _Processor(ContinuousBatchingLogitsProcessor):
-    supported_kwargs: dict[str, type] = {GRAMMAR_KWARG: str, SEED_KWARG: int}
+    supported_kwargs: dict[str, type] = {GRAMMAR_KWARG: str, SEED_KWARG: int, CONTROLS_KWARG: str}
     ignored_kwargs: tuple[str, ...] = ()
 
     def __init__(self, control: StepControl) -> None:

@@ -334,7 +334,7 @@ class Engine:
         stopped = None
         tokens = list(result.generated_tokens)
         if entry.stop is not None and result.error is None:
-            stopped = entry.stop.find(tokens, entry.checked.get(sample_index, 0))
+            stopped = entry.stop.find(tokens, entry.checked.get(sample_index, 0), hold=entry.request.min_tokens)
             entry.checked[sample_index] = len(tokens)
         if stopped is None and not result.is_finished():
             return None  # a streamed step
@@ -366,6 +366,10 @@ class Engine:
                 completion.error = ("a stop string ended the sequence before its response_format was complete: "
                                     f"{entry.request.stop!r}")
             return completion
+        if record is not None and record.looped and result.error is None:  # the loop stop: drop the end it forced
+            cut = len(tokens) - (1 if tokens and tokens[-1] in self.settings.eos_token_ids else 0)
+            return Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
+                              "repetition", None, top_logprobs=top[:cut] if top else top)
         reason = self._finish_reason(tokens, entry.max_new_tokens, result.error)
         error = str(result.error) if result.error is not None else None
         return Completion(entry.request, sample_index, tokens, logprobs, reason, error, top_logprobs=top)

@@ -10,7 +10,7 @@ plan; none works them out again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,6 +107,8 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
     hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
     g = job.generation
+    if steps is not None:
+        steps = replace(steps, eos=tuple(sorted(eos)))
     settings = EngineSettings(
         spec=ManagerSpec(generation_config, cb_config, hints, scope, steps),
         max_in_flight=window,

@@ -15,12 +15,15 @@ class StopStrings:
         # a token decodes to at least one byte: this many tokens hold any stop string, with room for merges
         self.window = 4 * max(len(s.encode("utf-8")) for s in stops) + 4
 
-    def find(self, tokens: list[int], start: int) -> tuple[int, str] | None:
-        """The first k > start such that tokens[:k] show a stop string, with the text cut before it; or None."""
-        for k in range(max(start, 0) + 1, len(tokens) + 1):
+    def find(self, tokens: list[int], start: int, hold: int = 0) -> tuple[int, str] | None:
+        """The first k > start such that tokens[:k] show a stop string, with the text cut before it; or None.
+        `hold` (min_tokens): only a stop string that ends after the text of the first `hold` tokens counts."""
+        floor = len(self.decode(tokens[:hold])) if hold and len(tokens) >= hold else 0
+        for k in range(max(start, hold, 0) + 1, len(tokens) + 1):
             tail = self.decode(tokens[max(0, k - self.window):k])
             if any(stop in tail for stop in self.stops):
                 text = self.decode(tokens[:k])
-                cut = min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=len(text))
-                return k, text[:cut]
+                found = [i for i in (text.find(stop, max(0, floor - len(stop) + 1)) for stop in self.stops) if i >= 0]
+                if found:
+                    return k, text[:min(found)]
         return None

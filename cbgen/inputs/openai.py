@@ -2,7 +2,9 @@
 
 A file made for OpenAI's batch service runs unchanged: `custom_id` is the id, the body's `messages` (chat, through
 the model's chat template) or `prompt` (completions, tokenized as is) is the prompt, and the body's `max_tokens` /
-`max_completion_tokens`, `temperature`, `top_p`, `n`, `stop` and `logprobs` become the row's own settings. Body
+`max_completion_tokens`, `temperature`, `top_p`, `n`, `stop`, `logprobs`, `presence_penalty`, `frequency_penalty`
+and `logit_bias` (and vLLM's `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `ignore_eos`) become the row's
+own settings. Body
 fields cbgen cannot honour are reported once each (`notices`), never silently dropped.
 """
 
@@ -24,7 +26,9 @@ from cbgen.records import PromptRecord
 # Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).
 HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
             "logprobs", "top_logprobs", "seed", "response_format", "tools", "tool_choice", "reasoning_effort",
-            "chat_template_kwargs"}
+            "chat_template_kwargs", "presence_penalty", "frequency_penalty", "logit_bias",
+            # vLLM's extensions of the same body
+            "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "top_k"}
 NO_EFFECT = {"stream": "streaming does not apply to a batch", "user": "kept by OpenAI for abuse monitoring only",
              "metadata": "not used", "store": "not used", "parallel_tool_calls": "not used"}
 NOT_HONOURED = {
@@ -63,7 +67,8 @@ class OpenAIBatchReader(JsonlReader):
 
     # body fields that shape the samplers, the count or the step control
     settings_keys = ("temperature", "top_p", "logprobs", "n", "top_logprobs", "seed", "response_format",
-                     "tool_choice")
+                     "tool_choice", "top_k", "presence_penalty", "frequency_penalty", "logit_bias",
+                     "repetition_penalty", "min_p", "min_tokens", "ignore_eos")
 
     def settings_present(self) -> set[str] | None:
         found = super().settings_present()
@@ -158,7 +163,8 @@ class OpenAIBatchReader(JsonlReader):
                 self._notice(f"body field {key!r} does not apply: {NOT_HONOURED[key]}")
             else:
                 self._notice(f"body field {key!r} is not supported by cbgen and was ignored")
-        taken = ("temperature", "top_p", "n", "stop", "seed", "response_format")
+        taken = ("temperature", "top_p", "n", "stop", "seed", "response_format", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "top_k")
         values: dict[str, Any] = {k: body.get(k) for k in taken}
         names = {k: f"body.{k}" for k in taken}
         cap_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

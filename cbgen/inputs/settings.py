@@ -1,7 +1,8 @@
 """A row's own generation settings: which ones rows may carry, and their checks.
 
-A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `seed`, `top_logprobs` and
-`response_format` (an OpenAI batch line's body also `n` and `logprobs`); each is checked here, before the engine
+A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `seed`, `top_logprobs`, `response_format`
+and the history controls (`repetition_penalty`, `presence_penalty`, `frequency_penalty`, `no_repeat_ngram_size`,
+`min_p`, `min_tokens`, `logit_bias`, `ignore_eos`; an OpenAI batch line's body also `n` and `logprobs`); each is checked here, before the engine
 sees it, so a bad value becomes that row's error record instead of a failure inside the generation loop
 (transformers checks only types, and raises or drops the rest).
 """
@@ -104,6 +105,55 @@ def _seed(value: Any, field: str) -> int:
     return v
 
 
+def _penalty(value: Any, field: str) -> float:
+    v = _number(value)
+    if v is None or not -2 <= v <= 2:
+        raise _invalid(field, value, "a number from -2 to 2 (OpenAI's range; 0 = off)")
+    return v
+
+
+def _repetition_penalty(value: Any, field: str) -> float:
+    v = _number(value)
+    if v is None or v <= 0:
+        raise _invalid(field, value, "a number above 0 (1 = off; above 1 discourages repeats)")
+    return v
+
+
+def _min_p(value: Any, field: str) -> float:
+    v = _number(value)
+    if v is None or not 0 <= v <= 1:
+        raise _invalid(field, value, "a number in [0, 1] (0 = off)")
+    return v
+
+
+def _count(value: Any, field: str) -> int:
+    v = _integer(value)
+    if v is None or v < 0:
+        raise _invalid(field, value, "an integer >= 0 (0 = off)")
+    return v
+
+
+def _flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(field, value, "true or false")
+    return value
+
+
+def _logit_bias(value: Any, field: str) -> dict[int, float]:
+    """OpenAI's logit_bias: token id (a JSON key, so a string of digits) -> a bias from -100 to 100."""
+    if not isinstance(value, dict):
+        raise _invalid(field, value, "an object of token id -> bias from -100 to 100")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = _integer(key) if not isinstance(key, str) else (int(key) if key.strip().isdigit() else None)
+        number = _number(bias)
+        if token is None or token < 0 or number is None or not -100 <= number <= 100:
+            raise RowError(f"{field!r} must map token ids (integers >= 0) to biases from -100 to 100, got "
+                           f"{key!r}: {_show(bias)}")
+        out[token] = number
+    return out
+
+
 def _response_format(value: Any, field: str) -> Any:
     """A ResponseFormat, or None for text; its own message names the part that is wrong."""
     from cbgen.chat.formats import FormatError, parse_response_format
@@ -127,10 +177,23 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "top_logprobs": _top_logprobs,
     "seed": _seed,
     "response_format": _response_format,
+    "repetition_penalty": _repetition_penalty,
+    "presence_penalty": _penalty,
+    "frequency_penalty": _penalty,
+    "no_repeat_ngram_size": _count,
+    "min_p": _min_p,
+    "min_tokens": _count,
+    "logit_bias": _logit_bias,
+    "ignore_eos": _flag,
 }
 # What a row of a plain file may set, by these field names. `n` and `logprobs` come only from OpenAI batch bodies,
 # where their meaning is fixed: in a plain file they are too likely to be some other column of the user's.
-ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "top_logprobs", "response_format")
+ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "top_logprobs", "response_format",
+                "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "min_p",
+                "min_tokens", "logit_bias", "ignore_eos")
+# the history controls (cbgen.control.penalties): the step control applies them
+CONTROL_SETTINGS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "min_p",
+                    "min_tokens", "logit_bias", "ignore_eos")
 SAMPLING_SETTINGS = ("temperature", "top_p", "top_k")  # these need the engine's samplers to exist up front
 
 

@@ -100,7 +100,8 @@ def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: 
 
     workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole)
     engine = plan_engine(job, loaded, workload, sampling, steps, job.run.data_parallel)
-    return JobPlan(rendering.template, rendering.render, sampling, steps, workload, engine, columns, facts.ids)
+    return JobPlan(rendering.template, rendering.render, sampling, engine.settings.spec.control, workload, engine,
+                   columns, facts.ids)
 
 
 def used_settings(present: Set[str] | None, head: Iterable[PromptRecord]) -> frozenset[str]:

@@ -44,10 +44,13 @@ class RequestSettings:
         sampling = self.plan.sampling.request_kwargs(settings)
         steps = self.plan.steps
         if steps is not None:
-            kwargs, request.response_format = steps.request_kwargs(request.record.id, settings, g.seed, self.grammars)
+            cap = settings.get("max_new_tokens", g.max_new_tokens)
+            kwargs, request.response_format = steps.request_kwargs(request.record.id, settings, g.seed, self.grammars,
+                                                                   cap)
             sampling |= kwargs
             request.top_logprobs = top_logprobs_of(g, settings)
         request.sampling = sampling
         request.n = n
         request.max_new_tokens = settings.get("max_new_tokens")
         request.stop = tuple(dict.fromkeys([*g.stop, *settings.get("stop", ())]))
+        request.min_tokens = int(settings.get("min_tokens", g.min_tokens or 0))

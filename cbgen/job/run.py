@@ -115,7 +115,7 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     fingerprint = job_fingerprint(job, source, sharding) | ({"pipeline": lineage} if lineage is not None else {})
     with directory.open(fingerprint, stored_job(job), reader.ids.to_dict(), job.run.redo):
         summary = RunSummary(output_dir=directory.path, model=source.name, shard=sharding, ids=reader.ids,
-                             kind=job.kind)
+                             kind=job.kind, max_new_tokens=job.generation.max_new_tokens)
         summary.add_done(directory.done)
         return _Run(job, reader, source, sharding, directory, summary, progress, stop, started, tp, models).execute()
 

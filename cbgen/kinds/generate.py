@@ -33,7 +33,8 @@ class Generate(Kind):
         return {"requests": summary.requests, "failed_requests": summary.failed_requests,
                 "sequences": summary.sequences, "succeeded": summary.succeeded, "failed": summary.failed,
                 "prompt_tokens": summary.prompt_tokens, "generated_tokens": summary.generated_tokens,
-                "resumed_requests": summary.resumed_requests}
+                "resumed_requests": summary.resumed_requests, "loop_stopped": summary.loop_stopped,
+                "loop_tokens_saved": summary.loop_tokens_saved}
 
     def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
         throughput = summary.throughput()
@@ -47,6 +48,9 @@ class Generate(Kind):
             ("prompt + generated tokens/s", f"{throughput['total_tokens_per_s']:,.1f}"),
             self.timings_row(summary, duration, "generation"),
         ]
+        if summary.loop_stopped:
+            rows.append(("ended by the loop stop", f"{plural(summary.loop_stopped, 'sequence')}, "
+                                                   f"{summary.loop_tokens_saved:,} tokens not spent on loops"))
         formats = summary.step_control.get("formats_compiled")
         if formats:
             rows.append(("output formats", f"{plural(formats, 'grammar')} compiled in "

@@ -37,6 +37,8 @@ class RunSummary:
     failed_requests: int = 0
     sequences: int = 0
     failed: int = 0  # sequences
+    loop_stopped: int = 0  # sequences this run ended by the loop stop (finish_reason "repetition")
+    loop_tokens_saved: int = 0  # what those would have generated more, up to their token cap
     prompt_tokens: int = 0
     generated_tokens: int = 0
     resumed_requests: int = 0  # requests already done when this run started
@@ -59,6 +61,7 @@ class RunSummary:
     kind: str = "generate"  # "score": a scoring job, whose "generated" tokens are the scored ones
     scorer: dict[str, Any] = field(default_factory=dict)  # a scoring job's forward passes and settings
     result_cache: dict[str, Any] = field(default_factory=dict)  # on or off, hits and misses (cbgen.result_cache)
+    max_new_tokens: int = 0  # the job's token cap (for the loop stop's tokens saved)
 
     def record_plan(self, plan: JobPlan) -> None:
         """What run.json says of the job's plan: how the KV cache was sized and which sampler stages run."""
@@ -96,6 +99,10 @@ class RunSummary:
         """Counts one finished request; returns how many of its sequences failed. One the result cache answered
         counts in the totals, not in this run's throughput."""
         failed = sum(c.finish_reason == "error" for c in group)
+        looped = [c for c in group if c.finish_reason == "repetition"]
+        self.loop_stopped += len(looped)
+        cap = group[0].request.max_new_tokens or self.max_new_tokens
+        self.loop_tokens_saved += sum(max(0, cap - len(c.token_ids)) for c in looped)
         generated = sum(len(c.token_ids) for c in group)
         computed = group[0].request.answered is None
         self.requests += 1
