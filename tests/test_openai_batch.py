@@ -31,7 +31,7 @@ BATCH = [
                               "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "},
                                                                          {"type": "text", "text": "there"}]}]}),
     line("cmpl-n2", COMPLETIONS, {"model": "gpt-3.5-turbo-instruct", "prompt": "Once upon a time", "max_tokens": 4,
-                                  "temperature": 0.9, "n": 2, "frequency_penalty": 0.5}),
+                                  "temperature": 0.9, "n": 2, "frequency_penalty": 0.5, "best_of": 3}),
     line("cmpl-ids", COMPLETIONS, {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0}),
     '{"custom_id": "broken", "method": "POST", "url": ',  # malformed JSON
     line("bad-url", "/v1/embeddings", {"model": "m", "input": "x"}),
@@ -66,7 +66,7 @@ def test_batch_file_is_detected_and_read(tmp_path):
     assert records["chat-parts"].settings == {"max_new_tokens": 5, "seed": 7}  # max_completion_tokens; its seed
     completion = records["cmpl-n2"]
     assert completion.prompt == "Once upon a time" and completion.raw is True
-    assert completion.settings == {"temperature": 0.9, "max_new_tokens": 4, "n": 2}
+    assert completion.settings == {"temperature": 0.9, "max_new_tokens": 4, "n": 2, "frequency_penalty": 0.5}
     assert records["cmpl-ids"].input_ids == [1, 2, 3, 4]
     assert records["4"].error.startswith("invalid JSON")  # the malformed line keeps its place, by row number
     assert "'url' must be /v1/chat/completions or /v1/completions" in records["bad-url"].error
@@ -74,7 +74,7 @@ def test_batch_file_is_detected_and_read(tmp_path):
     assert "non-text content parts" in records["image"].error
     assert reader.notices == {
         "body field 'model' does not apply: cbgen answers with its --model": 5,  # lines rejected earlier: not seen
-        "body field 'frequency_penalty' is not supported by cbgen and was ignored": 1,
+        "body field 'best_of' is not supported by cbgen and was ignored": 1,
     }
 
 

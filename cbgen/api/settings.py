@@ -168,8 +168,8 @@ class CallSettings(TypedDict, total=False):
     # repeated this many times in a row: finish_reason 'repetition', counted in the summary and run.json, instead of
     # burning max_new_tokens on a loop. 4 catches the loops small models fall into. Default: off.
     loop_stop: int | None
-    # generation.loop_stop_span: Longest span, in tokens, that the loop stop looks for.
-    loop_stop_span: int
+    # generation.loop_stop_span: Longest span, in tokens, that the loop stop looks for. Default: 32.
+    loop_stop_span: int | None
     # generation.json_schema: Make every output a JSON value that validates against this JSON schema: a file, or the
     # schema inline. Rows may carry their own response_format.
     json_schema: str | None

@@ -110,7 +110,8 @@ def check_combinations(job: JobConfig) -> None:
     _check_format(job)
     if g.min_tokens is not None and g.min_tokens > g.max_new_tokens:
         raise CbgenError(f"{spelled('generation', 'min_tokens', str(g.min_tokens))} is more than "
-                         f"{spelled('generation', 'max_new_tokens', str(g.max_new_tokens))}: lower it, or raise the cap")
+                         f"{spelled('generation', 'max_new_tokens', str(g.max_new_tokens))}: lower it, or raise "
+                         "the cap")
     if g.num_return_sequences > 1 and not job.do_sample:
         raise CbgenError(
             f"--num-return-sequences {g.num_return_sequences} needs sampling (greedy would return the same text "

@@ -195,7 +195,7 @@ class GenerationSection:
         None, "End a sequence once its generated tokens end with one span (up to loop_stop_span tokens) repeated "
         "this many times in a row: finish_reason 'repetition', counted in the summary and run.json, instead of "
         "burning max_new_tokens on a loop. 4 catches the loops small models fall into. Default: off.")
-    loop_stop_span: int = setting(32, "Longest span, in tokens, that the loop stop looks for.")
+    loop_stop_span: int | None = setting(None, "Longest span, in tokens, that the loop stop looks for. Default: 32.")
     json_schema: str | None = setting(
         None, "Make every output a JSON value that validates against this JSON schema: a file, or the schema "
         "inline. Rows may carry their own response_format.")

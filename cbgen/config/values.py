@@ -12,6 +12,7 @@ from cbgen.config.batching import BATCHING_FIELDS, BATCHING_REDIRECTS, SCHEDULER
 from cbgen.config.sections import SECTIONS
 from cbgen.errors import CbgenError
 
+
 def _bias_ok(value: dict) -> bool:
     try:
         return all(int(k) >= 0 and isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100

@@ -131,7 +131,7 @@ def job_controls(job: JobConfig, vocab_size: int) -> dict[str, Any]:
     values = {name: getattr(g, name) for name in NEUTRAL if getattr(g, name) not in (None, NEUTRAL[name])}
     values.pop("loop_stop_span", None)
     if values.get("loop_stop"):
-        values["loop_stop_span"] = g.loop_stop_span
+        values["loop_stop_span"] = g.loop_stop_span or NEUTRAL["loop_stop_span"]
     outside = [t for t in g.logit_bias if int(t) >= vocab_size]
     if outside:
         raise CbgenError(f"--logit-bias names token {outside[0]}, outside the model's vocabulary of {vocab_size}")

@@ -2,9 +2,9 @@
 
 A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `seed`, `top_logprobs`, `response_format`
 and the history controls (`repetition_penalty`, `presence_penalty`, `frequency_penalty`, `no_repeat_ngram_size`,
-`min_p`, `min_tokens`, `logit_bias`, `ignore_eos`; an OpenAI batch line's body also `n` and `logprobs`); each is checked here, before the engine
-sees it, so a bad value becomes that row's error record instead of a failure inside the generation loop
-(transformers checks only types, and raises or drops the rest).
+`min_p`, `min_tokens`, `logit_bias`, `ignore_eos`; an OpenAI batch line's body also `n` and `logprobs`); each is
+checked here, before the engine sees it, so a bad value becomes that row's error record instead of a failure inside
+the generation loop (transformers checks only types, and raises or drops the rest).
 """
 
 from __future__ import annotations
