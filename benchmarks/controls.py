@@ -1,5 +1,5 @@
 """What the history controls cost: the same seeded job with every control on (repetition, presence and frequency
-penalties, no_repeat_ngram_size, min_p, min_tokens, logit_bias, the loop stop) and with none, on one loaded model,
+penalties, no_repeat_ngram_size, min_p, min_tokens, logit_bias, bad words, the loop stop) and with none, on one loaded model,
 runs interleaved, per generated token. Prints each run's seconds per generated token and the ratio (goal <= 1.10).
 
     python benchmarks/controls.py                    # the embedded model, 32 prompts, 96 new tokens, 2 rounds
@@ -17,7 +17,8 @@ import time
 import cbgen
 
 CONTROLS = {"repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.2, "no_repeat_ngram_size": 6,
-            "min_p": 0.05, "min_tokens": 8, "logit_bias": {"28": -5}, "loop_stop": 4}
+            "min_p": 0.05, "min_tokens": 8, "logit_bias": {"28": -5}, "bad_words": ["delve", "tapestry"],
+            "loop_stop": 4}
 TOPICS = ["rivers", "volcanoes", "bread", "chess", "owls", "trains", "glass", "tides"]
 
 

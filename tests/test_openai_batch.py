@@ -31,7 +31,7 @@ BATCH = [
                               "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "},
                                                                          {"type": "text", "text": "there"}]}]}),
     line("cmpl-n2", COMPLETIONS, {"model": "gpt-3.5-turbo-instruct", "prompt": "Once upon a time", "max_tokens": 4,
-                                  "temperature": 0.9, "n": 2, "frequency_penalty": 0.5, "best_of": 3}),
+                                  "temperature": 0.9, "n": 2, "frequency_penalty": 0.5, "best_of": 2}),
     line("cmpl-ids", COMPLETIONS, {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0}),
     '{"custom_id": "broken", "method": "POST", "url": ',  # malformed JSON
     line("bad-url", "/v1/embeddings", {"model": "m", "input": "x"}),
@@ -74,7 +74,6 @@ def test_batch_file_is_detected_and_read(tmp_path):
     assert "non-text content parts" in records["image"].error
     assert reader.notices == {
         "body field 'model' does not apply: cbgen answers with its --model": 5,  # lines rejected earlier: not seen
-        "body field 'best_of' is not supported by cbgen and was ignored": 1,
     }
 
 
@@ -174,3 +173,21 @@ def test_keep_columns_refused_with_openai_output(tiny_model_dir, tmp_path, capsy
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "tag": 1}])
     assert run(tiny_model_dir, path, "-o", tmp_path / "o", "--output-format", "openai", "--keep-columns", "tag") == 2
     assert "--keep-columns does not apply to --output-format openai" in capsys.readouterr().err
+
+
+def test_lines_asking_what_cannot_be_honoured_are_refused_with_the_reason(tmp_path):
+    ask = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    lines = [line("best-of", CHAT, ask | {"best_of": 3, "n": 1}),
+             line("best-of-n", CHAT, ask | {"best_of": 2, "n": 2}),
+             line("audio", CHAT, ask | {"modalities": ["text", "audio"]}),
+             line("text-only", CHAT, ask | {"modalities": ["text"], "stream": False, "prediction": {"type": "content"}}),
+             line("unknown", CHAT, ask | {"foo": 1}),
+             line("unset", CHAT, ask | {"verbosity": None})]
+    records = {r.id: r for r in open_reader(write_jsonl(tmp_path / "batch.jsonl", lines))}
+    assert "body field 'best_of' cannot be honoured (cbgen returns every sequence" in records["best-of"].error
+    assert "body field 'modalities' cannot be honoured (cbgen runs text models" in records["audio"].error
+    assert "body field 'foo' cannot be honoured (cbgen does not know it)" in records["unknown"].error
+    assert "remove the field" in records["unknown"].error
+    for ok in ("best-of-n", "text-only", "unset"):
+        assert records[ok].error is None, ok
+    assert records["best-of-n"].settings == {"n": 2}

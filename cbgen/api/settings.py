@@ -161,6 +161,10 @@ class CallSettings(TypedDict, total=False):
     # generation.logit_bias: Add a bias to chosen tokens' logits: a JSON object of token id -> -100 to 100 (OpenAI's
     # logit_bias; -100 bans a token, 100 all but forces it). Rows may carry their own.
     logit_bias: dict
+    # generation.bad_words: Text the model must never write: a token that would complete a bad word in the text so far
+    # is banned, whatever tokens would spell it (not only the word's own tokenization). Rows may add their own, also
+    # as token-id lists (transformers' bad_words_ids).
+    bad_words: list[str]
     # generation.ignore_eos: Never choose an end-of-sequence token (as llama.cpp's --ignore-eos): every sequence runs
     # to max_new_tokens, for benchmarks and fixed-length jobs.
     ignore_eos: bool

@@ -111,6 +111,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("generation", "min_tokens", ("--min-tokens",), int, PANEL_GENERATION, metavar="N"),
     JobOption("generation", "logit_bias", ("--logit-bias",), str, PANEL_GENERATION, metavar="JSON"),
     JobOption("generation", "ignore_eos", ("--ignore-eos/--no-ignore-eos",), bool, PANEL_GENERATION),
+    JobOption("generation", "bad_words", ("--bad-word",), list[str], PANEL_GENERATION, metavar="TEXT"),
     JobOption("generation", "loop_stop", ("--loop-stop",), int, PANEL_GENERATION, metavar="K"),
     JobOption("generation", "loop_stop_span", ("--loop-stop-span",), int, PANEL_GENERATION, metavar="TOKENS"),
     JobOption("generation", "chat_template_kwargs", ("--chat-template-kwargs",), str, PANEL_GENERATION,

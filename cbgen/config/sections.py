@@ -188,6 +188,10 @@ class GenerationSection:
     logit_bias: dict = setting(
         {}, "Add a bias to chosen tokens' logits: a JSON object of token id -> -100 to 100 (OpenAI's logit_bias; "
         "-100 bans a token, 100 all but forces it). Rows may carry their own.")
+    bad_words: list[str] = setting(
+        [], "Text the model must never write: a token that would complete a bad word in the text so far is banned, "
+        "whatever tokens would spell it (not only the word's own tokenization). Rows may add their own, also as "
+        "token-id lists (transformers' bad_words_ids).")
     ignore_eos: bool = setting(
         False, "Never choose an end-of-sequence token (as llama.cpp's --ignore-eos): every sequence runs to "
         "max_new_tokens, for benchmarks and fixed-length jobs.")

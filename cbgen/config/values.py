@@ -57,6 +57,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "generation.min_p": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
     "generation.min_tokens": (lambda v: v >= 0, "an integer of at least 0"),
     "generation.logit_bias": (_bias_ok, 'a JSON object of token id -> bias from -100 to 100, such as {"50256": -100}'),
+    "generation.bad_words": (lambda v: all(s != "" for s in v), "a list of non-empty strings"),
     "generation.loop_stop": (lambda v: v >= 2, "an integer of at least 2 (repeats of one span)"),
     "generation.loop_stop_span": (lambda v: 1 <= v <= 512, "an integer from 1 to 512"),
     "generation.regex": (lambda v: v != "", "a regular expression"),

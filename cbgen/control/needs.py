@@ -8,6 +8,7 @@ step control from it (`StepPlan.control`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Set
 from dataclasses import dataclass
@@ -91,19 +92,34 @@ class StepPlan:
         return kwargs, fmt
 
     def request_controls(self, settings: dict[str, Any], max_new_tokens: int) -> str | None:
-        """The key of a request's history controls (the row's over the job's), or None when it has none. Raises
-        RowError for a value that cannot apply to this model or this request."""
+        """The key of a request's history controls (the row's over the job's; a row's bad words add to the job's),
+        or None when it has none. Raises RowError for a row's value that cannot apply to this model or request."""
         from cbgen.control.penalties import Controls
 
-        values = {**(self.history or {}), **{k: settings[k] for k in CONTROL_SETTINGS if k in settings}}
+        own = {k: settings[k] for k in CONTROL_SETTINGS if k in settings}
+        job = self.history or {}
+        if not own and (not job.get("min_tokens") or job["min_tokens"] <= max_new_tokens):
+            return self.job_key
+        values = {**job, **own}
         if values.get("min_tokens") and values["min_tokens"] > max_new_tokens:
             raise RowError(f"min_tokens {values['min_tokens']} is more than the request's max_new_tokens "
                            f"{max_new_tokens}: lower it, or raise the cap")
-        outside = [t for t in (values.get("logit_bias") or {}) if int(t) >= self.vocab_size]
-        if outside:
-            raise RowError(f"logit_bias names token {outside[0]}, outside the model's vocabulary of "
-                           f"{self.vocab_size}")
+        for name, ids in (("logit_bias", own.get("logit_bias") or {}),
+                          ("bad_words", [t for w in own.get("bad_words", ()) if not isinstance(w, str) for t in w])):
+            outside = [t for t in ids if int(t) >= self.vocab_size]
+            if outside:
+                raise RowError(f"{name} names token {outside[0]}, outside the model's vocabulary of {self.vocab_size}")
+        if "bad_words" in own:
+            values["bad_words"] = [*job.get("bad_words", ()), *own["bad_words"]]
         controls = Controls.of(values)
+        return controls.key() if controls.active else None
+
+    @functools.cached_property
+    def job_key(self) -> str | None:
+        """The key of the job's own history controls (a request without its own), made once."""
+        from cbgen.control.penalties import Controls
+
+        controls = Controls.of(self.history or {})
         return controls.key() if controls.active else None
 
     def make_grammars(self, tokenizer: Any) -> Grammars | None:
@@ -120,7 +136,7 @@ class StepPlan:
 
         return StepControl(vocab_size=self.vocab_size, grammars=grammars or self.make_grammars(tokenizer),
                            do_sample=self.do_sample, capture=self.capture, top_logprobs=self.top_logprobs,
-                           eos=self.eos)
+                           eos=self.eos, tokenizer=tokenizer)
 
 
 def job_controls(job: JobConfig, vocab_size: int) -> dict[str, Any]:

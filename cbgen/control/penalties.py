@@ -12,7 +12,8 @@ differs only where two of them meet on one token):
     2. repetition_penalty (transformers/vLLM: over prompt and generated tokens; a positive logit divided, a negative
        one multiplied)
     3. presence_penalty and frequency_penalty (OpenAI: over generated tokens, logit - count * frequency - presence)
-    4. no_repeat_ngram_size (an n-gram of prompt and generated tokens never occurs twice)
+    4. no_repeat_ngram_size (an n-gram of prompt and generated tokens never occurs twice), then bad_words
+       (cbgen.control.bad_words: token sequences and text never generated)
     5. min_tokens and ignore_eos (end-of-sequence tokens masked until then / always)
     6. transformers' temperature, top-k and top-p
     7. min_p (tokens below min_p times the most likely one's probability removed), then the draw or the argmax.
@@ -29,12 +30,14 @@ from typing import Any
 
 import torch
 
+from cbgen.control.bad_words import BadWord, BadWords
+
 CONTROLS_KWARG = "controls"  # a request's Controls (Controls.key), as a processor kwarg
 
 # The settings this module honours, each with its neutral value (the value that changes nothing).
 NEUTRAL: dict[str, Any] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                            "no_repeat_ngram_size": 0, "min_p": 0.0, "min_tokens": 0, "logit_bias": {},
-                           "ignore_eos": False, "loop_stop": 0, "loop_stop_span": 32}
+                           "bad_words": [], "ignore_eos": False, "loop_stop": 0, "loop_stop_span": 32}
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Controls:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[BadWord, ...] = ()  # strings (banned as text) and token-id sequences
     ignore_eos: bool = False
     loop_stop: int = 0  # end once the generated tokens end with one span repeated this many times (0: off)
     loop_stop_span: int = 32  # the longest span the loop stop looks for, in tokens
@@ -55,8 +59,10 @@ class Controls:
     @classmethod
     def of(cls, values: dict[str, Any]) -> Controls:
         bias = values.get("logit_bias") or {}
-        fields = {k: v for k, v in values.items() if k in NEUTRAL and k != "logit_bias" and v is not None}
-        return cls(**fields, logit_bias=tuple(sorted((int(k), float(v)) for k, v in bias.items())))
+        fields = {k: v for k, v in values.items()
+                  if k in NEUTRAL and k not in ("logit_bias", "bad_words") and v is not None}
+        return cls(**fields, logit_bias=tuple(sorted((int(k), float(v)) for k, v in bias.items())),
+                   bad_words=_bad_words(values.get("bad_words") or ()))
 
     @property
     def active(self) -> bool:
@@ -69,7 +75,14 @@ class Controls:
     def from_key(cls, key: str) -> Controls:
         data = json.loads(key)
         data["logit_bias"] = tuple((int(t), float(b)) for t, b in data["logit_bias"])
+        data["bad_words"] = _bad_words(data["bad_words"])
         return cls(**data)
+
+
+def _bad_words(words) -> tuple[BadWord, ...]:
+    """Bad words in one order, each once: strings as they are, token-id sequences as tuples."""
+    unique = {w if isinstance(w, str) else tuple(int(t) for t in w) for w in words}
+    return tuple(sorted(unique, key=lambda w: (isinstance(w, str), str(w))))
 
 
 @dataclass
@@ -83,6 +96,7 @@ class History:
     counts: Counter = field(default_factory=Counter)  # generated tokens (presence and frequency penalties)
     ngrams: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # (n-1)-gram -> tokens that followed it
     looped: bool = False  # the loop stop has seen a loop: the next step ends the sequence
+    bad: BadWords | None = None  # its bad words, compiled (by the step control, which has the tokenizer)
 
     def sync(self, initial: list[int], generated: list[int], prompt_length: int) -> None:
         """Takes in the sequence's tokens (`initial` then `generated`, as the engine holds them) not seen yet; the
@@ -154,6 +168,9 @@ def apply_history(scores: torch.Tensor, rows: list[tuple[int, History]], eos: tu
         banned = history.banned_ngram_tokens()
         if banned:
             row[torch.tensor(sorted(banned), device=row.device)] = float("-inf")
+        if history.bad is not None:
+            for ids in history.bad.banned(history.tokens):
+                row[ids.to(row.device)] = float("-inf")
         if eos and (c.ignore_eos or history.generated < c.min_tokens):
             row[torch.tensor(eos, device=row.device)] = float("-inf")
 

@@ -26,13 +26,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
 from cbgen.chat.formats import ResponseFormat
+from cbgen.control.bad_words import BadWords, VocabText
 from cbgen.control.grammars import Grammars
 from cbgen.control.penalties import CONTROLS_KWARG, Controls, History, apply_history, apply_min_p
 from cbgen.records import sample_index
@@ -107,9 +108,12 @@ class StepControl:
     """The state the two processors share: one entry per sequence in the engine, keyed by its manager id."""
 
     def __init__(self, *, vocab_size: int, grammars: Grammars | None, do_sample: bool, capture: bool,
-                 top_logprobs: int, eos: tuple[int, ...] = ()) -> None:
+                 top_logprobs: int, eos: tuple[int, ...] = (), tokenizer: Any = None) -> None:
         self.eos = eos
-        self._controls: dict[str, Controls] = {}  # parsed once per distinct key
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer  # for bad words given as text
+        self._vocab_text: VocabText | None = None
+        self._controls: dict[str, tuple[Controls, BadWords | None]] = {}  # parsed once per distinct key
         self.vocab_words = (vocab_size + 31) // 32
         self.grammars = grammars
         self.do_sample = do_sample
@@ -169,14 +173,23 @@ class StepControl:
             controls = kwargs.get(CONTROLS_KWARG)
             if controls:
                 if controls not in self._controls:
-                    self._controls[controls] = Controls.from_key(controls)
-                sequence.history = History(self._controls[controls])
+                    self._controls[controls] = self._parse(controls)
+                parsed, bad = self._controls[controls]
+                sequence.history = History(parsed, bad=bad)
             key = kwargs.get(GRAMMAR_KWARG)
             if key and self.grammars is not None:
                 sequence.matcher = self.grammars.matcher(ResponseFormat.from_key(key))
                 sequence.record.grammar = True
             self._sequences[state.request_id] = sequence
         return sequence
+
+    def _parse(self, key: str) -> tuple[Controls, BadWords | None]:
+        controls = Controls.from_key(key)
+        if not controls.bad_words:
+            return controls, None
+        if self._vocab_text is None and any(isinstance(w, str) for w in controls.bad_words):
+            self._vocab_text = VocabText(self.tokenizer, self.vocab_size)
+        return controls, BadWords(controls.bad_words, self.eos, self._vocab_text)
 
     def _executor(self):
         if self._fill is None:

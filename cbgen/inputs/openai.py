@@ -3,9 +3,9 @@
 A file made for OpenAI's batch service runs unchanged: `custom_id` is the id, the body's `messages` (chat, through
 the model's chat template) or `prompt` (completions, tokenized as is) is the prompt, and the body's `max_tokens` /
 `max_completion_tokens`, `temperature`, `top_p`, `n`, `stop`, `logprobs`, `presence_penalty`, `frequency_penalty`
-and `logit_bias` (and vLLM's `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `ignore_eos`) become the row's
-own settings. Body
-fields cbgen cannot honour are reported once each (`notices`), never silently dropped.
+and `logit_bias` (and vLLM's `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `bad_words`, `ignore_eos`) become
+the row's own settings. A line whose body asks for what cbgen cannot honour (`best_of`, audio, an unknown field) is
+refused, its error record saying why: answering it without would answer another request than the one asked.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cbgen.chat.tools import check_tool_choice, check_tools
 from cbgen.errors import RowError, describe_type
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
-from cbgen.inputs.settings import CHECKS, parse_settings
+from cbgen.inputs.settings import CHECKS, CONTROL_SETTINGS, parse_settings
 from cbgen.records import PromptRecord
 
 # Body fields cbgen takes as they are meant, and those it accepts without effect (transport or bookkeeping).
@@ -28,11 +28,27 @@ HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temper
             "logprobs", "top_logprobs", "seed", "response_format", "tools", "tool_choice", "reasoning_effort",
             "chat_template_kwargs", "presence_penalty", "frequency_penalty", "logit_bias",
             # vLLM's extensions of the same body
-            "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "top_k"}
+            "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "top_k", "bad_words"}
 NO_EFFECT = {"stream": "streaming does not apply to a batch", "user": "kept by OpenAI for abuse monitoring only",
-             "metadata": "not used", "store": "not used", "parallel_tool_calls": "not used"}
+             "metadata": "not used", "store": "not used", "parallel_tool_calls": "not used",
+             "stream_options": "streaming does not apply to a batch", "service_tier": "not used",
+             "prompt_cache_key": "cbgen shares prefixes on its own", "safety_identifier": "not used",
+             "prediction": "a latency hint: the answer is the same without it"}
 NOT_HONOURED = {
     "model": "cbgen answers with its --model",
+}
+# Body fields that change the answer and that cbgen cannot honour: a line asking for one is refused (its error record
+# says why) rather than answered as another request. Each with the values that ask for nothing (accepted).
+REFUSED: dict[str, tuple[str, tuple]] = {
+    "best_of": ("cbgen returns every sequence it generates: set n instead", (None, 1)),
+    "audio": ("cbgen runs text models", (None,)),
+    "modalities": ("cbgen runs text models and writes text only", (None, ["text"])),
+    "functions": ("the old spelling of tools: give 'tools' (and 'tool_choice') instead", (None, [])),
+    "function_call": ("the old spelling of tool_choice: give 'tool_choice' instead", (None, "none", "auto")),
+    "web_search_options": ("cbgen has no web search", (None,)),
+    "verbosity": ("cbgen's models have no verbosity switch", (None,)),
+    "use_beam_search": ("cbgen has no beam search", (None, False)),
+    "length_penalty": ("it applies to beam search, which cbgen has not", (None, 1, 1.0)),
 }
 
 
@@ -67,8 +83,7 @@ class OpenAIBatchReader(JsonlReader):
 
     # body fields that shape the samplers, the count or the step control
     settings_keys = ("temperature", "top_p", "logprobs", "n", "top_logprobs", "seed", "response_format",
-                     "tool_choice", "top_k", "presence_penalty", "frequency_penalty", "logit_bias",
-                     "repetition_penalty", "min_p", "min_tokens", "ignore_eos")
+                     "tool_choice", "top_k", *CONTROL_SETTINGS)
 
     def settings_present(self) -> set[str] | None:
         found = super().settings_present()
@@ -161,10 +176,15 @@ class OpenAIBatchReader(JsonlReader):
                 continue
             if key in NOT_HONOURED:
                 self._notice(f"body field {key!r} does not apply: {NOT_HONOURED[key]}")
-            else:
-                self._notice(f"body field {key!r} is not supported by cbgen and was ignored")
-        taken = ("temperature", "top_p", "n", "stop", "seed", "response_format", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "top_k")
+                continue
+            why, neutral = REFUSED.get(key, (None, (None,)))
+            if key == "best_of" and body[key] == body.get("n"):  # best of n out of n: all of them
+                continue
+            if body[key] in neutral:
+                continue
+            raise RowError(f"body field {key!r} cannot be honoured ({why or 'cbgen does not know it'}); the line "
+                           "is refused rather than answered as another request: remove the field")
+        taken = ("temperature", "top_p", "top_k", "n", "stop", "seed", "response_format", *CONTROL_SETTINGS)
         values: dict[str, Any] = {k: body.get(k) for k in taken}
         names = {k: f"body.{k}" for k in taken}
         cap_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -2,9 +2,9 @@
 
 A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `seed`, `top_logprobs`, `response_format`
 and the history controls (`repetition_penalty`, `presence_penalty`, `frequency_penalty`, `no_repeat_ngram_size`,
-`min_p`, `min_tokens`, `logit_bias`, `ignore_eos`; an OpenAI batch line's body also `n` and `logprobs`); each is
-checked here, before the engine sees it, so a bad value becomes that row's error record instead of a failure inside
-the generation loop (transformers checks only types, and raises or drops the rest).
+`min_p`, `min_tokens`, `logit_bias`, `bad_words`, `ignore_eos`; an OpenAI batch line's body also `n` and
+`logprobs`); each is checked here, before the engine sees it, so a bad value becomes that row's error record instead
+of a failure inside the generation loop (transformers checks only types, and raises or drops the rest).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each stop string is searched for in a window of recent text on every step
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+MAX_BAD_WORDS = 64
 
 
 def _invalid(field: str, value: Any, want: str) -> RowError:
@@ -85,7 +86,7 @@ def _stop(value: Any, field: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def _logprobs(value: Any, field: str) -> bool:
+def _boolean(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise _invalid(field, value, "true or false")
     return value
@@ -133,12 +134,6 @@ def _count(value: Any, field: str) -> int:
     return v
 
 
-def _flag(value: Any, field: str) -> bool:
-    if not isinstance(value, bool):
-        raise _invalid(field, value, "true or false")
-    return value
-
-
 def _logit_bias(value: Any, field: str) -> dict[int, float]:
     """OpenAI's logit_bias: token id (a JSON key, so a string of digits) -> a bias from -100 to 100."""
     if not isinstance(value, dict):
@@ -152,6 +147,20 @@ def _logit_bias(value: Any, field: str) -> dict[int, float]:
                            f"{key!r}: {_show(bias)}")
         out[token] = number
     return out
+
+
+def _bad_words(value: Any, field: str) -> list[str | list[int]]:
+    """vLLM's bad_words (strings) and transformers' bad_words_ids (token-id sequences), in one list."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_BAD_WORDS:
+        raise _invalid(field, value, f"a list of at most {MAX_BAD_WORDS} strings or token-id lists")
+    for item in items:
+        ids = isinstance(item, list) and item and all((_integer(t) or 0) >= 0 and _integer(t) is not None
+                                                      for t in item)
+        if not (isinstance(item, str) and 0 < len(item) <= MAX_STOP_CHARS) and not ids:
+            raise RowError(f"{field!r} items must be non-empty strings (at most {MAX_STOP_CHARS} characters) or "
+                           f"non-empty lists of token ids, got {_show(item) if item != '' else 'an empty string'}")
+    return [item if isinstance(item, str) else [int(t) for t in item] for item in items]
 
 
 def _response_format(value: Any, field: str) -> Any:
@@ -173,7 +182,7 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "max_new_tokens": _max_new_tokens,
     "stop": _stop,
     "n": _n,
-    "logprobs": _logprobs,
+    "logprobs": _boolean,
     "top_logprobs": _top_logprobs,
     "seed": _seed,
     "response_format": _response_format,
@@ -184,16 +193,16 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "min_p": _min_p,
     "min_tokens": _count,
     "logit_bias": _logit_bias,
-    "ignore_eos": _flag,
+    "bad_words": _bad_words,
+    "ignore_eos": _boolean,
 }
 # What a row of a plain file may set, by these field names. `n` and `logprobs` come only from OpenAI batch bodies,
 # where their meaning is fixed: in a plain file they are too likely to be some other column of the user's.
-ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "top_logprobs", "response_format",
-                "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "min_p",
-                "min_tokens", "logit_bias", "ignore_eos")
 # the history controls (cbgen.control.penalties): the step control applies them
 CONTROL_SETTINGS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "min_p",
-                    "min_tokens", "logit_bias", "ignore_eos")
+                    "min_tokens", "logit_bias", "bad_words", "ignore_eos")
+ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "top_logprobs", "response_format",
+                *CONTROL_SETTINGS)
 SAMPLING_SETTINGS = ("temperature", "top_p", "top_k")  # these need the engine's samplers to exist up front
 
 

@@ -304,8 +304,9 @@ def test_the_loop_stop_ends_a_looping_sequence(looping_model_dir, tmp_path):
 # OpenAI batch lines and bad values
 
 
-def test_openai_lines_with_penalties_and_logit_bias_are_honoured(tiny_model_dir, tmp_path):
-    body = {"presence_penalty": 1.5, "frequency_penalty": 0.7, "logit_bias": {"101": 30}, "max_tokens": NEW}
+def test_openai_lines_with_penalties_logit_bias_and_bad_words_are_honoured(tiny_model_dir, tmp_path):
+    body = {"presence_penalty": 1.5, "frequency_penalty": 0.7, "logit_bias": {"101": 30}, "bad_words": ["e"],
+            "max_tokens": NEW}
     lines = [{"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": {"prompt": p, **body}}
              for i, p in enumerate(PROMPTS)]
     source = write_jsonl(tmp_path / "batch.jsonl", lines)
@@ -315,8 +316,11 @@ def test_openai_lines_with_penalties_and_logit_bias_are_honoured(tiny_model_dir,
     manifest = json.loads((out / "run.json").read_text())
     assert not manifest.get("input_notices"), manifest.get("input_notices")
     rows = [{"id": str(i), "input_ids": p} for i, p in enumerate(PROMPTS)]
-    expected = _cbgen(tiny_model_dir, rows, presence_penalty=1.5, frequency_penalty=0.7, logit_bias={"101": 30})
-    assert {r["id"]: r["token_ids"] for r in read_shards(out)} == expected
+    expected = _cbgen(tiny_model_dir, rows, presence_penalty=1.5, frequency_penalty=0.7, logit_bias={"101": 30},
+                      bad_words=["e"])
+    got = list(read_shards(out))
+    assert {r["id"]: r["token_ids"] for r in got} == expected
+    assert not any("e" in r["text"] for r in got)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
