@@ -180,7 +180,8 @@ def test_lines_asking_what_cannot_be_honoured_are_refused_with_the_reason(tmp_pa
     lines = [line("best-of", CHAT, ask | {"best_of": 3, "n": 1}),
              line("best-of-n", CHAT, ask | {"best_of": 2, "n": 2}),
              line("audio", CHAT, ask | {"modalities": ["text", "audio"]}),
-             line("text-only", CHAT, ask | {"modalities": ["text"], "stream": False, "prediction": {"type": "content"}}),
+             line("text-only", CHAT, ask | {"modalities": ["text"], "stream": False,
+                                            "prediction": {"type": "content"}}),
              line("unknown", CHAT, ask | {"foo": 1}),
              line("unset", CHAT, ask | {"verbosity": None})]
     records = {r.id: r for r in open_reader(write_jsonl(tmp_path / "batch.jsonl", lines))}
