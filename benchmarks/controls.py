@@ -1,6 +1,7 @@
 """What the history controls cost: the same seeded job with every control on (repetition, presence and frequency
 penalties, no_repeat_ngram_size, min_p, min_tokens, logit_bias, bad words, the loop stop) and with none, on one
-loaded model, runs interleaved, per generated token. Prints each run's seconds per generated token and the ratio (goal <= 1.10).
+loaded model, runs interleaved, per generated token. Prints each run's seconds per generated token and the ratio
+(goal <= 1.10).
 
     python benchmarks/controls.py                    # the embedded model, 32 prompts, 96 new tokens, 2 rounds
     python benchmarks/controls.py --prompts 8 --new 32 --rounds 1   # a quick check that it runs
