@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [f"Write a paragraph about {TOPICS[i % len(TOPICS)]} (note {i})." for i in range(args.prompts)]
     generator = cbgen.Generator(model=args.model)
-    common = {"max_new_tokens": args.new, "temperature": 0.8, "seed": 1, "progress": False}
+    common = {"max_new_tokens": args.new, "temperature": 0.8, "seed": 1, "progress": False, "result_cache": False}
     per_token: dict[str, list[float]] = {"off": [], "on": []}
     generator.generate(prompts[:2], **common)  # warm-up
     for _ in range(args.rounds):

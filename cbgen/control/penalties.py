@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -93,6 +94,7 @@ class History:
     prompt_length: int = 0
     tokens: list[int] = field(default_factory=list)  # prompt and generated
     seen: set[int] = field(default_factory=set)  # every token id of prompt and generated (repetition_penalty)
+    seen_order: list[int] = field(default_factory=list)  # the same ids, in the order first seen
     counts: Counter = field(default_factory=Counter)  # generated tokens (presence and frequency penalties)
     ngrams: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # (n-1)-gram -> tokens that followed it
     looped: bool = False  # the loop stop has seen a loop: the next step ends the sequence
@@ -114,7 +116,9 @@ class History:
 
     def _append(self, token: int) -> None:
         self.tokens.append(token)
-        self.seen.add(token)
+        if token not in self.seen:
+            self.seen.add(token)
+            self.seen_order.append(token)
         if len(self.tokens) > self.prompt_length:
             self.counts[token] += 1
         n = self.controls.no_repeat_ngram_size
@@ -144,40 +148,94 @@ def repeats_at_end(tokens: list[int], times: int, longest: int) -> bool:
 
 
 def apply_history(scores: torch.Tensor, rows: list[tuple[int, History]], eos: tuple[int, ...]) -> None:
-    """Steps 1-5 of the module's order, in place, on the logits rows `rows` name (row index, its history)."""
-    for i, history in rows:
-        c = history.controls
-        row = scores[i]
-        if history.looped and eos:  # the loop stop: only the end of the sequence is left
-            keep = row[eos[0]].clone()
-            row.fill_(float("-inf"))
-            row[eos[0]] = keep if torch.isfinite(keep) else 0.0
-            continue
-        if c.logit_bias:
-            ids = torch.tensor([t for t, _ in c.logit_bias], device=row.device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in c.logit_bias], dtype=row.dtype, device=row.device))
-        if c.repetition_penalty != 1.0 and history.seen:
-            ids = torch.tensor(sorted(history.seen), device=row.device)
-            ids = ids[ids < row.numel()]
-            score = row[ids]
-            row[ids] = torch.where(score < 0, score * c.repetition_penalty, score / c.repetition_penalty)
-        if (c.presence_penalty or c.frequency_penalty) and history.counts:
-            ids = torch.tensor(list(history.counts), device=row.device)
-            counts = torch.tensor(list(history.counts.values()), dtype=row.dtype, device=row.device)
-            row[ids] = row[ids] - counts * c.frequency_penalty - (counts > 0).to(row.dtype) * c.presence_penalty
-        banned = history.banned_ngram_tokens()
-        if banned:
-            row[torch.tensor(sorted(banned), device=row.device)] = float("-inf")
-        if history.bad is not None:
-            for ids in history.bad.banned(history.tokens):
-                row[ids.to(row.device)] = float("-inf")
-        if eos and (c.ignore_eos or history.generated < c.min_tokens):
-            row[torch.tensor(eos, device=row.device)] = float("-inf")
+    """Steps 1-5 of the module's order, in place, on the logits rows `rows` name (row index, its history). Each
+    step is one indexed operation over every (row, token) pair it touches, in float32 (as transformers computes a
+    bfloat16 logit times a Python float), rounded once to the logits' dtype."""
+    ended = [(i, h) for i, h in rows if h.looped and eos]
+    for i, _ in ended:  # the loop stop: only the end of the sequence is left
+        keep = scores[i, eos[0]].clone()
+        scores[i].fill_(float("-inf"))
+        scores[i, eos[0]] = keep if torch.isfinite(keep) else 0.0
+    live = [(i, h) for i, h in rows if not (h.looped and eos)]
+    vocab = scores.size(1)
+    bias = _Pairs()
+    for i, h in live:
+        bias.add(i, [t for t, _ in h.controls.logit_bias], [b for _, b in h.controls.logit_bias])
+    bias.update(scores, lambda s, b: s + b[0], dtype=scores.dtype)  # as transformers: the bias in the logits' dtype
+    repetition = _Pairs()
+    for i, h in live:
+        if h.controls.repetition_penalty != 1.0:
+            repetition.add(i, h.seen_order, h.controls.repetition_penalty)
+    repetition.update(scores, lambda s, p: torch.where(s < 0, s * p[0], s / p[0]))
+    penalties = _Pairs()
+    for i, h in live:
+        c = h.controls
+        if (c.presence_penalty or c.frequency_penalty) and h.counts:
+            penalties.add(i, list(h.counts), list(h.counts.values()), c.frequency_penalty, c.presence_penalty)
+    penalties.update(scores, lambda s, v: s - v[0] * v[1] - v[2])
+    banned_rows: list[torch.Tensor] = []
+    banned_ids: list[torch.Tensor] = []
+    for i, h in live:
+        ids = [torch.tensor(sorted(h.banned_ngram_tokens()), dtype=torch.long)]
+        if h.bad is not None:
+            ids += h.bad.banned(h.tokens)
+        if eos and (h.controls.ignore_eos or h.generated < h.controls.min_tokens):
+            ids.append(torch.tensor(eos, dtype=torch.long))
+        ids = [x for x in ids if x.numel()]
+        if ids:
+            row_ids = torch.cat(ids)
+            banned_ids.append(row_ids)
+            banned_rows.append(torch.full_like(row_ids, i))
+    if banned_ids:
+        r, t = torch.cat(banned_rows).to(scores.device), torch.cat(banned_ids).to(scores.device)
+        keep = t < vocab
+        scores[r[keep], t[keep]] = float("-inf")
+
+
+class _Pairs:
+    """(row, token) pairs of the logits, each with its values (a value per pair, or one for all of a row's pairs),
+    to read, update and write back in one indexed operation."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.ids: list[int] = []
+        self.values: list[list[float]] = []
+
+    def add(self, row: int, ids: list[int], *values: float | list[float]) -> None:
+        if not ids:
+            return
+        if not self.values:
+            self.values = [[] for _ in values]
+        self.rows += [row] * len(ids)
+        self.ids += ids
+        for column, value in zip(self.values, values):
+            column += value if isinstance(value, list) else [value] * len(ids)
+
+    def update(self, scores: torch.Tensor, change: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor],
+               dtype: torch.dtype = torch.float32) -> None:
+        if not self.ids:
+            return
+        r = torch.tensor(self.rows, device=scores.device)
+        t = torch.tensor(self.ids, device=scores.device)
+        keep = t < scores.size(1)
+        r, t = r[keep], t[keep]
+        values = [torch.tensor(v, dtype=torch.float32, device=scores.device)[keep].to(dtype) for v in self.values]
+        scores[r, t] = change(scores[r, t].to(dtype), values).to(scores.dtype)
 
 
 def apply_min_p(scores: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     """Step 7's filter, in place: in each named row, the tokens whose probability is below min_p times the most
-    likely token's are removed (transformers' MinPLogitsWarper; the most likely token always stays)."""
-    for i, min_p in rows:
-        probs = torch.softmax(scores[i], dim=-1)
-        scores[i].masked_fill_(probs < min_p * probs.amax(), float("-inf"))
+    likely token's are removed (transformers' MinPLogitsWarper, in the logits' dtype; the most likely token always
+    stays). One softmax over all the named rows."""
+    if not rows:
+        return
+    positions = [i for i, _ in rows]
+    min_p = torch.tensor([[p] for _, p in rows], dtype=torch.float32, device=scores.device)
+    whole = positions == list(range(len(rows)))  # the usual case: every row, a view to change in place
+    index = torch.tensor(positions, device=scores.device)
+    picked = scores[: len(rows)] if whole else scores[index]
+    probs = torch.softmax(picked, dim=-1)
+    scaled = (min_p * probs.amax(dim=-1, keepdim=True)).to(probs.dtype)
+    picked.masked_fill_(probs < scaled, float("-inf"))
+    if not whole:
+        scores[index] = picked
