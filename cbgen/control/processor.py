@@ -188,7 +188,7 @@ class StepControl:
         if not controls.bad_words:
             return controls, None
         if self._vocab_text is None and any(isinstance(w, str) for w in controls.bad_words):
-            self._vocab_text = VocabText(self.tokenizer, self.vocab_size)
+            self._vocab_text = VocabText.of(self.tokenizer, self.vocab_size)
         return controls, BadWords(controls.bad_words, self.eos, self._vocab_text)
 
     def _executor(self):
