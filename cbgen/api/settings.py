@@ -170,7 +170,8 @@ class CallSettings(TypedDict, total=False):
     ignore_eos: bool
     # generation.loop_stop: End a sequence once its generated tokens end with one span (up to loop_stop_span tokens)
     # repeated this many times in a row: finish_reason 'repetition', counted in the summary and run.json, instead of
-    # burning max_new_tokens on a loop. 4 catches the loops small models fall into. Default: off.
+    # burning max_new_tokens on a loop. 4 with a loop_stop_span of 64 catches the loops small models fall into,
+    # paragraphs said over included. Default: off.
     loop_stop: int | None
     # generation.loop_stop_span: Longest span, in tokens, that the loop stop looks for. Default: 32.
     loop_stop_span: int | None

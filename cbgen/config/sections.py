@@ -198,7 +198,8 @@ class GenerationSection:
     loop_stop: int | None = setting(
         None, "End a sequence once its generated tokens end with one span (up to loop_stop_span tokens) repeated "
         "this many times in a row: finish_reason 'repetition', counted in the summary and run.json, instead of "
-        "burning max_new_tokens on a loop. 4 catches the loops small models fall into. Default: off.")
+        "burning max_new_tokens on a loop. 4 with a loop_stop_span of 64 catches the loops small models fall into, "
+        "paragraphs said over included. Default: off.")
     loop_stop_span: int | None = setting(None, "Longest span, in tokens, that the loop stop looks for. Default: 32.")
     json_schema: str | None = setting(
         None, "Make every output a JSON value that validates against this JSON schema: a file, or the schema "
