@@ -104,6 +104,8 @@ class DoneIndex:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     next_shard: int = 0
+    loop_stopped: int = 0  # sequences the loop stop ended (finish_reason "repetition")
+    loop_generated_tokens: int = 0  # the tokens those generated
 
     @property
     def succeeded(self) -> int:
@@ -126,6 +128,9 @@ def scan_done(directory: Path) -> DoneIndex:
         if row.get("finish_reason", "error" if row.get("error") is not None else None) == "error":
             index.failed += 1
             failed_ids.add(row["id"])
+        if row.get("finish_reason") == "repetition":
+            index.loop_stopped += 1
+            index.loop_generated_tokens += row.get("num_generated_tokens") or 0
         if row["id"] not in index.ids:
             index.ids.add(row["id"])
             index.requests += 1

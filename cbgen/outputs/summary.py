@@ -37,7 +37,7 @@ class RunSummary:
     failed_requests: int = 0
     sequences: int = 0
     failed: int = 0  # sequences
-    loop_stopped: int = 0  # sequences this run ended by the loop stop (finish_reason "repetition")
+    loop_stopped: int = 0  # sequences the loop stop ended (finish_reason "repetition"), earlier runs' included
     loop_tokens_saved: int = 0  # what those would have generated more, up to their token cap
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -94,6 +94,8 @@ class RunSummary:
         self.failed_requests += done.failed_requests
         self.prompt_tokens += done.prompt_tokens
         self.generated_tokens += done.generated_tokens
+        self.loop_stopped += done.loop_stopped  # earlier runs' savings, against the job's cap (a row's own is not kept)
+        self.loop_tokens_saved += max(0, done.loop_stopped * self.max_new_tokens - done.loop_generated_tokens)
 
     def add_request(self, group: list[Completion]) -> int:
         """Counts one finished request; returns how many of its sequences failed. One the result cache answered

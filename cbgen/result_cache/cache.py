@@ -20,6 +20,10 @@ from cbgen.records import Completion, Request, Score
 from cbgen.result_cache.keys import Keyer, Numerics
 from cbgen.result_cache.store import ResultStore
 
+# the ends a sequence is kept with: its own end, the cap, or the loop stop (a rule of the request's own settings,
+# which are part of its key)
+ENDS = ("stop", "length", "repetition")
+
 if TYPE_CHECKING:
     from cbgen.score.requests import ScoreRequest
 
@@ -126,7 +130,7 @@ class ResultCache:
     def _usable(self, entry: dict[str, Any], cap: int, request: Request) -> tuple[Completion, bool] | None:
         """The entry as this request's sequence (and whether it is exact), or None when it is not its answer."""
         tokens = entry.get("tokens")
-        if not isinstance(tokens, list) or entry.get("finish") not in ("stop", "length"):
+        if not isinstance(tokens, list) or entry.get("finish") not in ENDS:
             return None
         logprobs, top = entry.get("logprobs"), entry.get("top")
         if self.capture and logprobs is None:
@@ -138,7 +142,7 @@ class ResultCache:
         else:
             top = None
         finish, text = entry["finish"], entry.get("text")
-        if finish == "stop" and len(tokens) > cap or finish == "length" and len(tokens) >= cap:
+        if finish != "length" and len(tokens) > cap or finish == "length" and len(tokens) >= cap:
             tokens, logprobs, top, finish, text = tokens[:cap], _cut(logprobs, cap), _cut(top, cap), "length", None
         elif finish == "length":
             return None  # cut by a smaller cap than this request's: not its answer
@@ -158,7 +162,7 @@ class ResultCache:
             if key in self.kept_entries:
                 self.kept_entries.discard(key)
                 continue
-            if completion.error is not None or completion.finish_reason not in ("stop", "length"):
+            if completion.error is not None or completion.finish_reason not in ENDS:
                 continue
             top = completion.top_logprobs
             payload = {"tokens": completion.token_ids, "logprobs": completion.logprobs, "finish":

@@ -300,6 +300,28 @@ def test_the_loop_stop_ends_a_looping_sequence(looping_model_dir, tmp_path):
     assert counts["loop_stopped"] == 2 and counts["loop_tokens_saved"] == (30 - 12) + (40 - 12)
 
 
+def test_loop_stopped_sequences_are_cached_and_counted_on_resume(looping_model_dir, tmp_path, monkeypatch):
+    from cbgen.outputs.rundir import scan_done
+    from cbgen.outputs.summary import RunSummary
+
+    monkeypatch.delenv("CBGEN_RESULT_CACHE", raising=False)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, CYCLE[0]]}])
+    job = ["--model", str(looping_model_dir), "--dtype", "float32", "--max-new-tokens", "30", "--loop-stop", "4",
+           "--loop-stop-span", "8", "--cache", str(tmp_path / "cache"), "-q"]
+    for out in ("first", "again"):
+        assert run_cli(["run", str(source), "-o", str(tmp_path / out), *job]) == 0
+    again = json.loads((tmp_path / "again" / "run.json").read_text())
+    assert again["result_cache"]["hits"] == 1, again["result_cache"]
+    assert [(r["finish_reason"], r["token_ids"]) for r in read_shards(tmp_path / "again")] == \
+        [("repetition", [CYCLE[1], CYCLE[2], CYCLE[0]] * 4)]
+    assert again["counts"]["loop_stopped"] == 1
+    done = scan_done(tmp_path / "first")  # what a resumed run counts of the rows written before it
+    assert (done.loop_stopped, done.loop_generated_tokens) == (1, 12)
+    summary = RunSummary(output_dir=tmp_path, model="m", max_new_tokens=30)
+    summary.add_done(done)
+    assert (summary.loop_stopped, summary.loop_tokens_saved) == (1, 30 - 12)
+
+
 # --------------------------------------------------------------------------------------------------------------- #
 # OpenAI batch lines and bad values
 
