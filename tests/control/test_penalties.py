@@ -236,18 +236,20 @@ def test_min_tokens_holds_back_the_end(tiny_model_dir, reference_model):
 
 
 def test_row_settings_apply_to_their_row_alone(tiny_model_dir):
-    """Mixed per-row settings in one batch: each row gets what it would get alone with those settings as the
-    job's, and a row without any gets the plain job's tokens."""
+    """Mixed per-row settings in one batch: each row gets what it gets alone, and what it gets with those settings
+    as the job's; a row without any gets the plain job's tokens."""
     rows = [{"id": "0", "input_ids": PROMPTS[0], "repetition_penalty": 1.8},
             {"id": "1", "input_ids": PROMPTS[1]},
             {"id": "2", "input_ids": PROMPTS[2], "no_repeat_ngram_size": 2, "presence_penalty": 1.0},
-            {"id": "3", "input_ids": PROMPTS[3], "logit_bias": {"101": 30}}]
+            {"id": "3", "input_ids": PROMPTS[3], "logit_bias": {"101": 30}, "bad_words": ["e", [101, 101]]},
+            {"id": "4", "input_ids": PROMPTS[0], "min_tokens": 3, "no_repeat_ngram_size": 1}]
     mixed = _cbgen(tiny_model_dir, rows, batch_invariant=True)
     for row in rows:
         own = {k: v for k, v in row.items() if k not in ("id", "input_ids")}
-        alone = _cbgen(tiny_model_dir, [{"id": row["id"], "input_ids": row["input_ids"]}], batch_invariant=True,
-                       **own)
-        assert mixed[row["id"]] == alone[row["id"]], row
+        plain = {"id": row["id"], "input_ids": row["input_ids"]}
+        if all(isinstance(w, str) for w in own.get("bad_words", [])):  # the same settings as the job's
+            assert mixed[row["id"]] == _cbgen(tiny_model_dir, [plain], batch_invariant=True, **own)[row["id"]], row
+        assert mixed[row["id"]] == _cbgen(tiny_model_dir, [row], batch_invariant=True)[row["id"]], row  # alone
 
 
 # --------------------------------------------------------------------------------------------------------------- #
