@@ -356,20 +356,22 @@ class Engine:
         logprobs = top = None
         if control is not None and record is not None and control.capture:
             logprobs, top = record.logprobs[: len(tokens)], record.top[: len(tokens)] or None
+
+        def cut_at(cut: int, reason: str, text: str | None = None) -> Completion:
+            return Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
+                              reason, None, text, top_logprobs=top[:cut] if top else top)
+
         if stopped is not None:
-            cut, text = stopped
-            completion = Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
-                                    "stop", None, text, top_logprobs=top[:cut] if top else top)
+            completion = cut_at(stopped[0], "stop", stopped[1])
             if control is not None and record is not None and record.grammar \
-                    and not control.accepts(entry.request, text):
+                    and not control.accepts(entry.request, stopped[1]):
                 completion.finish_reason = "error"
                 completion.error = ("a stop string ended the sequence before its response_format was complete: "
                                     f"{entry.request.stop!r}")
             return completion
         if record is not None and record.looped and result.error is None:  # the loop stop: drop the end it forced
-            cut = len(tokens) - (1 if tokens and tokens[-1] in self.settings.eos_token_ids else 0)
-            return Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
-                              "repetition", None, top_logprobs=top[:cut] if top else top)
+            return cut_at(len(tokens) - (1 if tokens and tokens[-1] in self.settings.eos_token_ids else 0),
+                          "repetition")
         reason = self._finish_reason(tokens, entry.max_new_tokens, result.error)
         error = str(result.error) if result.error is not None else None
         return Completion(entry.request, sample_index, tokens, logprobs, reason, error, top_logprobs=top)
