@@ -81,6 +81,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "batch_invariant", ("--batch-invariant/--no-batch-invariant",), bool, PANEL_MODEL),
     JobOption("model", "tp_size", ("--tp",), int, PANEL_MODEL, metavar="N"),
     JobOption("input", "format", ("--input-format",), str, PANEL_INPUT),
+    JobOption("input", "same_input", ("--same-input/--not-same-input",), bool, PANEL_INPUT),
     JobOption("input", "split", ("--split",), str, PANEL_INPUT, metavar="NAME"),
     JobOption("input", "subset", ("--subset",), str, PANEL_INPUT, metavar="NAME"),
     JobOption("input", "prompt_column", ("--prompt-column",), str, PANEL_INPUT, metavar="NAME"),

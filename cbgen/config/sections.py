@@ -100,6 +100,9 @@ class InputSection:
     path: str | None = setting(
         None, "Prompts: a JSONL or Parquet file (or a folder of them), an OpenAI Batch API file, a Hugging Face "
         "dataset (save_to_disk folder, dataset folder or hub id); - reads JSONL from stdin.")
+    same_input: bool = setting(
+        False, "Resume a job that reads stdin: you say the feed is the one the earlier run read (cbgen cannot tell "
+        "a stream's identity; without this a stdin job does not resume). Rows already written are skipped by id.")
     prompt_column: str | None = setting(
         None, "Field holding the prompt: text, a list of chat messages, or token ids. Default: each row's 'prompt', "
         "'messages' or 'input_ids'.")

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from cbgen.config.sections import MAX_LINE_BYTES
-from cbgen.errors import CbgenError, describe_type
+from cbgen.errors import CbgenError, RowError, describe_type
 from cbgen.inputs.base import Reader
+from cbgen.inputs.checks import check_id
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
@@ -137,8 +138,25 @@ class JsonlReader(Reader):
             yield n, row, error
 
     def _rows(self) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+        # stdin cannot be read twice to check its ids up front (check_ids): they are checked as the rows stream, and
+        # a duplicate ends the job there, the rows before it written
+        seen: dict[str, int] | None = {} if self.path is None and self.id_column is not None else None
         for n, row, error in self.objects():
+            if seen is not None and row is not None:
+                self._check_streamed_id(seen, row, n)
             yield f"{self.name}:{n}", row, error
+
+    def _check_streamed_id(self, seen: dict[str, int], row: dict[str, Any], n: int) -> None:
+        assert self.id_column is not None
+        try:
+            key = check_id(row.get(self.id_column), self.id_column)
+        except RowError:
+            return  # an error record when the row is read
+        first = seen.setdefault(key, n)
+        if first != n:
+            raise CbgenError(f"{self.name}:{n}: duplicate id {key!r} (first seen on line {first}); the ids in field "
+                             f"{self.id_column!r} must be unique: the rows before it are written; fix the feed and "
+                             "rerun with --same-input to resume")
 
     def _parse(self, n: int, line: bytes | TooLong) -> tuple[dict[str, Any] | None, str | None]:
         """One line's object, or why it is not one."""

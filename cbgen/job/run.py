@@ -105,7 +105,8 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     if job.input.path is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
     sharding = resolve_sharding(job)
-    directory = RunDirectory(shard_directory(Path(job.output.dir), sharding), overwrite=job.output.overwrite)
+    directory = RunDirectory(shard_directory(Path(job.output.dir), sharding), overwrite=job.output.overwrite,
+                             same_input=job.input.same_input)
     stored = directory.stored
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
     source = resolve_source(job.model.model)

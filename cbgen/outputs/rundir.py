@@ -244,9 +244,10 @@ class RunDirectory:
     (cbgen.outputs.redo).
     """
 
-    def __init__(self, path: Path, *, overwrite: bool = False) -> None:
+    def __init__(self, path: Path, *, overwrite: bool = False, same_input: bool = False) -> None:
         self.path = Path(path)
         self.overwrite = overwrite
+        self.same_input = same_input  # the user says a stdin job's feed is the one its earlier run read
         self.stored = read_stored_run(self.path) if self.path.is_dir() and not overwrite else None
         self.done = DoneIndex()
         self._lock: DirectoryLock | None = None
@@ -312,6 +313,12 @@ class RunDirectory:
         differences = compare_fingerprints(stored.fingerprint, fingerprint)
         if redo:  # a redo runs with the job's current generation settings
             differences = [d for d in differences if not d.startswith("generation.")]
+        if not differences and fingerprint.get("input") == {"source": "stdin"} and not self.same_input \
+                and shard_paths(directory):
+            raise CbgenError(
+                f"output directory '{directory}' holds a run of a job that read stdin, and cbgen cannot tell whether "
+                "this feed is the same one: pass --same-input if it is (its rows already written are skipped by "
+                "id), --overwrite to start over, or choose another directory with -o")
         if differences:
             raise CbgenError(
                 f"output directory '{directory}' holds a run of a different job ({'; '.join(differences)}); "
