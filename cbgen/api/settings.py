@@ -75,6 +75,9 @@ class CallSettings(TypedDict, total=False):
     # output.format: Shard format: jsonl or parquet (a row per sequence, readable with datasets.load_dataset), or
     # openai (a line per request, as OpenAI's Batch API output file has it).
     output_format: Literal['jsonl', 'parquet', 'openai']
+    # input.same_input: Resume a job that reads stdin: you say the feed is the one the earlier run read (cbgen cannot
+    # tell a stream's identity; without this a stdin job does not resume). Rows already written are skipped by id.
+    same_input: bool
     # input.prompt_column: Field holding the prompt: text, a list of chat messages, or token ids. Default: each row's
     # 'prompt', 'messages' or 'input_ids'.
     prompt_column: str | None

@@ -82,19 +82,52 @@ class ModelSource:
             raise ValueError(f"{self.name} is not a GGUF file")
         return Path(self.location) / self.gguf_file
 
-    def identity(self) -> dict[str, Any]:
-        """What makes a model the same model for a resume: a GGUF file's name and size, a folder's config.json
-        hash, a random-weights shape (and its config file's hash), a hub id's name."""
+    def identity(self, memo: Path | None = None) -> dict[str, Any]:
+        """What makes a model the same model for a resume: its weights by content (a GGUF file's digest, a folder's
+        weight files' digests, each hashed once and remembered by size and mtime in `memo`), a folder's config.json
+        hash, a random-weights shape (and its config file's hash), a hub id's name and resolved commit."""
+        from cbgen.model.gguf import file_digest
+
         if self.random_weights:
             path = Path(self.location)
             config = {"config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path.is_file() else {}
             return {"random_weights": self.location} | config
         if self.gguf_file:
-            return {"gguf": self.gguf_file, "bytes": self.gguf_path.stat().st_size}
-        folder_config = Path(self.location) / "config.json"
-        if folder_config.is_file():
-            return {"folder_config_sha256": hashlib.sha256(folder_config.read_bytes()).hexdigest()}
-        return {"hub_id": self.location}
+            return {"gguf": self.gguf_file, "bytes": self.gguf_path.stat().st_size,
+                    "sha256": file_digest(self.gguf_path, memo)}
+        folder = Path(self.location)
+        if (folder / "config.json").is_file():
+            return {"folder_config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
+                    "weights": {p.name: file_digest(p, memo) for p in weight_files(folder)}}
+        return {"hub_id": self.location, "commit": hub_commit(self.location)}
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """A model folder's weight files (safetensors, PyTorch, GGUF)."""
+    names = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+    return sorted({path for pattern in names for path in folder.glob(pattern) if path.is_file()})
+
+
+def hub_commit(repo_id: str, repo_type: str = "model") -> str | None:
+    """The commit a hub id resolves to: the hub's answer when it can be reached, else the local cache's (the
+    snapshot its `main` ref names); None when neither knows it."""
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "") in ("", "0"):
+        try:
+            from huggingface_hub import HfApi
+
+            info = HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
+            if info.sha:
+                return str(info.sha)
+        except Exception:  # noqa: BLE001 - unreachable, private, unknown: the local cache may still know it
+            pass
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, repo_type=repo_type, local_files_only=True)).name
+    except Exception:  # noqa: BLE001 - not in the local cache
+        return None
 
 
 def check_available(source: ModelSource) -> None:

@@ -26,43 +26,52 @@ if TYPE_CHECKING:
 _SAMPLE = 1 << 20  # bytes hashed at each end of an input file to recognise it
 
 
-def input_identity(path: str | None) -> dict[str, Any]:
-    """What makes an input the same input: its size and the hash of its first and last MiB (not its path, so a
-    moved file still resumes; not its mtime, which copies and checkouts change). Stdin has no identity."""
+def input_identity(path: str | None, memo: Path | None = None) -> dict[str, Any]:
+    """What makes an input the same input: its size, the digest of every byte (each file hashed once and
+    remembered by size and mtime in `memo`) and of its first and last MiB (what runs before format 3 compared); not
+    its path, so a moved file still resumes; not its mtime, which copies and checkouts change. A hub dataset is its
+    id and resolved revision. Stdin has no identity (a resume needs --same-input)."""
+    from cbgen.model.gguf import file_digest
+
     if path is None or path == "-":
         return {"source": "stdin"}
     target = Path(path)
     if not target.exists():
-        return {"hub_dataset": path}  # a hub id: its revision is the hub's business
+        from cbgen.model.source import hub_commit
+
+        return {"hub_dataset": path, "revision": hub_commit(path, "dataset")}
     # a folder: its data files (Parquet files, a dataset saved with save_to_disk, a dataset repository's files)
     files = sorted(p for p in target.rglob("*") if p.is_file() and not p.name.startswith(".")) \
         if target.is_dir() else [target]
-    digest = hashlib.sha256()
+    digest, whole = hashlib.sha256(), hashlib.sha256()
     size = 0
     for file in files:
         file_size = file.stat().st_size
         size += file_size
+        whole.update(file_digest(file, memo).encode())
         with open(file, "rb") as f:
             digest.update(f.read(_SAMPLE))
             if file_size > _SAMPLE:
                 f.seek(max(_SAMPLE, file_size - _SAMPLE))
                 digest.update(f.read(_SAMPLE))
-    return {"files": len(files), "bytes": size, "sha256_head_tail": digest.hexdigest()}
+    return {"files": len(files), "bytes": size, "sha256_head_tail": digest.hexdigest(), "sha256": whole.hexdigest()}
 
 
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
     resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""
+    from cbgen.model.gguf import default_cache_dir
     from cbgen.render.templates import PromptTemplate
 
     g, i = job.generation, job.input
     template = PromptTemplate.from_input(i)
+    memo = default_cache_dir(job.model) / "digests.json"  # file digests, remembered by size and mtime
     fingerprint = {
-        "model": source.identity(),
+        "model": source.identity(memo),
         "dtype": job.model.dtype,
         "onednn_linear": job.model.onednn_linear,
         "batch_invariant": job.model.batch_invariant,
-        "input": input_identity(i.path),
+        "input": input_identity(i.path, memo),
         "prompt_column": i.prompt_column,
         "id_column": i.id_column,
         "keep_columns": list(i.keep_columns),

@@ -27,7 +27,9 @@ LOCK_FILE = ".cbgen.lock"
 FINGERPRINT_FILE = "fingerprint.json"
 MANIFEST_FILE = "run.json"
 # The format of fingerprint.json and run.json, raised whenever what they hold changes meaning (see StoredRun).
-FORMAT = 2
+FORMAT = 3
+# What each format added to the fingerprint: a run of an older format resumes without them (it recorded none).
+ADDED_IN = {3: ("model.sha256", "model.weights", "model.commit", "input.sha256", "input.revision")}
 
 
 class DirectoryLock:
@@ -84,12 +86,15 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def compare_fingerprints(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def compare_fingerprints(stored: dict[str, Any], current: dict[str, Any], stored_format: int = FORMAT) -> list[str]:
     """The differences between two fingerprints, as 'key: old -> new' (empty when they match). A setting that the
-    stored fingerprint lacks (added to cbgen after that run) matches while it is off: None, False or empty."""
+    stored fingerprint lacks (added to cbgen after that run) matches while it is off: None, False or empty; what a
+    later format added (ADDED_IN) matches whatever it is, for a run of an earlier format."""
     old, new = _flatten(stored), _flatten(json.loads(json.dumps(current, default=str)))
+    added = tuple(key for version, keys in ADDED_IN.items() if stored_format < version for key in keys)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key) and not (key not in old and new.get(key) in (None, False, [], {}))]
+            if old.get(key) != new.get(key) and not (key not in old and new.get(key) in (None, False, [], {}))
+            and not (key not in old and key.startswith(added))]
 
 
 @dataclass
@@ -310,7 +315,7 @@ class RunDirectory:
                     "them"
                 )
             return
-        differences = compare_fingerprints(stored.fingerprint, fingerprint)
+        differences = compare_fingerprints(stored.fingerprint, fingerprint, stored.format)
         if redo:  # a redo runs with the job's current generation settings
             differences = [d for d in differences if not d.startswith("generation.")]
         if not differences and fingerprint.get("input") == {"source": "stdin"} and not self.same_input \

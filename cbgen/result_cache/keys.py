@@ -67,16 +67,12 @@ class Numerics:
                    transformers.__version__, __version__)
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    names = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
-    return sorted({path for pattern in names for path in folder.glob(pattern) if path.is_file()})
-
-
 def weights_identity(loaded: LoadedModel, memo: Path) -> dict[str, Any] | None:
     """What names the model's weights, by content: the digest of the GGUF file or of a folder's weight files (each
     hashed once and remembered by size and modification time in `memo`), or a random-weight shape (seeded, so the
     same weights); None when they cannot be told (a hub id whose files are not on disk)."""
     from cbgen.model.gguf import file_digest
+    from cbgen.model.source import weight_files
 
     source = loaded.source
     if source.random_weights:
@@ -91,7 +87,7 @@ def weights_identity(loaded: LoadedModel, memo: Path) -> dict[str, Any] | None:
             folder = Path(snapshot_download(source.location, local_files_only=True))
         except Exception:  # noqa: BLE001 - not on disk (or not a hub id): the weights cannot be named
             return None
-    files = _weight_files(folder)
+    files = weight_files(folder)
     if not files:
         return None
     return {"files": {path.name: file_digest(path, memo) for path in files}}
