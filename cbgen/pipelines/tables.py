@@ -90,6 +90,14 @@ def _run(con: duckdb.DuckDBPyConnection, query: str, read_files: bool) -> pa.Tab
 
     _sandboxed(con, read_files)
     try:
+        statements = con.extract_statements(query)
+        if len(statements) != 1:
+            raise CbgenError(f"an sql stage's query is one SELECT statement; this one holds {len(statements)}: keep "
+                             "one (a WITH clause can name the steps before it)")
+        kind = statements[0].type
+        if kind != duckdb.StatementType.SELECT:
+            raise CbgenError(f"an sql stage's query is one SELECT statement (it reads, and writes nothing, "
+                             f"`{SQL_FILES_KEY}: true` or not); this one is {kind.name}")
         return con.sql(query).to_arrow_table()
     except duckdb.PermissionException as e:
         raise CbgenError(f"SQL error: {sql_message(e)}; an sql stage reads the tables of the stages it names, and "
