@@ -138,10 +138,29 @@ def test_rows_that_fail_only_when_rendered_never_start_an_engine(tiny_model_dir,
     assert all("outside the vocabulary" in r["error"] for r in read_shards(tmp_path / "out"))
 
 
-def test_a_truncated_gzip_file_is_a_file_error(tiny_model_dir, tmp_path, capsys):
-    data = gzip.compress(("\n".join(json.dumps(row) for row in GOOD * 500) + "\n").encode())
+def test_a_truncated_gzip_file_keeps_the_rows_before_the_cut_and_resumes_once_whole(tiny_model_dir, tmp_path,
+                                                                                    capsys):
+    rows = [{"id": f"r{i}", "prompt": f"Say {i}."} for i in range(400)]
+    whole = gzip.compress(("\n".join(json.dumps(row) for row in rows) + "\n").encode())
     path = tmp_path / "p.jsonl.gz"
-    path.write_bytes(data[: len(data) // 2])
-    assert run(tiny_model_dir, path, tmp_path / "out") == 2
+    path.write_bytes(whole[: len(whole) // 2])  # a download cut short
+    out = tmp_path / "out"
+    assert run(tiny_model_dir, path, out) == 2
     err = capsys.readouterr().err
-    assert "Compressed file ended before the end-of-stream marker" in err and "Traceback" not in err
+    assert "cannot read input file" in err and "Compressed file ended before the end-of-stream marker" in err
+    assert "rerun the same command to resume" in err and "Traceback" not in err
+    before = [r["id"] for r in read_shards(out)]
+    assert 0 < len(before) < len(rows) and before == sorted(before, key=lambda i: int(i[1:]))
+    assert all(r["error"] is None for r in read_shards(out))  # every row before the cut ran
+    path.write_bytes(whole)  # fetched again, whole
+    assert run(tiny_model_dir, path, out) == 0
+    after = [r["id"] for r in read_shards(out)]
+    assert sorted(after) == sorted(r["id"] for r in rows) and len(after) == len(set(after))
+    assert json.loads((out / "run.json").read_text())["counts"]["resumed_requests"] == len(before)
+    other = tmp_path / "other.jsonl.gz"  # another file that merely begins differently is another job
+    other.write_bytes(gzip.compress(b'{"id": "x", "prompt": "y"}\n'))
+    path.write_bytes(whole[: len(whole) // 2])
+    assert run(tiny_model_dir, path, tmp_path / "cut") == 2
+    path.write_bytes(other.read_bytes() + whole)
+    assert run(tiny_model_dir, path, tmp_path / "cut") == 2
+    assert "holds a run of a different job (input." in capsys.readouterr().err

@@ -64,6 +64,7 @@ class Reader(ABC):
         self.notices: Counter[str] = Counter()
         self.on_notice: Callable[[str], None] | None = None
         self.detected = ""  # which format the input was read as, and why (open_reader)
+        self.broken: str | None = None  # why the input ended before its end (a cut gzip stream): the rows before run
         self.prompt_column = prompt_column
         self.detect_id = detect_id and id_column is None
         self.id_column = None if id_column == ROW_NUMBER else id_column

@@ -129,7 +129,8 @@ class JsonlReader(Reader):
                 lines = enumerate(bounded_lines(f, self.max_line_bytes), 1)
                 yield from ((n, line) for n, line in lines if isinstance(line, TooLong) or line.strip())
         except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream shows up only here
-            raise CbgenError(f"cannot read input file '{self.name}': {e}") from None
+            # the lines before the cut are read (and run); the job says why it ended once they are written
+            self.broken = f"cannot read input file '{self.name}' to its end: {e}"
 
     def objects(self) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
         """`(line_number, row, error)` for each non-blank line: its object, or why it is not one."""

@@ -35,7 +35,7 @@ from cbgen.job.sequence import drain, open_job_input, read_ahead
 from cbgen.kinds import DEFAULT, Kind, kind_of
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.manifest import job_fingerprint, write_manifest
+from cbgen.outputs.manifest import cut_identity, job_fingerprint, write_manifest
 from cbgen.outputs.rundir import MANIFEST_FILE, RunDirectory
 from cbgen.outputs.summary import RunSummary, Status
 from cbgen.parallel.sharding import Sharding, resolve_sharding, shard_directory, shard_of
@@ -114,6 +114,9 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     reader = open_job_input(job, detect_id=stored is None or stored.detects_ids, stop=stop,
                             on_notice=lambda message: progress.stage(f"note: {message}"))  # said once each
     fingerprint = job_fingerprint(job, source, sharding) | ({"pipeline": lineage} if lineage is not None else {})
+    cut = (stored.fingerprint.get("input") or {}).get("cut_at_bytes") if stored is not None else None
+    if isinstance(cut, int) and Path(job.input.path).is_file() and Path(job.input.path).stat().st_size >= cut:
+        fingerprint["input"] = cut_identity(job.input.path, cut)  # the earlier run's input ended at a cut
     with directory.open(fingerprint, stored_job(job), reader.ids.to_dict(), job.run.redo):
         summary = RunSummary(output_dir=directory.path, model=source.name, shard=sharding, ids=reader.ids,
                              kind=job.kind, max_new_tokens=job.generation.max_new_tokens)
@@ -200,6 +203,7 @@ class _Run:
                     rows, total)
         self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(plan, engine, loaded, planned.grammars)
+        self._input_cut()
         return self.summary
 
     def _score(self, loaded: LoadedModel, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
@@ -216,7 +220,18 @@ class _Run:
         self.summary.scorer = scorer.stats.to_dict()
         self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(None, None, loaded, None)
+        self._input_cut()
         return self.summary
+
+    def _input_cut(self) -> None:
+        """After a run whose input ended at a cut (a truncated gzip file): the rows before it are written; the run
+        records the cut file as its input, so that the file made whole resumes it, and says so (exit 2)."""
+        broken = self.reader.broken
+        if broken is None:
+            return
+        self.directory.record_input(cut_identity(str(self.job.input.path)))
+        raise CbgenError(f"{broken}; the {plural(self.summary.run_requests, 'request')} read before the cut are "
+                         "written: make the file whole (fetch it again) and rerun the same command to resume")
 
     def wanted(self, record: PromptRecord) -> bool:
         """Whether this run should generate `record`: in this shard, and not done by an earlier run."""

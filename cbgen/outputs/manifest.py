@@ -57,6 +57,18 @@ def input_identity(path: str | None, memo: Path | None = None) -> dict[str, Any]
     return {"files": len(files), "bytes": size, "sha256_head_tail": digest.hexdigest(), "sha256": whole.hexdigest()}
 
 
+def cut_identity(path: str, size: int | None = None) -> dict[str, Any]:
+    """The identity of an input that ended early (a cut gzip stream): its first `size` bytes (by default, all of
+    it, as cut). A run that stopped on the cut records this, so that the file made whole, which begins with the
+    same bytes, resumes it."""
+    target = Path(path)
+    size = target.stat().st_size if size is None else size
+    digest = hashlib.sha256()
+    with open(target, "rb") as f:
+        digest.update(f.read(size))
+    return {"cut_at_bytes": size, "sha256_before_cut": digest.hexdigest()}
+
+
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
     resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""

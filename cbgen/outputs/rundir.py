@@ -348,6 +348,12 @@ class RunDirectory:
         data = read_json(directory / FINGERPRINT_FILE) or {}
         write_json_atomic(directory / FINGERPRINT_FILE, data | {"columns": columns.to_dict()})
 
+    def record_input(self, identity: dict[str, Any]) -> None:
+        """Keeps `identity` as the input's in the fingerprint (a run whose input ended at a cut records the cut)."""
+        data = read_json(self.path / FINGERPRINT_FILE) or {}
+        data.setdefault("fingerprint", {})["input"] = identity
+        write_json_atomic(self.path / FINGERPRINT_FILE, data)
+
     def end_redo(self) -> None:
         """The redo of the locked `directory` has written every request: its history says it is finished."""
         from cbgen.outputs.redo import finish_redo
