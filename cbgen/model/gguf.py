@@ -5,7 +5,6 @@ a lock while it converts, and the others wait for it, then read what it wrote.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.config import ModelSection
 from cbgen.errors import first_line
-from cbgen.files import read_json_or_none, write_json_atomic
+from cbgen.files import file_digest, write_json_atomic
 from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
 
@@ -57,33 +56,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message)
-
-
-def file_digest(path: Path, memo: Path | None = None) -> str:
-    """SHA-256 of a file, memoised in the JSON file `memo` by (real path, size, mtime), so a large GGUF is read in
-    full once (about 1.5 GB/s) and not on every run."""
-    stat = path.stat()
-    real = str(path.resolve())
-    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    known = (read_json_or_none(memo) if memo else None) or {}
-    entry = known.get(real) if isinstance(known, dict) else None
-    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get("sha256"), str):
-        return entry["sha256"]
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            sha.update(chunk)
-    digest = sha.hexdigest()
-    if memo is not None:
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            fresh = read_json_or_none(memo)
-            known = fresh if isinstance(fresh, dict) else {}
-            known[real] = stamp | {"sha256": digest}
-            write_json_atomic(memo, known, durable=False)
-        except OSError:
-            pass  # a read-only cache still serves hits; the file is hashed again next time
-    return digest
 
 
 class GgufCache:

@@ -86,7 +86,7 @@ class ModelSource:
         """What makes a model the same model for a resume: its weights by content (a GGUF file's digest, a folder's
         weight files' digests, each hashed once and remembered by size and mtime in `memo`), a folder's config.json
         hash, a random-weights shape (and its config file's hash), a hub id's name and resolved commit."""
-        from cbgen.model.gguf import file_digest
+        from cbgen.files import file_digest
 
         if self.random_weights:
             path = Path(self.location)

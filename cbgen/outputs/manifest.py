@@ -31,7 +31,7 @@ def input_identity(path: str | None, memo: Path | None = None) -> dict[str, Any]
     remembered by size and mtime in `memo`) and of its first and last MiB (what runs before format 3 compared); not
     its path, so a moved file still resumes; not its mtime, which copies and checkouts change. A hub dataset is its
     id and resolved revision. Stdin has no identity (a resume needs --same-input)."""
-    from cbgen.model.gguf import file_digest
+    from cbgen.files import file_digest
 
     if path is None or path == "-":
         return {"source": "stdin"}

@@ -71,7 +71,7 @@ def weights_identity(loaded: LoadedModel, memo: Path) -> dict[str, Any] | None:
     """What names the model's weights, by content: the digest of the GGUF file or of a folder's weight files (each
     hashed once and remembered by size and modification time in `memo`), or a random-weight shape (seeded, so the
     same weights); None when they cannot be told (a hub id whose files are not on disk)."""
-    from cbgen.model.gguf import file_digest
+    from cbgen.files import file_digest
     from cbgen.model.source import weight_files
 
     source = loaded.source
