@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
+from cbgen.engine.endings import ended
 from cbgen.engine.manager import CacheFacts, ManagerSpec, drain, live_lengths, loop_error, start_manager, stop_manager
 from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
@@ -340,48 +341,13 @@ class Engine:
             return None  # a streamed step
         if stopped is not None and not result.is_finished():
             self.manager.cancel_request(result.request_id)
-        completion = self._ended(entry, sample_index, result, tokens, stopped)
+        completion = ended(entry.request, sample_index, result, tokens, stopped, self.control,
+                           eos_token_ids=self.settings.eos_token_ids, max_new_tokens=entry.max_new_tokens)
         entry.done[sample_index] = completion
         if len(entry.done) < entry.n:
             return None
         del in_flight[key]
         return [entry.done[i] for i in range(entry.n)]
-
-    def _ended(self, entry: _InFlight, sample_index: int, result, tokens: list[int],
-               stopped: tuple[int, str] | None) -> Completion:
-        """A sequence that has ended, with what the step control recorded of it (its own logprobs, top logprobs,
-        whether its format was complete)."""
-        control = self.control
-        record = control.take(result.request_id) if control is not None else None
-        logprobs = top = None
-        if control is not None and record is not None and control.capture:
-            logprobs, top = record.logprobs[: len(tokens)], record.top[: len(tokens)] or None
-
-        def cut_at(cut: int, reason: str, text: str | None = None) -> Completion:
-            return Completion(entry.request, sample_index, tokens[:cut], logprobs[:cut] if logprobs else logprobs,
-                              reason, None, text, top_logprobs=top[:cut] if top else top)
-
-        if stopped is not None:
-            completion = cut_at(stopped[0], "stop", stopped[1])
-            if control is not None and record is not None and record.grammar \
-                    and not control.accepts(entry.request, stopped[1]):
-                completion.finish_reason = "error"
-                completion.error = ("a stop string ended the sequence before its response_format was complete: "
-                                    f"{entry.request.stop!r}")
-            return completion
-        if record is not None and record.looped and result.error is None:  # the loop stop: drop the end it forced
-            return cut_at(len(tokens) - (1 if tokens and tokens[-1] in self.settings.eos_token_ids else 0),
-                          "repetition")
-        reason = self._finish_reason(tokens, entry.max_new_tokens, result.error)
-        error = str(result.error) if result.error is not None else None
-        return Completion(entry.request, sample_index, tokens, logprobs, reason, error, top_logprobs=top)
-
-    def _finish_reason(self, tokens: list[int], max_new_tokens: int, error) -> str:
-        if error is not None:
-            return "error"
-        if tokens and tokens[-1] in self.settings.eos_token_ids:
-            return "stop"
-        return "length" if len(tokens) >= max_new_tokens else "stop"
 
     def _expire(self, in_flight: dict[str, _InFlight], gate: PrefixGate) -> Iterator[list[Completion]]:
         """Cancels requests that have run longer than --request-timeout. The manager returns nothing for a
