@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["CbgenError", "Generator", "Result", "RowError", "generate", "load", "pipeline", "run"]
+__all__ = ["CbgenError", "Embedder", "Generator", "Result", "RowError", "embed", "generate", "load", "pipeline", "run"]
 
 from cbgen.errors import CbgenError, RowError  # light: no torch, no transformers
 
 if TYPE_CHECKING:
-    from cbgen.api import Generator, Result, generate, load, pipeline, run
+    from cbgen.api import Embedder, Generator, Result, embed, generate, load, pipeline, run
 
 
 def __getattr__(name: str) -> Any:

@@ -74,6 +74,7 @@ class Request:
     # a request that arrives with `answered` set is yielded as it is by the engine (and the scorer), never run
     cache_keys: list[str] | None = None
     answered: list[Completion] | None = None
+    uncut_length: int | None = None  # an encoding model's row: its tokens before the cut to the max length
 
     @property
     def ids(self) -> list[int]:
@@ -107,6 +108,8 @@ class Completion:
     # per generated token, the most likely tokens of the model's own distribution: (token ids, logprobs)
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     score: Score | None = None  # a scoring job's result: then token_ids are the scored tokens (cbgen.score)
+    # an embed job's embedding, a reward job's outputs (one per label): then token_ids are the tokens read
+    vector: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -153,6 +156,17 @@ SCORE_FIELDS: tuple[str, ...] = (
 RESERVED_NAMES: frozenset[str] = frozenset((*BASE_FIELDS, "logprobs", "top_logprobs", "reasoning", "tool_calls",
                                             "parsed"))
 SCORE_RESERVED_NAMES: frozenset[str] = frozenset((*SCORE_FIELDS, "token_ids", "logprobs", "top_logprobs"))
+# One output row per input row of an embed job (cbgen embed), then the kept input columns
+EMBED_FIELDS: tuple[str, ...] = (
+    "id",
+    "embedding",  # float32, the model's dimension (None when the row failed)
+    "num_tokens",  # tokens the model read (after truncation to its max length)
+    "truncated",  # whether the text was longer than the model's max length and cut to it
+    "error",
+)
+# One output row per input row of a reward job (kind: reward): its outputs (one column per label) come between
+# num_tokens and error, then the kept input columns
+REWARD_FIELDS: tuple[str, ...] = ("id", "num_tokens", "truncated", "error")
 
 
 # The sequences of a request, as the engine names them (see the module's docstring)

@@ -7,6 +7,7 @@
     summary = cbgen.run("prompts.jsonl", "out/", max_new_tokens=512)              # `cbgen run`, resumable
     report = cbgen.pipeline("pipeline.yaml", "out/")                              # `cbgen pipeline`, like make
     rows = cbgen.load("out/")                                                    # a datasets.Dataset, input order
+    vectors = cbgen.embed(["a text", "another"])                     # float32 [rows, dim], all-MiniLM-L6-v2
 
 Keyword names are the YAML keys of a job (`max_new_tokens`, `temperature`, `json_schema`, `page_size`, ...;
 `input_format` and `output_format` for the two `format` keys), checked exactly as flags are; an unknown one raises
@@ -133,6 +134,44 @@ def generate(prompts: Sequence[Any] | datasets.Dataset, *, model: str | None = N
     """Loads the model, generates for `prompts` (in input order), and frees it: `Generator(...).generate(...)`."""
     with Generator(model, progress=progress, **settings) as generator:
         return generator.generate(prompts)
+
+
+class Embedder:
+    """An embedding model loaded once (the embedded all-MiniLM-L6-v2 unless `model` names another), to embed texts
+    again and again. Takes the model's settings and the embed section's (`pooling`, `normalize`, `max_length`,
+    `batch_tokens`, `text_column`, `template`)."""
+
+    def __init__(self, model: str | None = None, **settings: Unpack[JobSettings]) -> None:
+        overrides = keyword_overrides(settings)
+        if model is not None:
+            overrides[("model", "model")] = (model, "model")
+        self._job = build_config(None, overrides, kind="embed")
+        from cbgen.model.source import resolve_source
+
+        resolve_source(self._job.model.model, "embedder")  # a model that cannot be found says so before torch loads
+        from cbgen.encoders.load import load_encoder
+
+        self.loaded = load_encoder(self._job)
+
+    def embed(self, texts: Sequence[Any] | datasets.Dataset, *, progress: bool | None = None) -> Any:
+        """A float32 numpy array [len(texts), dimensions], in input order. Texts are strings (or row dicts, whose
+        text field or template makes the text). A row that cannot be embedded raises CbgenError naming it."""
+        import numpy as np
+
+        from cbgen.errors import CbgenError
+        from cbgen.job.encode import encode_in_memory
+
+        rows = encode_in_memory(self._job, self.loaded, texts, _progress(progress))
+        bad = next((row for row in rows if row["error"] is not None), None)
+        if bad is not None:
+            raise CbgenError(bad["error"])
+        return np.asarray([row["embedding"] for row in rows], dtype=np.float32).reshape(len(rows), -1)
+
+
+def embed(texts: Sequence[Any] | datasets.Dataset, *, model: str | None = None, progress: bool | None = None,
+          **settings: Unpack[JobSettings]) -> Any:
+    """Loads the embedding model, embeds `texts` (a float32 numpy array, input order) and frees it."""
+    return Embedder(model, **settings).embed(texts, progress=progress)
 
 
 def run(input: str | Path, output_dir: str | Path, *, model: str | None = None, progress: bool | None = None,

@@ -333,15 +333,27 @@ class CallSettings(TypedDict, total=False):
     # judge case. Comma-separated or repeated; spaces are kept, as they are part of the text scored (' yes, no' is '
     # yes' and ' no'). YAML: a list.
     choices: list[str]
-    # score.completion_column: Field holding the text to score after each row's prompt (or messages): its summed
-    # logprob, token count, mean logprob and perplexity. Dots reach into a nested value (answers.text).
+    # reward.completion_column: Field holding the answer to rate after each row's prompt (or messages), as the
+    # conversation's last assistant turn. A row with messages and no such field is rated as its messages stand. Dots
+    # reach into a nested value.
     completion_column: str
-    # score.text_column: Field holding a text scored on its own, for rows without a prompt: every token after the
-    # first, for perplexity filtering. Dots reach into a nested value.
+    # reward.text_column: Field holding a text rated as it is (no chat template), for rows without a prompt or
+    # messages.
     text_column: str
-    # score.batch_tokens: Tokens per forward pass: rows of similar length are packed into one padded batch up to this
-    # many (a longer row runs alone). Changes speed and memory; scores only by float rounding.
+    # reward.batch_tokens: Tokens per forward pass: conversations of similar length are batched up to this many
+    # (padded tokens included). Changes speed and memory; outputs only by float rounding.
     batch_tokens: int
+    # embed.pooling: How token vectors become one: auto takes the model's sentence-transformers pooling
+    # (1_Pooling/config.json), else the last token for a decoder model and the mean for an encoder. mean: over the
+    # text's tokens; cls: the first token's; max: per dimension; mean_sqrt_len: the sum over sqrt(length); last: the
+    # last token's (decoder embedding models).
+    pooling: Literal['auto', 'mean', 'cls', 'max', 'mean_sqrt_len', 'last']
+    # embed.normalize: Scale each embedding to unit length (cosine similarity is then a dot product). Unset: as the
+    # model's sentence-transformers modules say (a Normalize module), else yes.
+    normalize: bool | None
+    # reward.max_length: Tokens read per conversation; a longer one is cut to it and marked truncated. Unset: the
+    # model's position limit.
+    max_length: int | None
 
 
 class JobSettings(ModelSettings, CallSettings, total=False):

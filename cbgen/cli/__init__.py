@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("cbgen.cli.run", "run", "Generate an answer for every prompt in INPUT with continuous batching."),
     "score": ("cbgen.cli.score_cmd", "score", "Score text with the model: completions after their prompts, choices, "
               "or texts on their own."),
+    "embed": ("cbgen.cli.embed_cmd", "embed", "Embed text with an embedding model: one pooled vector per row."),
     "pipeline": ("cbgen.cli.pipeline_cmd", "pipeline", "Run a pipeline: stages that generate, score and filter "
                  "(SQL), each resumable, like make."),
     "status": ("cbgen.cli.collect_cmds", "status", "Report done / failed / remaining requests of a job, shard by "
@@ -42,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "(lm_eval --model cbgen; needs the eval extra)."),
 }
 EPILOGS = {"run": ("cbgen.cli.run", "EPILOG"), "score": ("cbgen.cli.score_cmd", "EPILOG"),
+           "embed": ("cbgen.cli.embed_cmd", "EPILOG"),
            "pipeline": ("cbgen.cli.pipeline_cmd", "EPILOG")}
 
 

@@ -185,6 +185,23 @@ SCORE_OPTIONS: list[JobOption] = [
 ]
 
 
+EMBED_PANEL = "Embedding"
+_ENCODING_KEYS = {("model", "model"), ("model", "dtype"), ("model", "device"), ("model", "trust_remote_code"),
+                  ("run", "quiet"), ("run", "max_errors"), ("run", "commit_interval"), ("run", "num_shards"),
+                  ("run", "shard_index"), ("run", "redo")}
+# `cbgen embed`: the job options that apply to an encoding model (no sampling, no engine, no chat template), and
+# its own
+EMBED_OPTIONS: list[JobOption] = [
+    *(o for o in SCORE_OPTIONS if (o.section, o.key) in _ENCODING_KEYS or o.section in ("input", "output")
+      and o.key not in ("prompt_column", "raw_prompts", "system")),
+    JobOption("embed", "text_column", ("--text-column",), str, EMBED_PANEL, metavar="NAME"),
+    JobOption("embed", "pooling", ("--pooling",), str, EMBED_PANEL),
+    JobOption("embed", "normalize", ("--normalize/--no-normalize",), bool, EMBED_PANEL),
+    JobOption("embed", "max_length", ("--max-length",), int, EMBED_PANEL, metavar="N"),
+    JobOption("embed", "batch_tokens", ("--embed-batch-tokens",), int, EMBED_PANEL, metavar="N"),
+]
+
+
 def _normalise(option: JobOption, value: Any) -> Any:
     if option.key == "choices":  # comma-separated or repeated; spaces are part of the text scored: kept
         return [choice for item in value for choice in item.split(",") if choice]
@@ -219,6 +236,7 @@ def with_options(options: list[JobOption]):
 
 job_options = with_options(JOB_OPTIONS)  # cbgen run, cbgen config show
 score_options = with_options(SCORE_OPTIONS)  # cbgen score
+embed_options = with_options(EMBED_OPTIONS)  # cbgen embed
 
 
 InputPath = Annotated[

@@ -46,11 +46,11 @@ class _Counters:
         self.cap = 1
         self.pace: Pace | None = None
         self.read = 0.0
-        self.computed = False  # a scoring job: every token its forward passes compute counts, prompt and scored
+        self.computed = False  # a job that generates nothing: every token its forward passes read counts
 
     def start(self, total: int | None, unit: str, verb: str = "generating") -> None:
         self.started = time.perf_counter()
-        self.computed = verb == "scoring"
+        self.computed = verb != "generating"
         if self.live is not None and unit == "sequence":
             self.pace = Pace(total, self.cap)
 
@@ -81,7 +81,7 @@ class _Counters:
     @property
     def rate_label(self) -> str:
         """What tokens_per_second counts."""
-        return "computed tok/s (prompt + scored)" if self.computed else "generated tok/s"
+        return "computed tok/s (every token read)" if self.computed else "generated tok/s"
 
     def seconds_left(self, total: int | None) -> float | None:
         self._observe()

@@ -39,6 +39,12 @@ _SECTION_NOTES = {
     "run": "How the job runs: in-flight window, timeouts, shards, replicas and executors.",
     "score": "What `cbgen score` scores in each row; it also takes the model, input and output sections, the logprobs "
              "settings of `generation` and the shard, resume and error settings of `run`.",
+    "embed": "What `cbgen embed` (and a pipeline's `kind: embed` stage) embeds in each row, and how the vectors are "
+             "pooled; it also takes the model, input and output sections and the shard, resume and error settings "
+             "of `run`.",
+    "reward": "What a pipeline's `kind: reward` stage rates in each row with a sequence-classification model; it "
+              "also takes the model, input and output sections, `generation.chat_template_kwargs` and the shard, "
+              "resume and error settings of `run`.",
 }
 
 

@@ -121,17 +121,25 @@ def check_combinations(job: JobConfig) -> None:
 
 
 def _check_scoring(job: JobConfig) -> None:
-    """What a scoring job cannot do: it runs in one process per shard and writes score rows."""
+    """What a job that generates nothing (score, embed, reward) cannot do: it runs in one process per shard and
+    writes rows of its own kind."""
+    command = kind_of(job.kind).command or f"a {job.kind} stage"
     if job.model.tp_size > 1 or job.run.data_parallel > 1:
-        raise CbgenError("cbgen score runs one model per process: drop --tp and --data-parallel, and split a large "
+        raise CbgenError(f"{command} runs one model per process: drop --tp and --data-parallel, and split a large "
                          "input with --num-shards instead")
     if job.output.format == "openai":
-        raise CbgenError("--output-format openai holds generated choices, not scores: use jsonl or parquet")
+        raise CbgenError(f"--output-format openai holds generated choices, not {job.kind} rows: use jsonl or "
+                         "parquet")
     if "length" in job.run.redo:
-        raise CbgenError("--redo length applies to generated text cut by the token cap; a score is never cut: use "
-                         "--redo failed")
+        raise CbgenError(f"--redo length applies to generated text cut by the token cap; {command} cuts nothing: "
+                         "use --redo failed")
     if len(set(job.score.choices)) != len(job.score.choices) or any(c == "" for c in job.score.choices):
         raise CbgenError("--choices must be distinct, non-empty strings")
+    for section in (job.embed, job.reward):
+        if section.max_length is not None and section.max_length < 1:
+            raise CbgenError(f"max_length must be at least 1, got {section.max_length}")
+        if section.batch_tokens < 1:
+            raise CbgenError(f"batch_tokens must be at least 1, got {section.batch_tokens}")
 
 
 def _check_format(job: JobConfig) -> None:

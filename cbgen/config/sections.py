@@ -307,6 +307,44 @@ class ScoreSection:
         "(a longer row runs alone). Changes speed and memory; scores only by float rounding.")
 
 
+@dataclass
+class EmbedSection:
+    text_column: str = setting(
+        "text", "Field holding the text to embed (rows with a prompt, or a --template, embed that instead). Dots "
+        "reach into a nested value.")
+    pooling: Literal["auto", "mean", "cls", "max", "mean_sqrt_len", "last"] = setting(
+        "auto", "How token vectors become one: auto takes the model's sentence-transformers pooling "
+        "(1_Pooling/config.json), else the last token for a decoder model and the mean for an encoder. mean: "
+        "over the text's tokens; cls: the first token's; max: per dimension; mean_sqrt_len: the sum over "
+        "sqrt(length); last: the last token's (decoder embedding models).")
+    normalize: bool | None = setting(
+        None, "Scale each embedding to unit length (cosine similarity is then a dot product). Unset: as the "
+        "model's sentence-transformers modules say (a Normalize module), else yes.")
+    max_length: int | None = setting(
+        None, "Tokens read per text; a longer text is cut to it and marked truncated. Unset: the model's own "
+        "(sentence_bert_config.json's max_seq_length, else its position limit).")
+    batch_tokens: int = setting(
+        16384, "Tokens per forward pass: texts of similar length are batched up to this many (padded tokens "
+        "included), so short texts go in large batches and long ones in small. Changes speed and memory; "
+        "embeddings only by float rounding.")
+
+
+@dataclass
+class RewardSection:
+    completion_column: str = setting(
+        "completion", "Field holding the answer to rate after each row's prompt (or messages), as the "
+        "conversation's last assistant turn. A row with messages and no such field is rated as its messages "
+        "stand. Dots reach into a nested value.")
+    text_column: str = setting(
+        "text", "Field holding a text rated as it is (no chat template), for rows without a prompt or messages.")
+    max_length: int | None = setting(
+        None, "Tokens read per conversation; a longer one is cut to it and marked truncated. Unset: the model's "
+        "position limit.")
+    batch_tokens: int = setting(
+        8192, "Tokens per forward pass: conversations of similar length are batched up to this many (padded "
+        "tokens included). Changes speed and memory; outputs only by float rounding.")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "input": InputSection,
@@ -315,6 +353,8 @@ SECTIONS: dict[str, type] = {
     "output": OutputSection,
     "run": RunSection,
     "score": ScoreSection,  # cbgen score: what is scored (cbgen.score)
+    "embed": EmbedSection,  # cbgen embed: what is embedded and how (cbgen.encoders)
+    "reward": RewardSection,  # kind: reward: what is rated (cbgen.encoders)
 }
 
 
@@ -330,6 +370,8 @@ class JobConfig:
     output: OutputSection = field(default_factory=OutputSection)
     run: RunSection = field(default_factory=RunSection)
     score: ScoreSection = field(default_factory=ScoreSection)
+    embed: EmbedSection = field(default_factory=EmbedSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     kind: str = DEFAULT  # one of cbgen.kinds.JOB_KINDS, set by the command (cbgen run, cbgen score), not by the YAML
 
     @property

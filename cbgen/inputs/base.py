@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen.errors import CbgenError, RowError, describe_type, first_line
 from cbgen.inputs.checks import ROW_NUMBER, check_id, check_input_ids, check_messages
 from cbgen.inputs.settings import ROW_SETTINGS, parse_settings
-from cbgen.records import RESERVED_NAMES, SCORE_RESERVED_NAMES, PromptRecord, ScoreTarget
+from cbgen.records import RESERVED_NAMES, PromptRecord, ScoreTarget
 
 if TYPE_CHECKING:
     import threading
@@ -54,7 +54,7 @@ class Reader(ABC):
     def __init__(self, name: str, *, prompt_column: str | None, id_column: str | None,
                  keep_columns: Sequence[str], detect_id: bool = True, template: PromptTemplate | None = None,
                  score: ScoreFields | None = None) -> None:
-        names = SCORE_RESERVED_NAMES if score is not None else RESERVED_NAMES
+        names = score.reserved if score is not None else RESERVED_NAMES
         reserved = [c for c in keep_columns if c in names]
         if reserved:
             raise CbgenError(f"--keep-columns {reserved[0]!r} is a reserved output name; rename the column in "

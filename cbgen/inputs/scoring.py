@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import RowError, describe_type
 from cbgen.kinds import kind_of
-from cbgen.records import ScoreTarget
+from cbgen.records import SCORE_RESERVED_NAMES, ScoreTarget
 
 if TYPE_CHECKING:
     from cbgen.config import JobConfig
@@ -29,22 +29,29 @@ _MISSING = object()
 class ScoreFields:
     """Where a scoring job finds what to score in its rows."""
 
-    completion_column: str = "completion"
+    completion_column: str | None = "completion"  # None: a prompt is all a row gives (embed: the text itself)
     text_column: str = "text"
-    choices: tuple[str, ...] = ()  # the job's own choices, for rows without theirs
+    choices: tuple[str, ...] | None = ()  # the job's own choices, for rows without theirs; None: no choices read
+    completion_required: bool = True  # False: a row's prompt or messages may stand alone (reward: a conversation)
+    reserved: frozenset[str] = SCORE_RESERVED_NAMES  # the output's own names, which a kept column may not take
 
     @classmethod
     def of(cls, job: JobConfig) -> ScoreFields | None:
-        """The fields of a scoring job; None for a generation job."""
-        if not kind_of(job.kind).takes_section("score"):
+        """The fields a job's rows give besides a prompt (its kind's `reads`); None for a generation job."""
+        kind = kind_of(job.kind)
+        if not kind.reads or kind.own_section is None:
             return None
-        s = job.score
-        return cls(s.completion_column, s.text_column, tuple(s.choices))
+        section = getattr(job, kind.own_section)
+        return cls(section.completion_column if "completion" in kind.reads else None, section.text_column,
+                   tuple(section.choices) if "choices" in kind.reads else None, kind.completion_required,
+                   kind.reserved_names())
 
     @property
     def columns(self) -> tuple[str, ...]:
         """The top-level columns a columnar reader reads for them."""
-        return (CHOICES_FIELD, self.completion_column.split(".")[0], self.text_column.split(".")[0])
+        return (*((CHOICES_FIELD,) if self.choices is not None else ()),
+                *((self.completion_column.split(".")[0],) if self.completion_column else ()),
+                self.text_column.split(".")[0])
 
     def text_of(self, row: Mapping[str, Any]) -> str | None:
         """The row's text to score on its own, when it has one (checked: a non-empty string)."""
@@ -56,15 +63,20 @@ class ScoreFields:
                            f"{describe_type(value) if not isinstance(value, str) else 'an empty one'}")
         return value
 
-    def target(self, row: Mapping[str, Any]) -> ScoreTarget:
-        """What to score after the row's prompt: its choices, the job's, or its completion. Raises RowError naming
-        what is wrong or missing."""
-        choices = row.get(CHOICES_FIELD)
-        if choices is not None:
-            return ScoreTarget(choices=_checked_choices(choices))
-        if self.choices:
-            return ScoreTarget(choices=self.choices)
+    def target(self, row: Mapping[str, Any]) -> ScoreTarget | None:
+        """What to score after the row's prompt: its choices, the job's, or its completion; None where the prompt
+        stands alone. Raises RowError naming what is wrong or missing."""
+        if self.choices is not None:
+            choices = row.get(CHOICES_FIELD)
+            if choices is not None:
+                return ScoreTarget(choices=_checked_choices(choices))
+            if self.choices:
+                return ScoreTarget(choices=self.choices)
+        if self.completion_column is None:
+            return None
         completion = lookup(row, self.completion_column)
+        if (completion is _MISSING or completion is None) and not self.completion_required:
+            return None
         if completion is _MISSING or completion is None:
             raise RowError(f"nothing to score: the row has a prompt but no {self.completion_column!r} field "
                            f"(--completion-column) and no {CHOICES_FIELD!r}, and the job gives no --choices")

@@ -11,7 +11,7 @@ A job is a pipeline of plain iterators, each stage in its own module:
     write     cbgen.outputs            rows or OpenAI lines into atomic shards, resume index, run.json
 
 A scoring job (cbgen score) reads, writes and resumes the same way, with cbgen.score's scorer in the engine's place
-and score rows for output rows.
+and score rows for output rows; an embed or reward job with cbgen.encoders' encoder (cbgen.job.encode).
 
 This module only runs them, as the plan says, resuming whatever the output directory already holds. Under tensor
 parallelism, rank 0 runs the job (`run_job`) and the other ranks `follow_job`, serving the plan rank 0 sends them.
@@ -32,10 +32,10 @@ from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import Reader
 from cbgen.job.sequence import drain, open_job_input, read_ahead
-from cbgen.kinds import DEFAULT, Kind, kind_of
+from cbgen.kinds import Kind, kind_of
 from cbgen.model.source import ModelSource, resolve_source
 from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.manifest import cut_identity, job_fingerprint, write_manifest
+from cbgen.outputs.manifest import cut_identity, job_fingerprint, stored_job, write_manifest
 from cbgen.outputs.rundir import MANIFEST_FILE, RunDirectory
 from cbgen.outputs.summary import RunSummary, Status
 from cbgen.parallel.sharding import Sharding, resolve_sharding, shard_directory, shard_of
@@ -45,6 +45,7 @@ from cbgen.records import Completion, PromptRecord, Request
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
+    from cbgen.encoders.rows import EncodedRows
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
     from cbgen.job.plan import JobPlan
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
     from cbgen.parallel.tensor import TensorParallel
     from cbgen.score.rows import ScoreRows
 
-    Rows = OutputRows | ScoreRows  # what a finished request becomes: generated rows (or OpenAI lines), or scores
+    # what a finished request becomes: generated rows (or OpenAI lines), scores, embeddings or rewards
+    Rows = OutputRows | ScoreRows | EncodedRows
 
 
 def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None,
@@ -109,7 +111,7 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
                              same_input=job.input.same_input)
     stored = directory.stored
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
-    source = resolve_source(job.model.model)
+    source = resolve_source(job.model.model, kind_of(job.kind).embedded)
     progress.stage(f"checking {'<stdin>' if job.input.path == '-' else job.input.path}")
     reader = open_job_input(job, detect_id=stored is None or stored.detects_ids, stop=stop,
                             on_notice=lambda message: progress.stage(f"note: {message}"))  # said once each
@@ -122,21 +124,6 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
                              kind=job.kind, max_new_tokens=job.generation.max_new_tokens)
         summary.add_done(directory.done)
         return _Run(job, reader, source, sharding, directory, summary, progress, stop, started, tp, models).execute()
-
-
-def stored_job(job: JobConfig) -> dict:
-    """The configuration kept beside the fingerprint, with the input's absolute path, so that `cbgen status` and
-    `cbgen merge` find it from any directory."""
-    stored = job.to_dict()
-    if job.kind != DEFAULT:  # stored when not the default, as runs before kinds were stored read back
-        stored["kind"] = job.kind
-    if job.input.path is not None and Path(job.input.path).exists():
-        stored["input"]["path"] = str(Path(job.input.path).resolve())
-    for key in ("template", "system"):  # @FILE templates, found from any directory too
-        value = stored["input"].get(key)
-        if isinstance(value, str) and value.startswith("@") and Path(value[1:]).expanduser().exists():
-            stored["input"][key] = "@" + str(Path(value[1:]).expanduser().resolve())
-    return stored
 
 
 @dataclass
@@ -179,9 +166,11 @@ class _Run:
         if whole and all(record.error is not None for record in head):
             self._refuse_all(head, used, total)  # no row can run: no model is loaded
             return self.summary
+        if self.kind.runner == "encoder":
+            return self._encode(itertools.chain(head, records), total)
         loaded = self._load_model()
         self.progress.stage("rendering prompts")
-        if not self.kind.generates:
+        if self.kind.runner == "scorer":
             return self._score(loaded, itertools.chain(head, records), total)
         planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids, whole)
         plan = planned.plan
@@ -220,6 +209,23 @@ class _Run:
         self.summary.scorer = scorer.stats.to_dict()
         self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(None, None, loaded, None)
+        self._input_cut()
+        return self.summary
+
+    def _encode(self, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
+        """An embed or reward job: the encoder in the engine's place (cbgen.job.encode)."""
+        from cbgen.encoders.load import load_encoder
+        from cbgen.job.encode import plan_encoding
+
+        self.progress.stage("loading the model")
+        loaded = load_encoder(self.job)
+        release_gc()
+        self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
+        planned = plan_encoding(self.job, loaded, records)
+        self.directory.record_columns(planned.columns)
+        self._write((g for g in planned.encoder.run(planned.requests, self.stop)), planned.rows, total)
+        self.summary.scorer = planned.encoder.stats.to_dict()
+        self._finish(None, None, None, None)
         self._input_cut()
         return self.summary
 
@@ -273,7 +279,11 @@ class _Run:
         self.directory.record_columns(columns)
         n = self.kind.samples_per_row(self.job)
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
-        if not self.kind.generates:
+        if self.kind.runner == "encoder":
+            from cbgen.encoders.rows import EncodedRows
+
+            self._write(refused, EncodedRows(columns), total)
+        elif self.kind.runner == "scorer":
             from cbgen.job.sequence import score_rows
 
             self._write(refused, score_rows(columns, None), total)
@@ -342,7 +352,7 @@ class _Run:
         by_request = "n" in summary.row_settings  # rows with their own n: count requests, whose total is known
         self.progress.stage(self.kind.starting)
         if not self.kind.generates:
-            self.progress.start(total, "row", verb="scoring")
+            self.progress.start(total, "row", verb=self.kind.verb)
         elif by_request:
             self.progress.start(total, "request")
         else:

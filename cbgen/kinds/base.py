@@ -36,6 +36,15 @@ class Kind:
     starting: ClassVar[str] = "starting the engine"  # what the progress display says as its rows start
     card_settings: ClassVar[str] = "generation"  # the job section the card's metadata shows
     meanings: ClassVar[Mapping[str, str]] = {}  # what its own columns mean (over the shared meanings)
+    embedded: ClassVar[str | None] = "generator"  # the embedded model a job without --model takes (None: none)
+    # what runs its rows: "engine" (continuous batching), "scorer" (cbgen.score), "encoder" (cbgen.encoders)
+    runner: ClassVar[str] = "engine"
+    # what its rows may give besides a prompt (cbgen.inputs.scoring): "choices", "completion", "text"; and whether
+    # a row with a prompt must have a completion (score) or may be its prompt alone (reward: a conversation)
+    reads: ClassVar[tuple[str, ...]] = ()
+    completion_required: ClassVar[bool] = False
+    verb: ClassVar[str] = "generating"  # the progress display's
+    command: ClassVar[str | None] = None  # the command that runs a job of this kind alone, if one does
 
     # -- settings ------------------------------------------------------------------------------------------------
 
@@ -112,3 +121,32 @@ class Kind:
     @property
     def summary_title(self) -> str:
         return f"cbgen {self.name} summary"
+
+
+class EncoderKind(Kind):
+    """A kind whose rows go through an encoding model once each (cbgen.encoders: embed, reward): no generation,
+    nothing cut, one row per input row."""
+
+    generates = False
+    runner = "encoder"
+    work: ClassVar[str] = ""  # the summary's name of the work: "embedding", "rating"
+
+    def redo_kinds(self, kinds: list[str]) -> list[str]:
+        return [k for k in kinds if k != "length"]  # nothing is cut by a token cap
+
+    def counts(self, summary: Any) -> dict[str, int]:
+        return {"rows": summary.requests, "failed": summary.failed, "succeeded": summary.succeeded,
+                "tokens": summary.prompt_tokens, "resumed_rows": summary.resumed_requests}
+
+    def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
+        seconds = summary.generation_seconds or float("nan")
+        passes = summary.scorer.get("forward_passes", 0)
+        return [
+            ("model", str(summary.model)),
+            (f"rows {self.card_verb} / failed", f"{summary.succeeded} / {summary.failed}"),
+            ("tokens read", f"{summary.prompt_tokens:,}"),
+            ("rows/s, tokens/s", f"{summary.run_requests / seconds:,.1f}, {summary.run_prompt_tokens / seconds:,.0f}"),
+            self.timings_row(summary, duration, self.work),
+            ("forward passes", f"{passes:,} ({summary.scorer.get('padding_share', 0.0):.1%} of their tokens padding)"),
+            self.output_row(summary),
+        ]

@@ -14,6 +14,7 @@ REPLY_FIELDS = ("reasoning", "tool_calls")
 
 class Generate(Kind):
     name = "generate"
+    command = "cbgen run"
     several_samples = True
     card_title = "Generations by cbgen"
     card_verb = "answered"

@@ -12,6 +12,7 @@ from cbgen.records import SCORE_FIELDS, SCORE_RESERVED_NAMES
 
 class Score(Kind):
     name = "score"
+    command = "cbgen score"
     generates = False
     own_section = "score"
     generation_keys = frozenset({"logprobs", "top_logprobs"})  # the scored tokens' own, on request
@@ -19,6 +20,10 @@ class Score(Kind):
     card_verb = "scored"
     starting = "scoring"
     card_settings = "score"
+    runner = "scorer"
+    reads = ("choices", "completion", "text")
+    completion_required = True
+    verb = "scoring"
     meanings = {
         "num_prompt_tokens": "tokens before the scored ones (the prompt; a text's first token)",
         "token_ids": "the scored token ids",

@@ -16,10 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cbgen.config import ModelSection
 from cbgen.errors import first_line
 from cbgen.files import file_digest, write_json_atomic
-from cbgen.model import dtype_name
+from cbgen.model import CACHE_ENV, default_cache_dir, dtype_name  # noqa: F401 (default_cache_dir: its old home)
 from cbgen.model.source import ModelSource
 
 if TYPE_CHECKING:
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "CBGEN_CACHE_DIR"
 
 CACHE_HIT = "hit"
 CACHE_WRITTEN = "miss (written)"
@@ -39,17 +37,6 @@ TOKENIZER_ENTRY = "tokenizer"  # the converted tokenizer's entry; the model's is
 _MARKER = "cbgen-cache.json"  # written last into an entry; an entry without it is never trusted
 _STALE_TEMP_SECONDS = 6 * 3600  # a temporary folder this old belongs to a killed run
 _warned: set[str] = set()
-
-
-def default_cache_dir(settings: ModelSection | None = None) -> Path:
-    """--model-cache-dir, else $CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen, else ~/.cache/cbgen."""
-    if settings is not None and settings.cache_dir:
-        return Path(settings.cache_dir).expanduser()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "cbgen"
 
 
 def _warn_once(key: str, message: str) -> None:

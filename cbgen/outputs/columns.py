@@ -42,6 +42,8 @@ class OutputColumns:
     parsed: bool = False
     parsed_schema: str | None = None  # the one JSON schema every row follows (its text), which types `parsed`
     kind: str = DEFAULT  # the job's kind (cbgen.kinds), which says the fields its rows have
+    labels: tuple[str, ...] = ()  # a reward job's output columns, one per label of its model
+    dimensions: int = 0  # an embed job's embedding size
 
     @classmethod
     def decide(cls, job: JobConfig, used: Set[str], replies: bool) -> OutputColumns:
@@ -78,13 +80,14 @@ class OutputColumns:
 
     def to_dict(self) -> dict[str, Any]:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "replies": self.replies,
-                "kept": list(self.kept), "parsed": self.parsed, "parsed_schema": self.parsed_schema, "kind": self.kind}
+                "kept": list(self.kept), "parsed": self.parsed, "parsed_schema": self.parsed_schema, "kind": self.kind,
+                "labels": list(self.labels), "dimensions": self.dimensions}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OutputColumns:
         return cls(bool(data.get("logprobs")), bool(data.get("top_logprobs")), bool(data.get("replies")),
                    tuple(data.get("kept") or ()), bool(data.get("parsed")), data.get("parsed_schema"),
-                   str(data.get("kind") or DEFAULT))
+                   str(data.get("kind") or DEFAULT), tuple(data.get("labels") or ()), int(data.get("dimensions") or 0))
 
     @classmethod
     def from_names(cls, names: Set[str], kept: tuple[str, ...]) -> OutputColumns:

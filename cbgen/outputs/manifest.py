@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen import __version__
 from cbgen.config import JobConfig
 from cbgen.files import write_json_atomic
-from cbgen.kinds import kind_of
+from cbgen.kinds import DEFAULT, kind_of
 from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
 from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE, redo_history
@@ -160,3 +160,18 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
     path = summary.output_dir / MANIFEST_FILE
     write_json_atomic(path, manifest)
     return path
+
+
+def stored_job(job: JobConfig) -> dict:
+    """The configuration kept beside the fingerprint, with the input's absolute path, so that `cbgen status` and
+    `cbgen merge` find it from any directory."""
+    stored = job.to_dict()
+    if job.kind != DEFAULT:  # stored when not the default, as runs before kinds were stored read back
+        stored["kind"] = job.kind
+    if job.input.path is not None and Path(job.input.path).exists():
+        stored["input"]["path"] = str(Path(job.input.path).resolve())
+    for key in ("template", "system"):  # @FILE templates, found from any directory too
+        value = stored["input"].get(key)
+        if isinstance(value, str) and value.startswith("@") and Path(value[1:]).expanduser().exists():
+            stored["input"][key] = "@" + str(Path(value[1:]).expanduser().resolve())
+    return stored

@@ -44,8 +44,15 @@ TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("tok
 
 
 TOOL_CALLS_TYPE = pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))
+_ENCODED_TYPES: dict[str, pa.DataType] = {
+    "num_tokens": pa.int32(),
+    "truncated": pa.bool_(),
+    "label": pa.string(),
+}
+
+
 # every column a kind's rows may have (cbgen.kinds), but `parsed`, whose type the job's schema decides
-_TYPES: dict[str, pa.DataType] = _BASE_TYPES | _SCORE_TYPES | {
+_TYPES: dict[str, pa.DataType] = _BASE_TYPES | _SCORE_TYPES | _ENCODED_TYPES | {
     "logprobs": pa.list_(pa.float32()), "top_logprobs": TOP_LOGPROBS_TYPE, "reasoning": pa.string(),
     "tool_calls": TOOL_CALLS_TYPE}
 
@@ -57,8 +64,18 @@ def arrow_schema(columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Sc
     column is missing from it (JSONL input), the writer infers one with `infer_kept_schema` and asks again.
     """
     own = [name for name in columns.names if name not in columns.kept]
-    fields = [pa.field(name, parsed_type(columns).type if name == "parsed" else _TYPES[name]) for name in own]
+    fields = [pa.field(name, _type_of(name, columns)) for name in own]
     return _with_kept(fields, columns, kept_schema)
+
+
+def _type_of(name: str, columns: OutputColumns) -> pa.DataType:
+    if name == "parsed":
+        return parsed_type(columns).type
+    if name == "embedding":  # a fixed-size list: every row's vector has the model's size
+        return pa.list_(pa.float32(), columns.dimensions) if columns.dimensions else pa.list_(pa.float32())
+    if name in columns.labels:
+        return pa.float64()
+    return _TYPES[name]
 
 
 def _with_kept(fields: list[pa.Field], columns: OutputColumns, kept_schema: pa.Schema | None) -> pa.Schema | None:

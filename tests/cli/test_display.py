@@ -59,7 +59,7 @@ def test_scoring_progress_counts_every_token_it_computes(monkeypatch):
     progress.start(80, "row", verb="scoring")
     progress.advance(2, 300, 2, 0)  # two rows: 150 prompt tokens and one scored token each
     line = out.getvalue().splitlines()[-1]
-    assert "2/80 rows, 75.5 computed tok/s (prompt + scored)" in line  # 302 tokens in 4 s
+    assert "2/80 rows, 75.5 computed tok/s (every token read)" in line  # 302 tokens in 4 s
     generating = PlainProgress(Console(file=io.StringIO(), width=200))
     generating.start(4, "sequence")
     assert generating.counters.rate_label == "generated tok/s"
