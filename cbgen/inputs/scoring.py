@@ -10,6 +10,7 @@ The completion and text fields are named by --completion-column and --text-colum
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,12 +40,20 @@ class ScoreFields:
     def of(cls, job: JobConfig) -> ScoreFields | None:
         """The fields a job's rows give besides a prompt (its kind's `reads`); None for a generation job."""
         kind = kind_of(job.kind)
-        if not kind.reads or kind.own_section is None:
+        section = getattr(job, kind.own_section) if kind.own_section else None
+        return cls.of_kind(kind.name, dataclasses.asdict(section) if section is not None else {})
+
+    @classmethod
+    def of_kind(cls, name: str | None, section: Mapping[str, Any]) -> ScoreFields | None:
+        """The fields of a job of kind `name` whose own settings section is `section` (as stored: a run
+        directory's job); None for a kind whose rows give nothing but a prompt."""
+        kind = kind_of(name)
+        if not kind.reads:
             return None
-        section = getattr(job, kind.own_section)
-        return cls(section.completion_column if "completion" in kind.reads else None, section.text_column,
-                   tuple(section.choices) if "choices" in kind.reads else None, kind.completion_required,
-                   kind.reserved_names())
+        return cls(section.get("completion_column", "completion") if "completion" in kind.reads else None,
+                   section.get("text_column", "text"),
+                   tuple(section.get("choices") or ()) if "choices" in kind.reads else None,
+                   kind.completion_required, kind.reserved_names())
 
     @property
     def columns(self) -> tuple[str, ...]:

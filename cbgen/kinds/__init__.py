@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from cbgen.errors import CbgenError
 from cbgen.kinds.base import Kind
+from cbgen.kinds.dedup import Dedup
 from cbgen.kinds.embed import Embed
 from cbgen.kinds.generate import Generate
 from cbgen.kinds.reward import Reward
 from cbgen.kinds.score import Score
 from cbgen.kinds.sql import Sql
 
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (Generate(), Score(), Embed(), Reward(), Sql())}
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (Generate(), Score(), Embed(), Reward(), Sql(), Dedup())}
 JOB_KINDS = tuple(name for name, kind in KINDS.items() if kind.over_rows)  # what a cbgen job may be
 DEFAULT = "generate"  # a job's kind when nothing says otherwise (cbgen run; rows written before kinds were stored)
 OWN_SECTIONS = frozenset(kind.own_section for kind in KINDS.values() if kind.own_section)

@@ -12,6 +12,7 @@ class Sql(Kind):
     name = "sql"
     over_rows = False
     generates = False
+    runner = "query"
 
     def setting_error(self, section: str, key: str, own_sections: frozenset[str]) -> str | None:
         return f"an sql stage takes only name, kind, {' and '.join(QUERY_KEYS)}, not {key!r}"

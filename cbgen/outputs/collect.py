@@ -114,12 +114,10 @@ def stored_input(stored: StoredRun) -> InputSection:
 
 
 def stored_score(stored: StoredRun) -> ScoreFields | None:
-    """What a scoring job's rows scored (its input is read as a scoring job reads it); None for a generation job."""
-    if not kind_of(stored.job.get("kind")).takes_section("score"):
-        return None
-    section = stored.job.get("score") or {}
-    return ScoreFields(section.get("completion_column", "completion"), section.get("text_column", "text"),
-                       tuple(section.get("choices") or ()))
+    """What a job's rows gave besides a prompt (its input is read as its kind reads it); None for a generation
+    job."""
+    kind = kind_of(stored.job.get("kind"))
+    return ScoreFields.of_kind(kind.name, (stored.job.get(kind.own_section) or {}) if kind.own_section else {})
 
 
 @dataclass

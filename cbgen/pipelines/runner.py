@@ -329,6 +329,7 @@ class PipelineRun:
 
     def _sql_fingerprint(self, stage: Stage) -> dict[str, Any]:
         return {"kind": stage.kind, "query": stage.query, **({"read_files": True} if stage.read_files else {}),
+                **({"settings": stage.settings} if stage.settings else {}),
                 "upstream": {name: {"fingerprint": self.signature(name), "table": self.table(name).sha256}
                              for name in stage.tables}}
 
@@ -349,4 +350,8 @@ class PipelineRun:
         self.say(f"stage {stage.name!r} ({stage.kind}): running")
         tables = {name: self.table(name).path for name in stage.tables}  # says which stage is not complete
         rows = run_sql_stage(stage, tables, self.output_dir, self._sql_fingerprint(stage))
+        stored = read_json_or_none(self.output_dir / stage.name / SQL_FILE) or {}
+        if "dropped" in stored:
+            self.say(f"stage {stage.name!r}: {rows:,} rows kept, {stored['dropped']:,} duplicates dropped "
+                     f"(listed in {stage.name}/duplicates.parquet)")
         return StageOutcome(stage.name, stage.kind, "ran", rows=rows)

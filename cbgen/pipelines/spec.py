@@ -29,6 +29,7 @@ import yaml
 from cbgen.config.flat import closest, flat_keys
 from cbgen.errors import CbgenError, first_line
 from cbgen.kinds import KINDS, OWN_SECTIONS, Kind, kind_of
+from cbgen.kinds.dedup import DEDUP_KEYS, DEFAULT_THRESHOLD
 from cbgen.kinds.sql import QUERY_KEYS
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -153,6 +154,8 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
     if kind not in KINDS:
         raise CbgenError(f"{here}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
     settings = {k: v for k, v in raw.items() if k not in STAGE_KEYS}
+    if KINDS[kind].runner == "dedup":  # an earlier stage's table without its duplicates
+        return _dedup_stage(raw, name, kind, here, earlier)
     if not KINDS[kind].over_rows:  # a query over earlier stages
         query = raw.get("query")
         if not isinstance(query, str) or not query.strip():
@@ -177,6 +180,31 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
         source = str((base / Path(source).expanduser()).resolve())
     # else a stage, a hub dataset id, or a file that is missing (its reader says so)
     return Stage(name, kind, source, resolved, input_is_stage=is_stage)
+
+
+def _dedup_stage(raw: dict[str, Any], name: str, kind: str, here: str, earlier: list[str]) -> Stage:
+    """A dedup stage: its input stage's table (read as `SELECT *`), with the column it compares and its threshold
+    checked."""
+    extra = sorted(set(raw) - {"name", "kind", *DEDUP_KEYS})
+    if extra:
+        raise CbgenError(f"{here}: {KINDS[kind].setting_error('', extra[0], OWN_SECTIONS)}")
+    source = raw.get("input")
+    if not isinstance(source, str) or source not in earlier:
+        raise CbgenError(f"{here}: 'input' must name an earlier stage (its table is deduplicated), got {source!r}"
+                         + (closest(source, earlier) if isinstance(source, str) else ""))
+    columns = [key for key in ("embedding_column", "text_column") if key in raw]
+    if len(columns) != 1 or not isinstance(raw[columns[0]], str) or not raw[columns[0]].strip():
+        raise CbgenError(f"{here}: give one of embedding_column (near-duplicates by cosine similarity, e.g. "
+                         "vectors.embedding) and text_column (exact duplicates, e.g. answers.text), as a column name")
+    threshold = raw.get("threshold", DEFAULT_THRESHOLD)
+    if columns[0] == "text_column" and "threshold" in raw:
+        raise CbgenError(f"{here}: threshold applies to embedding_column; text_column drops exact duplicates only")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
+        raise CbgenError(f"{here}: threshold is a cosine similarity between -1 and 1, got {threshold!r}")
+    settings = {columns[0]: raw[columns[0]].strip()} | (
+        {"threshold": float(threshold)} if columns[0] == "embedding_column" else {})
+    query = 'SELECT * FROM "' + source.replace('"', '""') + '"'
+    return Stage(name, kind, None, settings, query, (source,))
 
 
 def _check_keys(settings: dict[str, Any], here: str, kind: Kind | None) -> None:
