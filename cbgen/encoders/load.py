@@ -11,7 +11,7 @@ from typing import Any
 
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError, first_line
-from cbgen.model.source import ModelSource, resolve_source
+from cbgen.model.source import ModelSource, source_of
 from cbgen.process.quiet import quiet
 
 # sentence-transformers' module types cbgen runs (modules.json); any other (Dense, ...) is refused by name
@@ -89,11 +89,9 @@ def _modules(location: str) -> tuple[str, Pooling | None, dict[str, Any]]:
 def load_encoder(job: JobConfig) -> LoadedEncoder:
     """The job's model as its kind reads it: embed (job.embed) or reward (job.reward). Raises CbgenError for
     anything the user can fix."""
-    from cbgen.kinds import kind_of
     from cbgen.model.load import resolve_device, resolve_dtype
 
-    kind = kind_of(job.kind)
-    source = resolve_source(job.model.model, kind.embedded)
+    source = source_of(job)
     if source.gguf_file or source.random_weights:
         raise CbgenError(f"--model {source.name}: a {job.kind} job reads a transformers model folder or hub id "
                          "(GGUF files and random shapes are generators)")
@@ -116,7 +114,10 @@ def _load(job: JobConfig, source: ModelSource, dtype: Any, device: str) -> Loade
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     remote = job.model.trust_remote_code
-    embed = job.kind == "embed"
+    from cbgen.kinds import EncoderKind, kind_of
+
+    kind = kind_of(job.kind)
+    embed = isinstance(kind, EncoderKind) and kind.pooled
     location, pooling, st_settings = _modules(source.location) if embed else (source.location, None, {})
     config = AutoConfig.from_pretrained(location, trust_remote_code=remote)
     tokenizer = AutoTokenizer.from_pretrained(source.location if embed else location, trust_remote_code=remote)

@@ -33,7 +33,7 @@ from cbgen.errors import CbgenError, ExitCode
 from cbgen.inputs import Reader
 from cbgen.job.sequence import drain, open_job_input, read_ahead
 from cbgen.kinds import Kind, kind_of
-from cbgen.model.source import ModelSource, resolve_source
+from cbgen.model.source import ModelSource, source_of
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import cut_identity, job_fingerprint, stored_job, write_manifest
 from cbgen.outputs.rundir import MANIFEST_FILE, RunDirectory
@@ -111,7 +111,7 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
                              same_input=job.input.same_input)
     stored = directory.stored
     # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
-    source = resolve_source(job.model.model, kind_of(job.kind).embedded)
+    source = source_of(job)
     progress.stage(f"checking {'<stdin>' if job.input.path == '-' else job.input.path}")
     reader = open_job_input(job, detect_id=stored is None or stored.detects_ids, stop=stop,
                             on_notice=lambda message: progress.stage(f"note: {message}"))  # said once each

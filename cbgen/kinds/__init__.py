@@ -8,7 +8,7 @@ Adding a kind: a module here with its Kind subclass, one line in KINDS, its docs
 from __future__ import annotations
 
 from cbgen.errors import CbgenError
-from cbgen.kinds.base import Kind
+from cbgen.kinds.base import EncoderKind, Kind
 from cbgen.kinds.dedup import Dedup
 from cbgen.kinds.embed import Embed
 from cbgen.kinds.generate import Generate
@@ -35,4 +35,4 @@ def kind_of_columns(names: set[str] | frozenset[str]) -> Kind:
     return next((kind for kind in KINDS.values() if kind.identifies(names)), KINDS[DEFAULT])
 
 
-__all__ = ["DEFAULT", "JOB_KINDS", "KINDS", "OWN_SECTIONS", "Kind", "kind_of", "kind_of_columns"]
+__all__ = ["DEFAULT", "JOB_KINDS", "KINDS", "OWN_SECTIONS", "EncoderKind", "Kind", "kind_of", "kind_of_columns"]

@@ -132,6 +132,7 @@ class EncoderKind(Kind):
     generates = False
     runner = "encoder"
     work: ClassVar[str] = ""  # the summary's name of the work: "embedding", "rating"
+    pooled: ClassVar[bool] = False  # its model's token vectors pooled into one (embed); else a classifier's outputs
 
     def redo_kinds(self, kinds: list[str]) -> list[str]:
         return [k for k in kinds if k != "length"]  # nothing is cut by a token cap

@@ -24,6 +24,7 @@ class Embed(EncoderKind):
     work = "embedding"
     verb = "embedding"
     raw_prompts = True
+    pooled = True
     meanings = {
         "embedding": "the text's pooled embedding (float32; unit length when the model normalises)",
         "num_tokens": "tokens the model read (after truncation to its max length)",

@@ -258,6 +258,13 @@ def resolve_source(model: str | None, embedded: str | None = GENERATOR) -> Model
     return ModelSource(model, model)
 
 
+def source_of(job: Any) -> ModelSource:
+    """A job's model source (`job`: a cbgen.config.JobConfig): its --model, else its kind's embedded model."""
+    from cbgen.kinds import kind_of
+
+    return resolve_source(job.model.model, kind_of(job.kind).embedded)
+
+
 def random_model_config(source: ModelSource):
     """The transformers config a random-weight source describes, without building the model."""
     from transformers import AutoConfig

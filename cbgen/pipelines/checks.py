@@ -97,7 +97,7 @@ class _ResponseTemplates:
 def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StagePlan], output_dir: Path,
                     stubs: Path, templates: _ResponseTemplates) -> StagePlan:
     from cbgen.job.plan import plan_columns
-    from cbgen.model.source import check_available, resolve_source
+    from cbgen.model.source import check_available, source_of
     from cbgen.outputs.columns import OutputColumns
     from cbgen.outputs.schema import arrow_schema
 
@@ -114,7 +114,7 @@ def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StageP
                          "its table; rename the stage")
     job = stage_job(pipeline, stage, stage.input, output_dir, tuple(carried))
     _check_fields(job, schema)
-    check_available(resolve_source(job.model.model))  # a model that cannot be found says so now
+    check_available(source_of(job))  # a model that cannot be found says so now
     from cbgen.inputs.settings import ROW_SETTINGS
 
     used = frozenset(c for c in schema.names if c in ROW_SETTINGS)

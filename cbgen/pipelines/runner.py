@@ -169,11 +169,11 @@ class PipelineRun:
 
     def _fingerprint(self, name: str) -> dict[str, Any]:
         """Generate or score stage `name`'s fingerprint as it is now, without its sharding (which shards differ in)."""
-        from cbgen.model.source import resolve_source
+        from cbgen.model.source import source_of
         from cbgen.outputs.manifest import job_fingerprint
 
         job, lineage = self.job_of(name)
-        return job_fingerprint(job, resolve_source(job.model.model), None) | {"pipeline": lineage}
+        return job_fingerprint(job, source_of(job), None) | {"pipeline": lineage}
 
     def _signature(self, name: str) -> str:
         """A digest of what stage `name` is now: its fingerprint without its sharding."""

@@ -47,3 +47,24 @@ def test_the_embedded_model_equals_sentence_transformers(tmp_path):
     cosine = (got * reference).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(reference, axis=1)
     assert cosine.min() >= 0.9999
     assert any(found[str(i)]["truncated"] for i in range(len(texts)))  # the cut at 256 tokens agrees too
+
+
+def test_a_pipeline_embeds_with_the_embedded_model_and_dedups_after_it(tmp_path):
+    """No --model: the embed stage's fingerprint names the embedded embedder, so the stage after it finds it
+    complete (and a rerun finds both up to date)."""
+    import cbgen
+
+    texts = real_texts(40)
+    rows = [{"id": str(i), "text": t} for i, t in enumerate(texts)] + [{"id": "copy", "text": texts[5]}]
+    stages = [{"name": "vectors", "kind": "embed", "input": str(write_jsonl(tmp_path / "in.jsonl", rows))},
+              {"name": "unique", "kind": "dedup", "input": "vectors", "embedding_column": "vectors.embedding"}]
+    first = cbgen.pipeline({"stages": stages}, tmp_path / "out", progress=False)
+    assert [o.state for o in first.stages] == ["ran", "ran"]
+    import pyarrow.parquet as pq
+
+    dropped = {row["id"]: row["duplicate_of"]
+               for row in pq.read_table(tmp_path / "out" / "unique" / "duplicates.parquet").to_pylist()}
+    assert dropped["copy"] == "5"  # the copy, and whatever near-duplicates the library's docstrings hold
+    assert len(list(read_shards(tmp_path / "out" / "unique"))) == 41 - len(dropped)
+    again = cbgen.pipeline({"stages": stages}, tmp_path / "out", progress=False)
+    assert [o.state for o in again.stages] == ["up to date", "up to date"]
