@@ -38,8 +38,9 @@ class Kind:
     meanings: ClassVar[Mapping[str, str]] = {}  # what its own columns mean (over the shared meanings)
     embedded: ClassVar[str | None] = "generator"  # the embedded model a job without --model takes (None: none)
     # what runs its rows: "engine" (continuous batching), "scorer" (cbgen.score), "encoder" (cbgen.encoders); a
-    # stage over tables: "query" (cbgen.pipelines.sql), "dedup" (cbgen.pipelines.dedup)
+    # stage over tables: "query" (cbgen.pipelines.sql)
     runner: ClassVar[str] = "engine"
+    drops_duplicates: ClassVar[bool] = False  # a stage over a table that drops its duplicates (cbgen.pipelines.dedup)
     # what its rows may give besides a prompt (cbgen.inputs.scoring): "choices", "completion", "text"; and whether
     # a row with a prompt must have a completion (score) or may be its prompt alone (reward: a conversation)
     reads: ClassVar[tuple[str, ...]] = ()

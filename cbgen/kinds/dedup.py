@@ -15,7 +15,8 @@ class Dedup(Kind):
     name = "dedup"
     over_rows = False
     generates = False
-    runner = "dedup"
+    runner = "query"  # its query reads its input stage's table
+    drops_duplicates = True
 
     def setting_error(self, section: str, key: str, own_sections: frozenset[str]) -> str | None:
         return f"a dedup stage takes only name, kind, {', '.join(DEDUP_KEYS)}, not {key!r}"

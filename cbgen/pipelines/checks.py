@@ -60,7 +60,7 @@ def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
                     assert stage.query is not None
                     schema = infer_query(stage.query, {name: plans[name].table for name in stage.tables},
                                          stage.read_files)
-                    if stage.of_kind.runner == "dedup":  # the column it compares, there and of its type
+                    if stage.of_kind.drops_duplicates:  # the column it compares, there and of its type
                         from cbgen.pipelines.dedup import check_column
 
                         check_column(schema, stage.settings)

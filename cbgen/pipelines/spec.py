@@ -154,7 +154,7 @@ def _stage(raw: dict[str, Any], index: int, defaults: dict[str, Any], where: str
     if kind not in KINDS:
         raise CbgenError(f"{here}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
     settings = {k: v for k, v in raw.items() if k not in STAGE_KEYS}
-    if KINDS[kind].runner == "dedup":  # an earlier stage's table without its duplicates
+    if KINDS[kind].drops_duplicates:  # an earlier stage's table without its duplicates
         return _dedup_stage(raw, name, kind, here, earlier)
     if not KINDS[kind].over_rows:  # a query over earlier stages
         query = raw.get("query")

@@ -27,7 +27,7 @@ def run_sql_stage(stage: Stage, tables: dict[str, Path], output_dir: Path, finge
     assert stage.query is not None
     result = run_query(stage.query, tables, stage.read_files)
     duplicates = None
-    if stage.of_kind.runner == "dedup":  # the input stage's table, without its duplicates
+    if stage.of_kind.drops_duplicates:  # the input stage's table, without its duplicates
         from cbgen.pipelines.dedup import DUPLICATES_FILE, dedup_table
 
         result, duplicates = dedup_table(result, stage.settings)
