@@ -140,7 +140,7 @@ def test_a_stopped_job_resumes_each_row_exactly_once(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--choices", "a,a"], "distinct"),
     (["--redo", "length"], "--redo length applies to generated text"),
-    (["--output-format", "openai"], "holds generated choices, not scores"),
+    (["--output-format", "openai"], "holds generated choices, not score rows"),
 ])
 def test_settings_that_cannot_score_exit_2(tiny_model_dir, tmp_path, capsys, flags, message):
     rows_file = write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
