@@ -124,8 +124,10 @@ def scan_done(directory: Path) -> DoneIndex:
     shards = shard_paths(directory)
     if shards:
         index.next_shard = shards[-1][0] + 1
-    # score rows (cbgen score) have no finish_reason, and count their scored tokens
-    columns = ["id", "finish_reason", "error", "num_prompt_tokens", "num_generated_tokens", "num_scored_tokens"]
+    # score rows (cbgen score) have no finish_reason, and count their scored tokens; embed and reward rows count the
+    # tokens they read as num_tokens
+    columns = ["id", "finish_reason", "error", "num_prompt_tokens", "num_generated_tokens", "num_scored_tokens",
+               "num_tokens"]
     failed_ids: set[str] = set()
     for row in read_shards(directory, columns=columns):
         index.sequences += 1
@@ -139,7 +141,7 @@ def scan_done(directory: Path) -> DoneIndex:
         if row["id"] not in index.ids:
             index.ids.add(row["id"])
             index.requests += 1
-            index.prompt_tokens += row["num_prompt_tokens"]
+            index.prompt_tokens += row.get("num_prompt_tokens", row.get("num_tokens")) or 0
     index.failed_requests = len(failed_ids)
     return index
 

@@ -143,3 +143,40 @@ def test_a_decoder_embedding_model_pools_its_last_token(tmp_path, tiny_model_dir
             last = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
         expected = torch.nn.functional.normalize(last, dim=0).numpy()
         np.testing.assert_allclose(rows[f"r{i}"]["embedding"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_stopped_embed_job_resumes_each_row_once_and_status_reads_it(tmp_path):
+    """Stopped after its first batch (as SIGTERM stops it), the same command finishes the rest: every id once, each
+    vector as an uninterrupted run's; `cbgen status` and `cbgen merge` read the directory."""
+    import threading
+
+    from cbgen.config import build_config
+    from cbgen.job.run import run_job
+    from cbgen.progress import NullProgress
+
+    folder = bert_folder(tmp_path, "mean", True)
+    rows = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts(50, seed=10))]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    stop = threading.Event()
+
+    class StopAfterFirst(NullProgress):
+        def advance(self, *args, **kwargs) -> None:
+            stop.set()
+
+    def job(out: str):
+        flags = {("input", "path"): (str(source), "INPUT"), ("output", "dir"): (out, "-o"),
+                 ("model", "model"): (str(folder), "--model"), ("model", "dtype"): ("float32", "--dtype"),
+                 ("embed", "batch_tokens"): (256, "--embed-batch-tokens")}
+        return build_config(None, flags, kind="embed")
+
+    first = run_job(job(str(tmp_path / "out")), StopAfterFirst(), stop)
+    assert 0 < first.run_requests < len(rows)
+    second = run_job(job(str(tmp_path / "out")), NullProgress(), threading.Event())
+    assert second.run_requests == len(rows) - first.run_requests
+    whole = embed(tmp_path, folder, rows, "--embed-batch-tokens", "256", name="whole")
+    resumed = list(read_shards(tmp_path / "out"))
+    assert sorted(r["id"] for r in resumed) == sorted(r["id"] for r in rows)
+    for row in resumed:
+        np.testing.assert_allclose(row["embedding"], whole[row["id"]]["embedding"], rtol=1e-4, atol=1e-6)
+    assert run_cli(["status", str(tmp_path / "out")]) == 0
+    assert run_cli(["merge", str(tmp_path / "out"), "-o", str(tmp_path / "merged"), "--to-dataset"]) == 0
