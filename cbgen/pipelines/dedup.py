@@ -7,9 +7,10 @@ Rows are taken in table order, and a row is dropped when it is a duplicate of an
 first of each group stays, and a chain (a near b, b near c, a not near c) keeps a and c. Each dropped row is
 recorded in DUPLICATES_FILE beside the result: its id, the id of the kept row it duplicates, and their similarity.
 
-Near neighbours come from an HNSW index (cbgen.pipelines.neighbours): each row's NEIGHBOURS nearest, of which those
-above the threshold are its duplicates. An approximate index can miss a pair (measured recall in docs/pipeline.md);
-it never reports one below the threshold, as each similarity is computed exactly from the vectors.
+Near neighbours come from faiss (cbgen.pipelines.neighbours): each row's NEIGHBOURS nearest, of which those above the
+threshold are its duplicates, and for a row whose nearest are all above it (a large group of near-copies) every row
+above it, by a range search. The search is exact below 250,000 rows; above, an HNSW graph can miss a pair (its
+measured recall in docs/embed.md). A reported pair is never below the threshold.
 """
 
 from __future__ import annotations
@@ -100,13 +101,18 @@ def exact_duplicates(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
 
 def near_duplicates(vectors: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """For each row, the earlier kept row it duplicates (-1: kept) and their cosine similarity."""
-    from cbgen.pipelines.neighbours import neighbours
+    from cbgen.pipelines.neighbours import Neighbours
 
-    found, similarities = neighbours(vectors)
+    index = Neighbours(vectors)
+    found, similarities = index.nearest()
+    # a row whose nearest are all above the threshold may have more there (a large group): all of them, by range
+    crowded = np.flatnonzero(similarities[:, -1] >= threshold) if similarities.shape[1] else np.array([], int)
+    wider = dict(zip(crowded.tolist(), index.within(crowded, threshold))) if len(crowded) else {}
     of = np.full(len(vectors), -1, dtype=np.int64)
     best = np.zeros(len(vectors), dtype=np.float32)
     for i in range(len(vectors)):  # in table order: whether a neighbour was kept is known when row i is reached
-        for j, s in zip(found[i], similarities[i]):
+        ids, sims = wider.get(i, (found[i], similarities[i]))
+        for j, s in zip(ids, sims):
             if s < threshold:
                 break  # neighbours come most similar first
             if 0 <= j < i and of[j] < 0:

@@ -9,6 +9,8 @@ products of the pairs found, so a reported pair is never below the threshold.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 NEIGHBOURS = 16  # nearest rows looked at per row (the row itself among them)
@@ -16,20 +18,36 @@ GRAPH_DEGREE, BUILD_EFFORT, SEARCH_EFFORT = 16, 40, 32  # HNSW's M, efConstructi
 EXACT_BELOW = 250_000  # rows searched exactly (a minute or so on 2 cores); more go through the graph
 
 
-def neighbours(vectors: np.ndarray, k: int = NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, similarities) [rows, k], most similar first; -1 where fewer than k were found."""
-    import faiss
+class Neighbours:
+    """An index over `vectors`: each row's k nearest (`nearest`), and every row at or above a similarity for the
+    few rows whose k nearest are all that close (`within`: a large group of near-copies)."""
 
-    n, dim = vectors.shape
-    k = min(k, n)
-    if n < EXACT_BELOW:
-        flat = faiss.IndexFlatIP(dim)
-        flat.add(vectors)
-        similarities, ids = flat.search(vectors, k)
+    def __init__(self, vectors: np.ndarray) -> None:
+        import faiss
+
+        n, dim = vectors.shape
+        self.vectors = vectors
+        self.index: Any
+        if n < EXACT_BELOW:
+            self.index = faiss.IndexFlatIP(dim)
+        else:
+            graph = faiss.IndexHNSWFlat(dim, GRAPH_DEGREE, faiss.METRIC_INNER_PRODUCT)
+            graph.hnsw.efConstruction = BUILD_EFFORT
+            graph.hnsw.efSearch = SEARCH_EFFORT
+            self.index = graph
+        self.index.add(vectors)
+
+    def nearest(self, k: int = NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, similarities) [rows, k], most similar first; -1 where fewer than k were found."""
+        similarities, ids = self.index.search(self.vectors, min(k, len(self.vectors)))
         return ids, similarities
-    graph = faiss.IndexHNSWFlat(dim, GRAPH_DEGREE, faiss.METRIC_INNER_PRODUCT)
-    graph.hnsw.efConstruction = BUILD_EFFORT
-    graph.add(vectors)
-    graph.hnsw.efSearch = max(SEARCH_EFFORT, k)
-    similarities, ids = graph.search(vectors, k)
-    return ids, similarities
+
+    def within(self, rows: np.ndarray, threshold: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each of `rows`, (ids, similarities) of every row at or above `threshold`, most similar first."""
+        limits, similarities, ids = self.index.range_search(self.vectors[rows], threshold)
+        found = []
+        for r in range(len(rows)):
+            a, b = limits[r], limits[r + 1]
+            order = np.argsort(-similarities[a:b], kind="stable")
+            found.append((ids[a:b][order], similarities[a:b][order]))
+        return found

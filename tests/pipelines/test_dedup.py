@@ -69,6 +69,19 @@ def test_the_graph_index_finds_the_planted_pairs(monkeypatch):
     assert (similarity[list(found)] >= 0.95).all()
 
 
+def test_a_group_larger_than_the_neighbours_looked_at_is_dropped_whole():
+    """40 near-copies of each of 3 rows, shuffled among 500 others: a copy's 16 nearest may all be other copies,
+    dropped before it; the range search finds the kept original."""
+    rng = np.random.default_rng(5)
+    others = rng.standard_normal((500, 32)).astype(np.float32)
+    originals = rng.standard_normal((3, 32)).astype(np.float32)
+    copies = np.repeat(originals, 40, axis=0) + 0.01 * rng.standard_normal((120, 32)).astype(np.float32)
+    vectors = np.concatenate([originals, rng.permutation(np.concatenate([others, copies]))])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    of, _ = dedup.near_duplicates(vectors, 0.95)
+    assert int((of >= 0).sum()) == 120 and set(of[of >= 0].tolist()) == {0, 1, 2}
+
+
 def test_a_chain_keeps_both_ends_and_exact_text_duplicates_go_by_hash():
     a = np.array([1.0, 0.0], dtype=np.float32)
     b = np.array([np.cos(0.3), np.sin(0.3)], dtype=np.float32)  # 0.955 from a
