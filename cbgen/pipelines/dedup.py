@@ -101,8 +101,10 @@ def exact_duplicates(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
 
 def near_duplicates(vectors: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """For each row, the earlier kept row it duplicates (-1: kept) and their cosine similarity."""
-    from cbgen.pipelines.neighbours import Neighbours
+    from cbgen.pipelines.neighbours import EXACT_BELOW, Neighbours, kept_greedy
 
+    if len(vectors) < EXACT_BELOW:
+        return kept_greedy(vectors, threshold)
     index = Neighbours(vectors)
     found, similarities = index.nearest()
     # a row whose nearest are all above the threshold may have more there (a large group): all of them, by range
