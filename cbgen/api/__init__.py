@@ -142,7 +142,7 @@ class Embedder:
     `batch_tokens`, `text_column`, `template`)."""
 
     def __init__(self, model: str | None = None, **settings: Unpack[JobSettings]) -> None:
-        overrides = keyword_overrides(settings)
+        overrides = keyword_overrides(settings, own_section="embed")
         if model is not None:
             overrides[("model", "model")] = (model, "model")
         self._job = build_config(None, overrides, kind="embed")

@@ -50,8 +50,9 @@ class CbgenLM(TemplateLM):
         device = harness.get("device")
         if device is not None and "device" not in settings and _device_usable(str(device)):
             settings["device"] = str(device)
+        self._settings = {**settings, **({"model": model} if model is not None else {})}
         try:  # checked here, so that the message names lm-eval's model args
-            self._overrides = keyword_overrides({**settings, **({"model": model} if model is not None else {})})
+            keyword_overrides(self._settings)
         except TypeError as error:  # lm-eval's message names the model args, not a Python call
             raise CbgenError(f"--model_args: {str(error).replace('unexpected keyword argument', 'unknown setting')}"
                              ) from None
@@ -208,8 +209,10 @@ class CbgenLM(TemplateLM):
     def _job(self, kind: str) -> JobConfig:
         """The job the model args describe (the Generator's own settings), as a job of `kind`."""
         from cbgen.config import build_config
+        from cbgen.config.flat import keyword_overrides
+        from cbgen.kinds import kind_of
 
-        return build_config(None, self._overrides, kind=kind)
+        return build_config(None, keyword_overrides(self._settings, own_section=kind_of(kind).own_section), kind=kind)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ def stage_job(pipeline: Pipeline, stage: Stage, input_path: str, output_dir: Pat
               extra: Overrides | None = None) -> JobConfig:
     """The job of a generate or score stage: its keys, reading `input_path`, writing Parquet to OUT/<name>,
     keeping the `carried` columns; `extra` from the command line (sharding, --redo)."""
-    overrides = flat_overrides(stage.settings, f"{pipeline.where}: stage {stage.name!r}: ") | {
+    overrides = flat_overrides(stage.settings, f"{pipeline.where}: stage {stage.name!r}: ",
+                               stage.of_kind.own_section) | {
         ("input", "path"): (input_path, "input"),
         ("input", "keep_columns"): (list(carried), "keep_columns"),
         ("output", "dir"): (str(output_dir / stage.name), "output"),

@@ -210,7 +210,7 @@ def _dedup_stage(raw: dict[str, Any], name: str, kind: str, here: str, earlier: 
 def _check_keys(settings: dict[str, Any], here: str, kind: Kind | None) -> None:
     """Every key known, none the pipeline decides, and each one that `kind` takes (for defaults, None: that some
     kind takes)."""
-    keys = flat_keys()
+    keys = flat_keys(kind.own_section if kind is not None else None)
     for key in settings:
         if key in OWNED:
             raise CbgenError(f"{here}: {key!r} is decided by the pipeline: {OWNED[key]}")
@@ -225,7 +225,7 @@ def _check_keys(settings: dict[str, Any], here: str, kind: Kind | None) -> None:
 
 def _applies(key: str, kind: Kind) -> bool:
     """Whether a `defaults` key applies to a stage of `kind`."""
-    return kind.default_applies(flat_keys()[key][0], key, OWN_SECTIONS)
+    return kind.default_applies(flat_keys(kind.own_section)[key][0], key, OWN_SECTIONS)
 
 
 def _resolve(key: str, value: Any, base: Path) -> Any:

@@ -78,3 +78,33 @@ def test_splitting_flags_ask_for_a_stage(tiny_model_dir, tmp_path, capsys, flag)
     file = write_two_stages(tmp_path, tiny_model_dir)
     assert run_cli(["pipeline", str(file), "-o", str(tmp_path / "out"), flag, "1"]) == 2
     assert "--stage NAME" in capsys.readouterr().err
+
+
+# names several kinds' own sections share, each with a value unlike every section's default
+SHARED = {"batch_tokens": 77, "text_column": "body"}
+
+
+@pytest.mark.parametrize("kind", ["score", "embed", "reward"])
+@pytest.mark.parametrize("where", ["stage", "defaults"])
+def test_a_name_kinds_share_is_the_stage_kinds_own_setting(tiny_model_dir, tmp_path, kind, where):
+    """`batch_tokens` or `text_column` on a score stage sets the score section's, on an embed stage the embed
+    section's (each kind's own section has them)."""
+    from cbgen.pipelines import load_pipeline
+    from cbgen.pipelines.checks import stage_job
+
+    stage = {"name": "s", "kind": kind, "input": "seed.jsonl", "model": str(tiny_model_dir),
+             **({"choices": ["1", "2"]} if kind == "score" else {})}
+    stage |= SHARED if where == "stage" else {}
+    data = {"stages": [stage], **({"defaults": SHARED} if where == "defaults" else {})}
+    spec = load_pipeline(data)
+    job = stage_job(spec, spec.stages[0], str(tmp_path / "seed.jsonl"), tmp_path / "out", ())
+    for key, value in SHARED.items():
+        assert getattr(getattr(job, kind), key) == value, f"{key} did not reach the {kind} section"
+
+
+def test_the_embedder_takes_its_own_batch_tokens(tmp_path):
+    import cbgen
+    from tests.encoders.test_embed import bert_folder
+
+    embedder = cbgen.Embedder(str(bert_folder(tmp_path, "mean", True)), dtype="float32", batch_tokens=77)
+    assert embedder._job.embed.batch_tokens == 77
