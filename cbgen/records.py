@@ -54,6 +54,7 @@ class PromptRecord:
     tool_choice: str = "none"  # "none" (tools not shown), "auto", "required", or the name of a forced function
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own chat-template variables
     target: ScoreTarget | None = None  # what a scoring job scores (then a text-only row has no prompt)
+    row: dict[str, Any] | None = None  # the row as read, for a kind that reads all of it (chat); else None
 
 
 @dataclass(slots=True)
@@ -110,6 +111,7 @@ class Completion:
     score: Score | None = None  # a scoring job's result: then token_ids are the scored tokens (cbgen.score)
     # an embed job's embedding, a reward job's outputs (one per label): then token_ids are the tokens read
     vector: list[float] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the KV cache's shared prefixes, not computed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -121,6 +123,12 @@ class Completion:
         if target is not None and target.text is not None and self.score is not None:
             return 1
         return len(self.request.input_ids or [])
+
+
+def requests_of(group: list[Completion]) -> list[Request]:
+    """The distinct requests of a finished group's completions, in order: one for a request's sequences, one a turn
+    for a conversation's."""
+    return list({id(c.request): c.request for c in group}.values())
 
 
 # One output row per returned sequence, with its keys in this order; `logprobs` follows when the job asked for
@@ -167,6 +175,20 @@ EMBED_FIELDS: tuple[str, ...] = (
 # One output row per input row of a reward job (kind: reward): its outputs (one column per label) come between
 # num_tokens and error, then the kept input columns
 REWARD_FIELDS: tuple[str, ...] = ("id", "num_tokens", "truncated", "error")
+
+
+# One output row per input row of a chat job (kind: chat): a whole conversation, then the kept input columns
+CHAT_FIELDS: tuple[str, ...] = (
+    "id",
+    "messages",  # the whole conversation: the row's opening, then every turn ({role, content})
+    "num_turns",  # assistant replies
+    "turns",  # per generated message (replies, a simulated user's messages): role, finish reason, token counts
+    "num_prompt_tokens",  # over the turns: prompt tokens of every request
+    "num_cached_tokens",  # of those, served from the KV cache's shared prefixes (an earlier turn's, mostly)
+    "num_generated_tokens",  # over the turns
+    "finish_reason",  # how the conversation ended: max_turns, user_turns, user_stop or error
+    "error",  # None unless a turn failed
+)
 
 
 # The sequences of a request, as the engine names them (see the module's docstring)

@@ -78,8 +78,9 @@ class CallSettings(TypedDict, total=False):
     # input.same_input: Resume a job that reads stdin: you say the feed is the one the earlier run read (cbgen cannot
     # tell a stream's identity; without this a stdin job does not resume). Rows already written are skipped by id.
     same_input: bool
-    # input.prompt_column: Field holding the prompt: text, a list of chat messages, or token ids. Default: each row's
-    # 'prompt', 'messages' or 'input_ids'.
+    # input.prompt_column: Field holding the prompt: text, a list of chat messages, or token ids. Dots reach into a
+    # nested value (talks.messages: a chat stage's conversations, in a pipeline). Default: each row's 'prompt',
+    # 'messages' or 'input_ids'.
     prompt_column: str | None
     # input.id_column: Field holding a unique id per row, copied to the output. Default: the rows' 'id' field when
     # they have one (custom_id for OpenAI batch files), else the row number from 0.
@@ -354,6 +355,27 @@ class CallSettings(TypedDict, total=False):
     # reward.max_length: Tokens read per conversation; a longer one is cut to it and marked truncated. Unset: the
     # model's position limit.
     max_length: int | None
+    # chat.max_turns: Assistant replies per conversation: it ends after this many (or sooner, when its listed user
+    # turns run out or the simulated user's message matches user_stop).
+    max_turns: int
+    # chat.user_turns_column: Field holding a list of user messages, answered one after the other with the
+    # conversation so far (an MT-bench-style `turns` list). A row with a prompt or messages opens with them and the
+    # list follows; a row without opens with the list's first. Dots reach into a nested value.
+    user_turns_column: str | None
+    # chat.user_template: The simulated user: a template (Jinja, TEXT or @FILE) over the row's fields and `messages`,
+    # the conversation so far, that the model is prompted with to write the next user message. A row without a prompt
+    # or messages has the simulated user open the conversation too (with `messages` empty).
+    user_template: str | None
+    # chat.user_system: System prompt of the simulated user (a template over the row's fields and `messages`, as
+    # user_template); unset: none.
+    user_system: str | None
+    # chat.user_stop: Regular expression: a simulated user's message in which it is found ends the conversation, and
+    # the message is left out (prompt the simulated user to write, say, <END> when it is done).
+    user_stop: str | None
+    # chat.user_temperature: Sampling temperature of the simulated user; unset: the job's temperature. 0 is greedy.
+    user_temperature: float | None
+    # chat.user_max_new_tokens: Token cap of a simulated user's message; unset: the job's max_new_tokens.
+    user_max_new_tokens: int | None
 
 
 class JobSettings(ModelSettings, CallSettings, total=False):

@@ -77,7 +77,7 @@ def run(
 
         console = Console(stderr=True, log_path=False)
         raise typer.Exit(run_on_ray(job, lambda line: console.log(line, markup=False, highlight=False)))
-    from cbgen.job.run import follow_job
+    from cbgen.job.follow import follow_job
     from cbgen.parallel.tensor import setup
 
     tp = setup(job)  # None unless started by torchrun with --tp

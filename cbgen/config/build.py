@@ -89,6 +89,7 @@ def spelled(section: str, key: str, value: str | None = None) -> str:
 
 def check_combinations(job: JobConfig) -> None:
     """Rejects settings that are each valid but cannot go together, saying what to change."""
+    kind_of(job.kind).check(job)
     g = job.generation
     sampling = [name for name in ("temperature", "top_p", "top_k") if getattr(g, name) is not None]
     if g.do_sample is False and [name for name in sampling if not (name == "temperature" and g.temperature == 0)]:

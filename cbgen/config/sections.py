@@ -11,14 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cbgen.config.batching import BATCHING_FIELDS
+from cbgen.config.kind_sections import ChatSection, EmbedSection, RewardSection, ScoreSection
+from cbgen.config.setting import setting
 from cbgen.kinds import DEFAULT
-
-
-def setting(default: Any, help: str) -> Any:
-    """A dataclass field with its help text; a list or dict default gets a fresh one per instance."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
 
 
 def help_of(section: str, key: str) -> str:
@@ -104,7 +99,8 @@ class InputSection:
         False, "Resume a job that reads stdin: you say the feed is the one the earlier run read (cbgen cannot tell "
         "a stream's identity; without this a stdin job does not resume). Rows already written are skipped by id.")
     prompt_column: str | None = setting(
-        None, "Field holding the prompt: text, a list of chat messages, or token ids. Default: each row's 'prompt', "
+        None, "Field holding the prompt: text, a list of chat messages, or token ids. Dots reach into a nested "
+        "value (talks.messages: a chat stage's conversations, in a pipeline). Default: each row's 'prompt', "
         "'messages' or 'input_ids'.")
     id_column: str | None = setting(
         None, "Field holding a unique id per row, copied to the output. Default: the rows' 'id' field when they have "
@@ -288,63 +284,6 @@ class RunSection:
         "counts them apart. Scores are exact hits only from batch-invariant scoring (cbgen score --batch-invariant).")
 
 
-@dataclass
-class ScoreSection:
-    choices: list[str] = setting(
-        [], "Score each of these strings as a continuation of every row's prompt (rows may carry their own "
-        "'choices' list instead): each one's summed and mean logprob, the probabilities among them, and the best. "
-        "The prompt is computed once per row, whatever the number of choices. A label set such as 1,2,3,4,5 is the "
-        "LLM-as-judge case. Comma-separated or repeated; spaces are kept, as they are part of the text scored "
-        "(' yes, no' is ' yes' and ' no'). YAML: a list.")
-    completion_column: str = setting(
-        "completion", "Field holding the text to score after each row's prompt (or messages): its summed logprob, "
-        "token count, mean logprob and perplexity. Dots reach into a nested value (answers.text).")
-    text_column: str = setting(
-        "text", "Field holding a text scored on its own, for rows without a prompt: every token after the first, "
-        "for perplexity filtering. Dots reach into a nested value.")
-    batch_tokens: int = setting(
-        4096, "Tokens per forward pass: rows of similar length are packed into one padded batch up to this many "
-        "(a longer row runs alone). Changes speed and memory; scores only by float rounding.")
-
-
-@dataclass
-class EmbedSection:
-    text_column: str = setting(
-        "text", "Field holding the text to embed (rows with a prompt, or a --template, embed that instead). Dots "
-        "reach into a nested value.")
-    pooling: Literal["auto", "mean", "cls", "max", "mean_sqrt_len", "last"] = setting(
-        "auto", "How token vectors become one: auto takes the model's sentence-transformers pooling "
-        "(1_Pooling/config.json), else the last token for a decoder model and the mean for an encoder. mean: "
-        "over the text's tokens; cls: the first token's; max: per dimension; mean_sqrt_len: the sum over "
-        "sqrt(length); last: the last token's (decoder embedding models).")
-    normalize: bool | None = setting(
-        None, "Scale each embedding to unit length (cosine similarity is then a dot product). Unset: as the "
-        "model's sentence-transformers modules say (a Normalize module), else yes.")
-    max_length: int | None = setting(
-        None, "Tokens read per text; a longer text is cut to it and marked truncated. Unset: the model's own "
-        "(sentence_bert_config.json's max_seq_length, else its position limit).")
-    batch_tokens: int = setting(
-        16384, "Tokens per forward pass: texts of similar length are batched up to this many (padded tokens "
-        "included), so short texts go in large batches and long ones in small. Changes speed and memory; "
-        "embeddings only by float rounding.")
-
-
-@dataclass
-class RewardSection:
-    completion_column: str = setting(
-        "completion", "Field holding the answer to rate after each row's prompt (or messages), as the "
-        "conversation's last assistant turn. A row with messages and no such field is rated as its messages "
-        "stand. Dots reach into a nested value.")
-    text_column: str = setting(
-        "text", "Field holding a text rated as it is (no chat template), for rows without a prompt or messages.")
-    max_length: int | None = setting(
-        None, "Tokens read per conversation; a longer one is cut to it and marked truncated. Unset: the model's "
-        "position limit.")
-    batch_tokens: int = setting(
-        8192, "Tokens per forward pass: conversations of similar length are batched up to this many (padded "
-        "tokens included). Changes speed and memory; outputs only by float rounding.")
-
-
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "input": InputSection,
@@ -355,6 +294,7 @@ SECTIONS: dict[str, type] = {
     "score": ScoreSection,  # cbgen score: what is scored (cbgen.score)
     "embed": EmbedSection,  # cbgen embed: what is embedded and how (cbgen.encoders)
     "reward": RewardSection,  # kind: reward: what is rated (cbgen.encoders)
+    "chat": ChatSection,  # kind: chat: how conversations go on (cbgen.conversations)
 }
 
 
@@ -372,6 +312,7 @@ class JobConfig:
     score: ScoreSection = field(default_factory=ScoreSection)
     embed: EmbedSection = field(default_factory=EmbedSection)
     reward: RewardSection = field(default_factory=RewardSection)
+    chat: ChatSection = field(default_factory=ChatSection)
     kind: str = DEFAULT  # one of cbgen.kinds.JOB_KINDS, set by the command (cbgen run, cbgen score), not by the YAML
 
     @property

@@ -21,6 +21,16 @@ def _bias_ok(value: dict) -> bool:
         return False
 
 
+def _regex_ok(value: str) -> bool:
+    import re
+
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return value != ""
+
+
 # Range checks beyond the type: (predicate, what the value must be).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.cache_dir": (lambda v: v.strip() != "", "a directory path"),
@@ -75,6 +85,13 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "score.batch_tokens": (lambda v: v >= 16, "a number of tokens, at least 16"),
     "score.completion_column": (lambda v: v.strip() != "", "a field name"),
     "score.text_column": (lambda v: v.strip() != "", "a field name"),
+    "chat.max_turns": (lambda v: v >= 1, "a positive integer (assistant replies per conversation)"),
+    "chat.user_turns_column": (lambda v: v.strip() != "", "a field name"),
+    "chat.user_template": (lambda v: v.strip() not in ("", "@"), "a template (text), or @FILE"),
+    "chat.user_system": (lambda v: v.strip() not in ("", "@"), "a template (text), or @FILE"),
+    "chat.user_stop": (_regex_ok, "a regular expression (Python's re syntax)"),
+    "chat.user_temperature": (lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
+    "chat.user_max_new_tokens": (lambda v: v >= 1, "a positive integer"),
     "output.rows_per_shard": (lambda v: v >= 1, "a positive integer"),
     "run.max_in_flight": (lambda v: v >= 1, "a positive integer"),
     "run.request_timeout": (lambda v: v > 0, "a positive number of seconds"),

@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.engine.admission import Limits, Placement, PrefixGate, rejection
 from cbgen.engine.endings import ended
-from cbgen.engine.manager import CacheFacts, ManagerSpec, drain, live_lengths, loop_error, start_manager, stop_manager
+from cbgen.engine.manager import (
+    CacheFacts,
+    ManagerSpec,
+    drain,
+    live_lengths,
+    loop_error,
+    prefix_matches,
+    start_manager,
+    stop_manager,
+)
 from cbgen.engine.scope import EngineScope
 from cbgen.engine.stops import StopStrings
 from cbgen.errors import CbgenError
@@ -79,8 +88,11 @@ class _InFlight:
 
 @dataclass
 class _Feed:
-    source: Iterator[Request]
+    source: Iterator[Request | None]
     exhausted: bool = False
+
+
+_END: Any = object()  # the source has no more requests
 
 
 class Engine:
@@ -104,6 +116,7 @@ class Engine:
         self._prefix_sharing = False
         self._page_size = 0  # the manager's, once it has started
         self._counter = 0
+        self._matched: dict[str, int] = {}  # manager id -> prompt tokens served from shared KV blocks
 
     @property
     def manager(self) -> ContinuousBatchingManager:
@@ -122,8 +135,13 @@ class Engine:
         return cls(model, settings, control=control, restartable=restartable,
                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
-    def run(self, requests: Iterable[Request], stop: threading.Event | None = None) -> Iterator[list[Completion]]:
+    def run(self, requests: Iterable[Request | None], stop: threading.Event | None = None
+            ) -> Iterator[list[Completion]]:
         """Yields the sequences of each request together (sorted by sample index), in the order requests finish.
+
+        `requests` may yield None for "nothing now": a source whose next requests depend on the results of those in
+        flight (a conversation's next turn, cbgen.conversations) says so, and is asked again once a result is in.
+        Such a source yields None only while some of its requests are unfinished.
 
         When `stop` is set, no more requests are admitted and the manager is stopped at once: requests that finished
         are still yielded, unfinished ones are dropped (a resume generates them), so nothing half-done is reported.
@@ -134,6 +152,8 @@ class Engine:
         """
         source = iter(requests)
         for first in source:  # answered: the result cache holds its sequences (cbgen.result_cache)
+            if first is None:
+                continue  # nothing now, and nothing in flight: the source's next ask has one
             if first.answered is None and first.error is None:
                 break
             yield first.answered if first.answered is not None else self._reject(first, first.error or "")
@@ -153,7 +173,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------ #
     # the loop
 
-    def _loop(self, source: Iterator[Request], stop: threading.Event) -> Iterator[list[Completion]]:
+    def _loop(self, source: Iterator[Request | None], stop: threading.Event) -> Iterator[list[Completion]]:
         gate = PrefixGate(self._page_size, max_parked=4 * self.settings.max_in_flight,
                           enabled=self.settings.prefix_gating and self._prefix_sharing)
         in_flight: dict[str, _InFlight] = {}
@@ -182,9 +202,11 @@ class Engine:
         if gate.ready:
             return gate.ready.popleft(), False
         while not feed.exhausted and not gate.full:
-            request = next(feed.source, None)
-            if request is None:
+            request = next(feed.source, _END)
+            if request is _END:
                 feed.exhausted = True
+                return None
+            if request is None:  # nothing now: more may follow once a request in flight finishes
                 return None
             reason = None if request.answered is not None else request.error or self.limits.never_fits(request)
             if request.answered is not None or reason is not None:
@@ -223,6 +245,7 @@ class Engine:
     def _start(self) -> None:
         assert self._scope is not None
         self._manager, facts = start_manager(self.model, self.settings.spec, self._scope, self.control)
+        self._matched = prefix_matches(self._manager)
         self.stats.started = True
         self._record(facts)
 
@@ -343,6 +366,7 @@ class Engine:
             self.manager.cancel_request(result.request_id)
         completion = ended(entry.request, sample_index, result, tokens, stopped, self.control,
                            eos_token_ids=self.settings.eos_token_ids, max_new_tokens=entry.max_new_tokens)
+        completion.num_cached_tokens = self._matched.pop(result.request_id, 0)
         entry.done[sample_index] = completion
         if len(entry.done) < entry.n:
             return None

@@ -71,6 +71,27 @@ def start_manager(model: CausalLM, spec: ManagerSpec, scope: EngineScope, contro
     return manager, facts
 
 
+def prefix_matches(manager: ContinuousBatchingManager) -> dict[str, int]:
+    """A dict the manager fills as it schedules: for each request id, the prompt tokens its KV cache served from
+    blocks already computed (shared prefixes, an earlier turn's) instead of computing them. Counted where the
+    scheduler asks the cache for a match (transformers' PagedAttentionCache.search_prefix_match, on this manager's
+    own cache object, which goes with the manager); empty when the cache cannot share blocks."""
+    matched: dict[str, int] = {}
+    cache = getattr(manager.batch_processor, "cache", None)
+    search = getattr(cache, "search_prefix_match", None)
+    if cache is None or search is None or not getattr(cache, "use_prefix_sharing", False):
+        return matched
+
+    def counted(request_id: str, prompt_ids: list[int]) -> int:
+        found = search(request_id, prompt_ids)
+        if found:
+            matched[request_id] = found
+        return found
+
+    cache.search_prefix_match = counted
+    return matched
+
+
 def stop_manager(manager: ContinuousBatchingManager, *, hard: bool = False) -> Iterator[GenerationOutput]:
     """Stops and destroys `manager`, yielding the results it still holds. A hard stop fails what was running."""
     try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, RowError, describe_type, first_line
 from cbgen.inputs.checks import ROW_NUMBER, check_id, check_input_ids, check_messages
+from cbgen.inputs.scoring import MISSING, lookup
 from cbgen.inputs.settings import ROW_SETTINGS, parse_settings
 from cbgen.records import RESERVED_NAMES, PromptRecord, ScoreTarget
 
@@ -169,16 +170,21 @@ class Reader(ABC):
         try:
             if self.id_column is not None:
                 record.id = check_id(row.get(self.id_column), self.id_column)
+            if self.score is not None and self.score.whole_row:
+                record.row = row
             if self.template is not None:
                 self._templated(record, row)
                 record.settings = parse_settings(row)
                 if self.score is not None:
                     record.target = self.score.target(row)
                 return record
-            if self.score is not None and not any(row.get(f) is not None for f in self._prompt_fields()):
+            if self.score is not None and all(lookup(row, f) in (None, MISSING) for f in self._prompt_fields()):
                 text = self.score.text_of(row)
                 if text is not None:  # a text scored on its own
                     record.target = ScoreTarget(text=text)
+                    return record
+                if self.score.whole_row:  # no prompt: the kind finds its opening in the row (cbgen.conversations)
+                    record.settings = parse_settings(row)
                     return record
             field, value = self._find_prompt(row)
             if isinstance(value, list) and not value:
@@ -226,9 +232,10 @@ class Reader(ABC):
 
     def _find_prompt(self, row: dict[str, Any]) -> tuple[str, Any]:
         if self.prompt_column is not None:
-            if row.get(self.prompt_column) is None:
+            value = lookup(row, self.prompt_column)  # dots reach into a nested value (an earlier stage's fields)
+            if value is None or value is MISSING:
                 raise RowError(f"the prompt field {self.prompt_column!r} is missing or null")
-            return self.prompt_column, row[self.prompt_column]
+            return self.prompt_column, value
         found = [f for f in PROMPT_FIELDS if row.get(f) is not None]
         if len(found) > 1:
             raise RowError(f"several prompt fields ({', '.join(found)}): keep one, or choose it with --prompt-column")
@@ -249,17 +256,19 @@ class ColumnarReader(Reader):
         """The columns to read from a source with columns `names`, or a CbgenError naming the missing one and the
         columns there are. `where` names the source in messages ("'data.parquet'", "dataset 'x'")."""
         shown = ", ".join(names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "")
-        if self.template is not None:
+        if self.score is not None and self.score.whole_row:  # every column: the kind reads the whole row
+            prompt_columns = list(names)
+        elif self.template is not None:
             missing = sorted(v for v in self.template.variables if v not in names)
             if missing:
                 raise CbgenError(f"{where} has no column {missing[0]!r}, which the templates read; its columns are: "
                                  f"{shown}")
             prompt_columns = sorted(self.template.variables)
         elif self.prompt_column is not None:
-            if self.prompt_column not in names:
+            if self.prompt_column.split(".")[0] not in names:
                 raise CbgenError(f"{where} has no column '{self.prompt_column}' (--prompt-column); its columns are: "
                                  f"{shown}")
-            prompt_columns = [self.prompt_column]
+            prompt_columns = [self.prompt_column.split(".")[0]]
         else:
             prompt_columns = [c for c in PROMPT_FIELDS if c in names]
             texts = self.score is not None and self.score.text_column.split(".")[0] in names

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 CHOICES_FIELD = "choices"
 _MISSING = object()
+MISSING = _MISSING  # what `lookup` returns for a path the row does not have
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class ScoreFields:
     choices: tuple[str, ...] | None = ()  # the job's own choices, for rows without theirs; None: no choices read
     completion_required: bool = True  # False: a row's prompt or messages may stand alone (reward: a conversation)
     reserved: frozenset[str] = SCORE_RESERVED_NAMES  # the output's own names, which a kept column may not take
+    # the kind reads the whole row, whose prompt is optional (chat: its user turns, its simulated user's template):
+    # a record carries the row as it was read
+    whole_row: bool = False
 
     @classmethod
     def of(cls, job: JobConfig) -> ScoreFields | None:
@@ -50,6 +54,8 @@ class ScoreFields:
         kind = kind_of(name)
         if not kind.reads:
             return None
+        if kind.reads == ("row",):
+            return cls(None, "", None, False, kind.reserved_names(), whole_row=True)
         return cls(section.get("completion_column", "completion") if "completion" in kind.reads else None,
                    section.get("text_column", "text"),
                    tuple(section.get("choices") or ()) if "choices" in kind.reads else None,
@@ -60,10 +66,12 @@ class ScoreFields:
         """The top-level columns a columnar reader reads for them."""
         return (*((CHOICES_FIELD,) if self.choices is not None else ()),
                 *((self.completion_column.split(".")[0],) if self.completion_column else ()),
-                self.text_column.split(".")[0])
+                *((self.text_column.split(".")[0],) if self.text_column else ()))
 
     def text_of(self, row: Mapping[str, Any]) -> str | None:
         """The row's text to score on its own, when it has one (checked: a non-empty string)."""
+        if not self.text_column:
+            return None
         value = lookup(row, self.text_column)
         if value is _MISSING or value is None:
             return None

@@ -26,7 +26,8 @@ from cbgen.render.prompts import RenderPlan
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate
-    from cbgen.engine.setup import EnginePlan, WorkloadShape
+    from cbgen.engine.kv_sizing import WorkloadShape
+    from cbgen.engine.setup import EnginePlan
     from cbgen.model.load import LoadedModel
 
 
@@ -39,6 +40,7 @@ class InputFacts:
     total: int | None  # requests the run has to do; None when unknown (stdin)
     whole: bool  # the head is all of them
     ids: IdChoice
+    grows_by: int = 0  # tokens a prompt may gain after its first request (a conversation's later turns)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: 
     do_sample = bool(sampling.generation_fields()["do_sample"])
     steps = StepPlan.decide(job, facts.used, columns, do_sample, vocab_size, rendering.template,
                             own_draws=loaded.device == "cpu" and job.model.tp_size == 1)
-    from cbgen.engine.setup import WorkloadShape, plan_engine  # torch: needed once there is a model to plan for
+    from cbgen.engine.kv_sizing import WorkloadShape
+    from cbgen.engine.setup import plan_engine  # torch: needed once there is a model to plan for
 
-    workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole)
+    workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole, grows_by=facts.grows_by)
     engine = plan_engine(job, loaded, workload, sampling, steps, job.run.data_parallel)
     return JobPlan(rendering.template, rendering.render, sampling, engine.settings.spec.control, workload, engine,
                    columns, facts.ids)

@@ -14,7 +14,8 @@ A scoring job (cbgen score) reads, writes and resumes the same way, with cbgen.s
 and score rows for output rows; an embed or reward job with cbgen.encoders' encoder (cbgen.job.encode).
 
 This module only runs them, as the plan says, resuming whatever the output directory already holds. Under tensor
-parallelism, rank 0 runs the job (`run_job`) and the other ranks `follow_job`, serving the plan rank 0 sends them.
+parallelism, rank 0 runs the job (`run_job`) and the other ranks follow it (cbgen.job.follow), serving the plan
+rank 0 sends them.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen import result_cache
 from cbgen.config import JobConfig
-from cbgen.errors import CbgenError, ExitCode
+from cbgen.errors import CbgenError
 from cbgen.inputs import Reader
-from cbgen.job.sequence import drain, open_job_input, read_ahead
+from cbgen.job.sequence import Planned, drain, make_engine, open_job_input, read_ahead
 from cbgen.kinds import Kind, kind_of
 from cbgen.model.source import ModelSource, source_of
 from cbgen.outputs.columns import OutputColumns
@@ -45,6 +46,7 @@ from cbgen.records import Completion, PromptRecord, Request
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
+    from cbgen.conversations.rows import ChatRows
     from cbgen.encoders.rows import EncodedRows
     from cbgen.engine.engine import Engine
     from cbgen.engine.replicas import ReplicaPool
@@ -56,8 +58,8 @@ if TYPE_CHECKING:
     from cbgen.parallel.tensor import TensorParallel
     from cbgen.score.rows import ScoreRows
 
-    # what a finished request becomes: generated rows (or OpenAI lines), scores, embeddings or rewards
-    Rows = OutputRows | ScoreRows | EncodedRows
+    # what a finished request becomes: generated rows (or OpenAI lines), scores, embeddings, rewards, conversations
+    Rows = OutputRows | ScoreRows | EncodedRows | ChatRows
 
 
 def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threading.Event | None = None,
@@ -78,27 +80,6 @@ def run_job(job: JobConfig, progress: ProgressSink | None = None, stop: threadin
     if tp is not None:
         tp.end()  # a run that needed no model: followers waiting for one go home
     return summary
-
-
-def follow_job(job: JobConfig, tp: TensorParallel) -> int:
-    """A tensor-parallel follower's whole job: load its shard of the model, then serve the manager of rank 0's plan
-    until rank 0 stops it. Returns the exit code; raises cbgen.parallel.tensor.RankZeroStopped, with rank 0's message,
-    when rank 0 failed before sending its plan."""
-    from cbgen.engine.manager import serve
-    from cbgen.model.load import load_model
-    from cbgen.parallel.tensor import LOAD, PLAN, RankZeroStopped
-
-    try:
-        tp.receive(LOAD)
-        loaded = load_model(job.model, tp)
-        release_gc()
-        plan: JobPlan = tp.receive(PLAN)
-    except RankZeroStopped as stopped:
-        if stopped.exit_code == ExitCode.OK:
-            return ExitCode.OK
-        raise
-    serve(loaded.model, loaded.tokenizer, plan.engine.settings.spec)
-    return ExitCode.OK
 
 
 def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: TensorParallel | None,
@@ -148,7 +129,7 @@ class _Run:
 
     def execute(self) -> RunSummary:
         from cbgen.job.plan import used_settings
-        from cbgen.job.sequence import make_engine, output_rows, plan_input, prepared
+        from cbgen.job.sequence import output_rows, plan_input, prepared
 
         total = self._count_pending()
         if total == 0:
@@ -168,11 +149,32 @@ class _Run:
             return self.summary
         if self.kind.runner == "encoder":
             return self._encode(itertools.chain(head, records), total)
+        if self.kind.runner == "conversations":
+            from cbgen.conversations.builder import simulated_user
+
+            simulated_user(self.job.chat)  # its templates parse, before the model loads
         loaded = self._load_model()
         self.progress.stage("rendering prompts")
         if self.kind.runner == "scorer":
             return self._score(loaded, itertools.chain(head, records), total)
-        planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids, whole)
+        if self.kind.runner == "conversations":
+            from cbgen.job.converse import plan_conversations
+
+            talks = plan_conversations(self.job, loaded, head, used, total, self.reader.ids, whole, self.stop,
+                                       self.directory.path, self.directory.done.ids)
+            self._generate(loaded, Planned(talks.plan, iter(()), None), talks.rows, total,
+                           lambda compute: talks.conversations.run(itertools.chain(head, records), compute))
+            talks.close(complete=self.summary.status == Status.COMPLETE)
+        else:
+            planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids, whole)
+            self._generate(loaded, planned, output_rows(self.job, planned.plan, loaded, self.source.name), total,
+                           lambda compute: compute(prepared(self.job, planned)))
+        self._input_cut()
+        return self.summary
+
+    def _generate(self, loaded: LoadedModel, planned: Planned, rows: Rows, total: int | None,
+                  stream: Callable[[Callable[[Iterator[Any]], Iterator[list[Completion]]]], Iterator[Any]]) -> None:
+        """Runs the plan's engine on the requests `stream` hands it (through the result cache), writing `rows`."""
         plan = planned.plan
         self.directory.record_columns(plan.columns)
         self.summary.record_plan(plan)
@@ -185,15 +187,12 @@ class _Run:
 
         if isinstance(engine, ReplicaPool):
             self.summary.replicas = {"count": len(engine.specs), "lost": engine.lost}
-        rows = output_rows(self.job, plan, loaded, self.source.name)
         self.progress.watch(engine.live, self.job.generation.max_new_tokens)
         cache = result_cache.for_generation(self.job, loaded, plan)
-        self._write(result_cache.through(cache, prepared(self.job, planned), lambda rs: engine.run(rs, self.stop)),
+        self._write(stream(lambda rs: result_cache.through(cache, rs, lambda them: engine.run(them, self.stop))),
                     rows, total)
         self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(plan, engine, loaded, planned.grammars)
-        self._input_cut()
-        return self.summary
 
     def _score(self, loaded: LoadedModel, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
         """A scoring job: the scorer in the engine's place, score rows for output rows (cbgen.score)."""
@@ -283,6 +282,10 @@ class _Run:
             from cbgen.encoders.rows import EncodedRows
 
             self._write(refused, EncodedRows(columns), total)
+        elif self.kind.runner == "conversations":
+            from cbgen.conversations.rows import ChatRows
+
+            self._write(refused, ChatRows(columns), total)
         elif self.kind.runner == "scorer":
             from cbgen.job.sequence import score_rows
 
@@ -351,12 +354,9 @@ class _Run:
         n = job.generation.num_return_sequences
         by_request = "n" in summary.row_settings  # rows with their own n: count requests, whose total is known
         self.progress.stage(self.kind.starting)
-        if not self.kind.generates:
-            self.progress.start(total, "row", verb=self.kind.verb)
-        elif by_request:
-            self.progress.start(total, "request")
-        else:
-            self.progress.start(total * n if total is not None else None, "sequence")
+        unit = self.kind.unit or ("request" if by_request else "sequence" if self.kind.generates else "row")
+        per_sequence = unit == "sequence"
+        self.progress.start(total * n if per_sequence and total is not None else total, unit, verb=self.kind.verb)
         started = last_commit = time.perf_counter()
 
         def write(group: list[Completion]) -> None:
@@ -370,7 +370,7 @@ class _Run:
                 summary.status = Status.TOO_MANY_ERRORS
                 stop.set()
 
-        drain(groups, self.progress, write, "sequence" if self.kind.generates and not by_request else "request")
+        drain(groups, self.progress, write, unit)
         if stop.is_set() and summary.status == Status.COMPLETE:
             summary.status = Status.STOPPED
         summary.timings["generation_s"] = round(time.perf_counter() - started, 3)

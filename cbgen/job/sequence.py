@@ -26,7 +26,7 @@ from cbgen.inputs import Reader, open_input
 from cbgen.inputs.base import IdChoice
 from cbgen.inputs.scoring import ScoreFields
 from cbgen.progress import ProgressSink
-from cbgen.records import Completion, PromptRecord, Request
+from cbgen.records import Completion, PromptRecord, Request, requests_of
 from cbgen.render.prompts import LOOKAHEAD
 from cbgen.render.templates import render_limits
 
@@ -109,10 +109,11 @@ def drain(groups: Iterator[list[Completion]], progress: ProgressSink, consume: C
     per_sequence = unit == "sequence"
     for group in groups:
         consume(group)
-        lengths = [len(c.token_ids) for c in group] if group[0].request.answered is None else []
-        progress.advance(len(group) if per_sequence else 1, group[0].num_prompt_tokens if lengths else 0,
-                         sum(lengths), sum(c.finish_reason == "error" for c in group),
-                         lengths if per_sequence else ())
+        computed = [r for r in requests_of(group) if r.answered is None]
+        lengths = [len(c.token_ids) for c in group if c.request.answered is None]
+        prompt = sum(next(c for c in group if c.request is r).num_prompt_tokens for r in computed)
+        progress.advance(len(group) if per_sequence else 1, prompt, sum(lengths),
+                         sum(c.finish_reason == "error" for c in group), lengths if per_sequence else ())
 
 
 def make_engine(job: JobConfig, planned: Planned, loaded: LoadedModel, *, restartable: bool = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from cbgen.errors import CbgenError
 from cbgen.kinds.base import EncoderKind, Kind
+from cbgen.kinds.chat import Chat
 from cbgen.kinds.dedup import Dedup
 from cbgen.kinds.embed import Embed
 from cbgen.kinds.generate import Generate
@@ -16,7 +17,8 @@ from cbgen.kinds.reward import Reward
 from cbgen.kinds.score import Score
 from cbgen.kinds.sql import Sql
 
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (Generate(), Score(), Embed(), Reward(), Sql(), Dedup())}
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (Generate(), Score(), Embed(), Reward(), Chat(), Sql(),
+                                                       Dedup())}
 JOB_KINDS = tuple(name for name, kind in KINDS.items() if kind.over_rows)  # what a cbgen job may be
 DEFAULT = "generate"  # a job's kind when nothing says otherwise (cbgen run; rows written before kinds were stored)
 OWN_SECTIONS = frozenset(kind.own_section for kind in KINDS.values() if kind.own_section)

@@ -48,6 +48,12 @@ class Kind:
     verb: ClassVar[str] = "generating"  # the progress display's
     raw_prompts: ClassVar[bool] = False  # its rows' prompts are text as it is (a template makes text, not a turn)
     command: ClassVar[str | None] = None  # the command that runs a job of this kind alone, if one does
+    # what the progress display counts when a row is not one sequence (or one row of a kind that generates nothing)
+    unit: ClassVar[str | None] = None
+
+    def check(self, job: Any) -> None:
+        """Raises cbgen.errors.CbgenError for settings of `job` that are each valid but do not go together for this
+        kind (checked with the job's other combinations, before any model loads)."""
 
     # -- settings ------------------------------------------------------------------------------------------------
 

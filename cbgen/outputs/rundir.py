@@ -26,6 +26,7 @@ from cbgen.outputs.shards import ORDER_STAGING, read_shards, shard_paths
 LOCK_FILE = ".cbgen.lock"
 FINGERPRINT_FILE = "fingerprint.json"
 MANIFEST_FILE = "run.json"
+TURNS_FILE = "turns.jsonl"  # a chat job's finished turns of conversations not yet written (cbgen.conversations)
 # The format of fingerprint.json and run.json, raised whenever what they hold changes meaning (see StoredRun).
 FORMAT = 3
 # What each format added to the fingerprint: a run of an older format resumes without them (it recorded none).
@@ -161,7 +162,7 @@ def clear_results(directory: Path) -> None:
     """--overwrite: removes the shards, fingerprint and manifest of an earlier run (the lock stays ours)."""
     for _, path in shard_paths(directory):
         path.unlink()
-    for name in (FINGERPRINT_FILE, MANIFEST_FILE):
+    for name in (FINGERPRINT_FILE, MANIFEST_FILE, TURNS_FILE):
         (Path(directory) / name).unlink(missing_ok=True)
     remove_temporary_files(directory)
 

@@ -51,8 +51,19 @@ _ENCODED_TYPES: dict[str, pa.DataType] = {
 }
 
 
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+_CHAT_TYPES: dict[str, pa.DataType] = {
+    "messages": MESSAGES_TYPE,
+    "num_turns": pa.int32(),
+    "turns": pa.list_(pa.struct([("role", pa.string()), ("finish_reason", pa.string()),
+                                 ("num_prompt_tokens", pa.int32()), ("num_cached_tokens", pa.int32()),
+                                 ("num_generated_tokens", pa.int32())])),
+    "num_cached_tokens": pa.int32(),
+}
+
+
 # every column a kind's rows may have (cbgen.kinds), but `parsed`, whose type the job's schema decides
-_TYPES: dict[str, pa.DataType] = _BASE_TYPES | _SCORE_TYPES | _ENCODED_TYPES | {
+_TYPES: dict[str, pa.DataType] = _BASE_TYPES | _SCORE_TYPES | _ENCODED_TYPES | _CHAT_TYPES | {
     "logprobs": pa.list_(pa.float32()), "top_logprobs": TOP_LOGPROBS_TYPE, "reasoning": pa.string(),
     "tool_calls": TOOL_CALLS_TYPE}
 

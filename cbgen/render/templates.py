@@ -68,6 +68,17 @@ class PromptTemplate:
     system: str | None = None
     messages: tuple[tuple[str, str], ...] = ()  # (role, content template): turns between the system's and the user's
     raw: bool = False  # the user template renders the prompt text, not a chat turn
+    names: tuple[str, str] = ("--template", "--system")  # the user's and the system's, as messages name them
+
+    @classmethod
+    def of(cls, user: str | None, system: str | None, names: tuple[str, str]) -> PromptTemplate | None:
+        """Templates given by other settings than the input's (a chat stage's simulated user), TEXT or @FILE
+        each, `names` the settings' names; compiled now. None when neither is given."""
+        if user is None and system is None:
+            return None
+        template = cls(_text(user, names[0]), _text(system, names[1]), names=names)
+        template.compiled  # noqa: B018 - they parse now, before any model loads
+        return template
 
     @classmethod
     def from_input(cls, settings: InputSection) -> PromptTemplate | None:
@@ -94,10 +105,10 @@ class PromptTemplate:
     def turns(self) -> list[tuple[str, str, str]]:
         """(role, template text, where it was given) of every turn, in order: the system's, input.messages, the
         user's last ("prompt" with --raw-prompts)."""
-        turns = [("system", self.system, "--system")] if self.system is not None else []
+        turns = [("system", self.system, self.names[1])] if self.system is not None else []
         turns += [(role, text, f"input.messages[{i}].content") for i, (role, text) in enumerate(self.messages)]
         if self.user is not None:
-            turns.append(("prompt" if self.raw else "user", self.user, "--template"))
+            turns.append(("prompt" if self.raw else "user", self.user, self.names[0]))
         return turns
 
     @cached_property

@@ -113,4 +113,5 @@ def through(cache: ResultCache | None, requests: Iterator[Any], compute: Callabl
     if cache is None:
         return compute(requests)
     answer = cache.answer_score if scores else cache.answer
-    return cache.kept(compute(map(answer, requests)), scores=scores)
+    # None passes through: a source's "nothing now" (cbgen.engine.engine.Engine.run)
+    return cache.kept(compute(r if r is None else answer(r) for r in requests), scores=scores)
