@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from cbgen.control.needs import StepPlan
 
 MAX_REQUESTS_PER_BATCH = 256  # transformers' choice when unset, as far as the in-flight window is concerned
+# KV page size on CPU for requests that continue each other (a chat stage's turns): only whole pages are shared.
+# Measured on the conversations example (24 two-turn chats, 2-core AMD EPYC Zen 4, bf16): prompt tokens served from
+# the cache 0 / 2,496 / 2,720 of 9,425 at pages of 256 / 64 / 32, generation 29.8 / 29.8 / 26.9 s, the same tokens
+CONTINUED_PAGE_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
     if loaded.device == "cpu":
         for key, value in cpu_row().batching(attention in CPU_ATTENTION).items():
             batching.setdefault(key, value)
+        if workload.continued:  # a conversation's next turn finds all of the turn before but its last partial page
+            batching.setdefault("page_size", CONTINUED_PAGE_SIZE)
     window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
     kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)

@@ -111,6 +111,10 @@ class Kind:
         """The summary's counts, as run.json and the card store them."""
         raise NotImplementedError
 
+    def rows_counted(self, counts: Mapping[str, Any]) -> Any:
+        """How many rows its output holds, read from its counts (run.json's); "?" when they do not say."""
+        return counts.get("sequences", counts.get("rows", "?"))
+
     def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
         """The end-of-run summary's lines (label, value); `duration` and `cache_line` format seconds and the
         result cache's share."""

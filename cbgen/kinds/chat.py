@@ -5,6 +5,7 @@ prompted with a template over the row and the conversation so far)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from cbgen.errors import CbgenError
@@ -93,6 +94,9 @@ class Chat(Kind):
                 "turns": summary.run_sequences, "prompt_tokens": summary.prompt_tokens,
                 "cached_prompt_tokens": summary.cached_prompt_tokens, "generated_tokens": summary.generated_tokens,
                 "resumed_conversations": summary.resumed_requests, "loop_stopped": summary.loop_stopped}
+
+    def rows_counted(self, counts: Mapping[str, Any]) -> Any:
+        return counts.get("conversations", "?")
 
     def summary_rows(self, summary: Any, duration: Any, cache_line: Any) -> list[tuple[str, str]]:
         throughput = summary.throughput()

@@ -72,7 +72,7 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
         },
     }
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=120)
-    rows = counts.get("sequences", counts.get("rows", "?"))
+    rows = kind.rows_counted(counts)
     lines = [f"---\n{header}---", "", f"# {kind.card_title}", "",
              f"{rows} rows {kind.card_verb} by {model or 'a model'} with cbgen {__version__}"
              + ("" if in_order else " (in the order requests finished: the run is not complete)") + ".", "",

@@ -177,3 +177,16 @@ def test_the_pipeline_dict_runs_a_chat_stage_and_a_later_stage_reads_its_message
     assert report.exit_code == 0
     rated = list(read_shards(tmp_path / "out" / "rated"))
     assert len(rated) == 1 and rated[0]["error"] is None and rated[0]["num_prompt_tokens"] > 20
+
+
+def test_a_rerun_takes_every_turn_from_the_result_cache(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("CBGEN_RESULT_CACHE", raising=False)  # the suite turns the cache off; this test names one
+    rows = [{"id": f"t{i}", "topic": topic} for i, topic in enumerate(["owls", "tea", "rain"])]
+    path = chat_stage(tmp_path, tiny_model_dir, rows, user_template=USER_TEMPLATE, max_turns=2, temperature=0.9,
+                      seed=3)
+    store = str(tmp_path / "results")
+    first = run(path, tmp_path / "first", "--cache", store)
+    again = run(path, tmp_path / "again", "--cache", store)
+    assert {k: v["messages"] for k, v in again.items()} == {k: v["messages"] for k, v in first.items()}
+    counts = json.loads((tmp_path / "again" / "talks" / "run.json").read_text())["counts"]
+    assert counts["result_cache_hits"] == sum(len(v["turns"]) for v in first.values()) and counts["turns"] == 0
