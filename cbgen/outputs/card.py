@@ -49,15 +49,30 @@ _MEANINGS = {
 }
 
 
+def files_info(directory: Path, shards: Sequence[str]) -> dict[str, str]:
+    """The card's `dataset_info`: a description naming the data files by name, size and modification time. The
+    datasets library caches a local folder whose card lists its data files by the card's metadata alone (the file
+    patterns, not the files: datasets 4), so a folder rewritten in place, or another folder of the same name, would
+    load the rows cached before; a description that changes with the files makes a new cache entry."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name in shards:
+        stat = (Path(directory) / name).stat()
+        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return {"description": f"Rows written by cbgen (data files {digest.hexdigest()})"}
+
+
 def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict[str, Any], model: str | None,
               counts: dict[str, Any], command: Sequence[str], in_order: bool, merged_from: int = 0,
-              saved_to_disk: bool = False) -> str:
+              saved_to_disk: bool = False, directory: Path | None = None) -> str:
     """The card of an output directory whose committed shards are `shards` (file names, in order); with
     `saved_to_disk`, of a dataset written by `merge --to-dataset` (whose Arrow files the hub reads, and
     `datasets.load_from_disk` locally)."""
     kind = kind_of(columns.kind if columns is not None else None)
     meta = {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": list(shards)}]}],
+        **({"dataset_info": files_info(directory, shards)} if directory is not None else {}),
         "tags": ["cbgen", "synthetic"],
         "cbgen": {
             "version": __version__,
@@ -102,15 +117,17 @@ def _cache_lines(counts: dict[str, Any]) -> list[str]:
 def write_card(directory: Path, **details: Any) -> Path:
     """Writes the card (see `card_text` for what it takes) into `directory`, atomically."""
     path = Path(directory) / CARD_FILE
-    write_text_atomic(path, card_text(**details))
+    write_text_atomic(path, card_text(directory=Path(directory), **details))
     return path
 
 
 def table_card_text(*, shards: Sequence[str], columns: Sequence[str], rows: int, stage: str, query: str,
-                    upstream: Sequence[str], command: Sequence[str]) -> str:
-    """The card of a pipeline's sql stage (cbgen.pipelines): its result is a dataset as any run's output is."""
+                    upstream: Sequence[str], command: Sequence[str], directory: Path) -> str:
+    """The card of a pipeline's sql stage (cbgen.pipelines) in `directory`: its result is a dataset as any run's
+    output is."""
     meta = {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": list(shards)}]}],
+        "dataset_info": files_info(directory, shards),
         "tags": ["cbgen", "synthetic"],
         "cbgen": {"version": __version__, "command": shlex.join(command), "stage": stage, "query": query,
                   "reads": list(upstream), "counts": {"rows": rows}, "columns": list(columns)},

@@ -41,7 +41,7 @@ def run_sql_stage(stage: Stage, tables: dict[str, Path], output_dir: Path, finge
         write_parquet(duplicates, staging / DUPLICATES_FILE)
     write_text_atomic(staging / CARD_FILE, table_card_text(
         shards=[SHARD], columns=result.schema.names, rows=result.num_rows, stage=stage.name, query=stage.query,
-        upstream=list(tables), command=sys.argv))
+        upstream=list(tables), command=sys.argv, directory=staging))
     write_json_atomic(staging / SQL_FILE, {"kind": stage.kind, "fingerprint": fingerprint, "rows": result.num_rows,
                                            "columns": result.schema.names, "status": "complete",
                                            **({"dropped": duplicates.num_rows} if duplicates is not None else {})})

@@ -115,3 +115,23 @@ def test_merged_jobs_are_in_input_order_and_carry_a_card(tiny_model_dir, prompts
     assert ids(datasets.load_from_disk(str(tmp_path / "ds"))) == EXPECTED
     assert "load_from_disk" in (tmp_path / "ds" / "README.md").read_text()
     assert json.loads((out / "merged" / "run.json").read_text())["rows"] == 15
+
+
+def test_a_folder_rewritten_in_place_loads_its_new_rows_with_datasets(tiny_model_dir, tmp_path):
+    """datasets caches a local folder by its card's metadata: the card names its data files by size and time, so
+    a rerun with --overwrite (or another folder of the same name) is a new cache entry, not the old rows."""
+    import datasets
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"Tell me about {i}."} for i in range(6)])
+    out = tmp_path / "best"
+    assert run(tiny_model_dir, prompts, out, "--max-new-tokens", "2") == 0
+    first = datasets.load_dataset(str(out), split="train")
+    assert run(tiny_model_dir, prompts, out, "--max-new-tokens", "1", "--overwrite", "--seed", "3") == 0
+    again = datasets.load_dataset(str(out), split="train")
+    assert again["num_generated_tokens"] == [row["num_generated_tokens"] for row in load(out)]
+    assert again["num_generated_tokens"] != first["num_generated_tokens"]
+    (tmp_path / "elsewhere").mkdir()
+    other = tmp_path / "elsewhere" / "best"  # another folder of the same name
+    assert run(tiny_model_dir, prompts, other, "--max-new-tokens", "3") == 0
+    assert datasets.load_dataset(str(other), split="train")["num_generated_tokens"] == \
+        [row["num_generated_tokens"] for row in load(other)]
