@@ -1,4 +1,4 @@
-"""examples/conversations/pipeline.yaml on the embedded models, as the README runs it: two-turn conversations with a
+"""examples/conversations/pipeline.yaml on the embedded models, as the README runs it (on its first 8 rows): two-turn conversations with a
 simulated user, embedded, near-duplicates dropped, judged, and each topic's best kept; every stage's rows once, the
 dedup's kept and dropped rows adding up, and the final dataset one conversation per topic, its best-rated."""
 
@@ -24,6 +24,8 @@ pytestmark = [pytest.mark.embedded, pytest.mark.slow]
 def test_the_conversations_example_keeps_each_topics_best_conversation(tmp_path):
     folder = tmp_path / "conversations"
     shutil.copytree(EXAMPLE, folder)
+    topics = folder / "topics.jsonl"  # its first 4 topics (of 12), two personas each: the suite's time
+    topics.write_text("".join(topics.read_text().splitlines(keepends=True)[:8]))
     out = tmp_path / "out"
     assert run_cli(["pipeline", str(folder / "pipeline.yaml"), "-o", str(out), "-q"]) == 0
     seeds = [json.loads(line) for line in (folder / "topics.jsonl").read_text().splitlines()]
