@@ -1,6 +1,7 @@
-"""examples/conversations/pipeline.yaml on the embedded models, as the README runs it (on its first 8 rows): two-turn conversations with a
-simulated user, embedded, near-duplicates dropped, judged, and each topic's best kept; every stage's rows once, the
-dedup's kept and dropped rows adding up, and the final dataset one conversation per topic, its best-rated."""
+"""examples/conversations/pipeline.yaml on the embedded models, as the README runs it (on its first 8 rows):
+two-turn conversations with a simulated user, embedded, near-duplicates dropped, judged, and each topic's best
+kept; every stage's rows once, the dedup's kept and dropped rows adding up, and the final dataset one conversation
+per topic, its best-rated."""
 
 from __future__ import annotations
 
