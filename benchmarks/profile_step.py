@@ -130,13 +130,15 @@ def main() -> None:
                         help="As for cbgen run (default: the job's default, on where the compiled attention runs).")
     parser.add_argument("--compiled-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="As for cbgen run: cbgen's compiled attention kernel, or its eager CPU attention.")
+    parser.add_argument("--compiled-ops", action=argparse.BooleanOptionalAction, default=None,
+                        help="As for cbgen run: the fused layers' norms, rotary and SiLU compiled, or eager.")
     parser.add_argument("--timing-only", action="store_true", help="Time the steps without the profiler (which slows "
                         "them): the true step times, without the breakdown.")
     args = parser.parse_args()
     _instrument(args.min_decode, args.timing_only)
     section = ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear,
                            fused_layers=False if args.no_fused_layers else None,
-                           compiled_attention=args.compiled_attention)
+                           compiled_attention=args.compiled_attention, compiled_ops=args.compiled_ops)
     loaded = load_model(section)
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}

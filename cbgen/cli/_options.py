@@ -78,6 +78,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "linear_row_buckets", ("--linear-row-buckets/--no-linear-row-buckets",), bool, PANEL_MODEL),
     JobOption("model", "fused_layers", ("--fused-layers/--no-fused-layers",), bool, PANEL_MODEL),
     JobOption("model", "compiled_attention", ("--compiled-attention/--no-compiled-attention",), bool, PANEL_MODEL),
+    JobOption("model", "compiled_ops", ("--compiled-ops/--no-compiled-ops",), bool, PANEL_MODEL),
     JobOption("model", "batch_invariant", ("--batch-invariant/--no-batch-invariant",), bool, PANEL_MODEL),
     JobOption("model", "tp_size", ("--tp",), int, PANEL_MODEL, metavar="N"),
     JobOption("input", "format", ("--input-format",), str, PANEL_INPUT),

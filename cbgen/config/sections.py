@@ -70,6 +70,12 @@ class ModelSection:
         "with fewer, larger operators: query/key/value and gate/up projections as one matmul each, rotary, norms "
         "and residuals in place. The same operators as transformers', so greedy tokens match it; the merged "
         "matmuls may round differently in the last bit. Default: on where the model fits (run.json says why not).")
+    compiled_ops: bool | None = setting(
+        None, "On CPU, run the fused decoder layers' RMSNorms (with the residual addition before the second), "
+        "rotary embedding and SiLU * up as cbgen's compiled operators: one pass over the rows each, instead of some "
+        "25 small eager operators a layer. The elementwise ones are bitwise transformers'; RMSNorm sums a row's "
+        "squares in its own order (float32 may differ in the last bit). Built from C++ on first use, as the "
+        "compiled attention. Default: on where they build and fit the model (run.json says why not).")
     compiled_attention: bool | None = setting(
         None, "On CPU, attend with cbgen's compiled kernel: every query row of a step in one call per layer, keys "
         "and values read where they lie in the paged cache, each row's result depending on its own keys only "

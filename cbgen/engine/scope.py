@@ -70,6 +70,7 @@ class ScopePlan:
     lazy_kv_cache: bool = False  # CPU: the KV cache takes RAM as pages are written, and gives back freed blocks'
     fused_layers: bool = False  # the decoder layers run cbgen's fused forward (cbgen.model.fused)
     fused_why: str = "off"
+    fused_ops: bool = False  # and their norms, rotary embedding and SiLU run cbgen's compiled operators
     kernel_why: str = "off"  # why the compiled attention kernel serves the model, or why not
 
     def describe(self) -> dict[str, Any]:
@@ -81,7 +82,8 @@ class ScopePlan:
                 "dense_attention_mask": "built" if self.dense_mask
                 else "not built: cbgen's per-sequence attention does not read it",
                 "kv_cache_memory": "as used, freed blocks given back" if self.lazy_kv_cache else "all at start",
-                "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why},
+                "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why,
+                                   "compiled_operators": self.fused_ops},
                 "attention_kernel": {"compiled": self.attention == COMPILED, "why": self.kernel_why}}
 
 
@@ -202,7 +204,7 @@ class EngineScope:
         if plan.fused_layers:
             from cbgen.model.fused import fused_layers
 
-            merged = stack.enter_context(fused_layers(model))
+            merged = stack.enter_context(fused_layers(model, plan.fused_ops))
         if plan.batch_invariant:
             from cbgen.model.invariant import batch_invariant_linear
 

@@ -236,14 +236,16 @@ def linear_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> str:
     return linear.STOCK
 
 
-def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str]:
+def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str, bool]:
     """Whether the decoder layers run cbgen's fused forward (cbgen.model.fused), and why: by default on CPU in one
-    process where the model fits it; asked for (--fused-layers), it must apply."""
+    process where the model fits it; asked for (--fused-layers), it must apply. And whether their norms, rotary
+    embedding and SiLU run as cbgen's compiled operators: wherever those build and fit the model."""
     from cbgen.model.fused import unfit_reason
+    from cbgen.model.fused_ops import compiled_ops_reason
 
     asked = job.model.fused_layers
     if asked is False:
-        return False, "off (--no-fused-layers)"
+        return False, "off (--no-fused-layers)", False
     if loaded.device != "cpu" or job.model.tp_size > 1:
         runs = "with --tp" if job.model.tp_size > 1 else f"on {loaded.device}"
         reason: str | None = f"written for CPU in one process, and this job runs {runs}"
@@ -252,8 +254,15 @@ def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str]:
     if reason is not None:
         if asked:
             raise CbgenError(f"--fused-layers does not apply here: {reason}; drop the flag")
-        return False, f"off: {reason}"
-    return True, "on (--fused-layers)" if asked else "on: the model's layers fit it (--no-fused-layers turns it off)"
+        return False, f"off: {reason}", False
+    why = "on (--fused-layers)" if asked else "on: the model's layers fit it (--no-fused-layers turns it off)"
+    if job.model.compiled_ops is False:
+        return True, why + "; norms, rotary and SiLU eager (--no-compiled-ops)", False
+    unfit_ops = compiled_ops_reason(loaded.model)
+    if unfit_ops is not None and job.model.compiled_ops:
+        raise CbgenError(f"--compiled-ops does not apply here: {unfit_ops}; drop the flag")
+    return True, why + ("; norms, rotary and SiLU compiled (--no-compiled-ops: eager)" if unfit_ops is None else
+                        f"; norms, rotary and SiLU eager: {unfit_ops}"), unfit_ops is None
 
 
 def _compiled(cb_config: ContinuousBatchingConfig, generation_config: GenerationConfig) -> bool:
@@ -268,13 +277,13 @@ def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled:
     """What cbgen installs for a job's engine (cbgen.engine.scope), given the attention it runs with; `compiled`:
     transformers compiles the forward pass (which needs its dense mask)."""
     invariant, why = invariance_choice(job, loaded, attention)
-    fused, fused_why = fused_choice(job, loaded)
+    fused, fused_why, fused_ops = fused_choice(job, loaded)
     if attention == PER_SEQUENCE_ATTENTION and invariant:
         attention = PER_SEQUENCE_INVARIANT
     return ScopePlan(attention=attention, batch_invariant=invariant, invariant_why=why,
                      linear=linear_choice(job, loaded, invariant),
                      dense_mask=attention not in CPU_ATTENTION or compiled,
-                     lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why,
+                     lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why, fused_ops=fused_ops,
                      kernel_why=kernel_why)
 
 

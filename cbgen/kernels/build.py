@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = {"paged_attention": _HERE / "paged_attention.cpp"}
+SOURCES = {"paged_attention": _HERE / "paged_attention.cpp", "decoder_ops": _HERE / "decoder_ops.cpp"}
 
 # Compiler flags per torch CPU capability: those torch builds its own kernels of that capability with
 _CAPABILITY_FLAGS = {

@@ -54,7 +54,7 @@ FUSED_ARCHITECTURES: dict[str, str | None] = {
     "Qwen2DecoderLayer": "module",
     "Qwen3DecoderLayer": "module",
 }
-_PROBE_ROWS = 5
+PROBE_ROWS = 5
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -85,7 +85,8 @@ def _structure_reason(layer: Any) -> str | None:
     if any(type(p) is not torch.nn.Linear for p in parts):
         return "its projections are not plain torch.nn.Linear layers (quantized or tensor-parallel)"
     weights = [p.weight for p in parts]
-    if len({(w.dtype, w.device) for w in weights}) != 1 or weights[0].device.type != "cpu":
+    # meta: a process that plans for --data-parallel replicas, which load the weights (on CPU) themselves
+    if len({(w.dtype, w.device) for w in weights}) != 1 or weights[0].device.type not in ("cpu", "meta"):
         return "its projections are not all CPU tensors of one dtype"
     for module in (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm,
                    *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))):
@@ -100,7 +101,7 @@ def _structure_reason(layer: Any) -> str | None:
     return None
 
 
-def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """transformers' Llama RMSNorm, operator for operator (so bitwise), with its float32 intermediate in place."""
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -109,7 +110,7 @@ def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     return norm.weight * h.to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama's rotary embedding on [batch, tokens, heads, dim] (queries and keys side by side), operator for operator
     transformers' `apply_rotary_pos_emb` (so bitwise): x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
@@ -130,24 +131,27 @@ class _Fused:
     intermediate: int
     window: dict[str, Any]
     eager: Any  # the model's own eager attention: what transformers falls back to when no other is registered
+    ops: Any = None  # torch.ops.cbgen_kernels when its compiled operators serve this layer (`compiled_ops`)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        if self.ops is not None:
+            return self.compiled_forward(hidden_states, attention_mask, position_ids, position_embeddings, **kwargs)
         layer = self.layer
         attn = layer.self_attn
         shape = hidden_states.shape[:-1]
-        qkv = self.qkv(_rms_norm(hidden_states, layer.input_layernorm))
+        qkv = self.qkv(rms_norm(hidden_states, layer.input_layernorm))
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         cos, sin = position_embeddings  # type: ignore[misc]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [batch, tokens, 1, dim]
         q_norm = getattr(attn, "q_norm", None)
         if q_norm is None:  # queries and keys rotated in one pass
-            qk = _rope(qkv[..., : q_size + kv_size].view(*shape, self.heads + self.kv_heads, self.head_dim), cos, sin)
+            qk = rope(qkv[..., : q_size + kv_size].view(*shape, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[..., : self.heads, :], qk[..., self.heads :, :]
         else:
-            q = _rope(q_norm(qkv[..., :q_size].view(*shape, self.heads, self.head_dim)), cos, sin)
-            k = _rope(attn.k_norm(qkv[..., q_size : q_size + kv_size].view(*shape, self.kv_heads, self.head_dim)),
+            q = rope(q_norm(qkv[..., :q_size].view(*shape, self.heads, self.head_dim)), cos, sin)
+            k = rope(attn.k_norm(qkv[..., q_size : q_size + kv_size].view(*shape, self.kv_heads, self.head_dim)),
                       cos, sin)
         v = qkv[..., q_size + kv_size :].view(*shape, self.kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -160,10 +164,36 @@ class _Fused:
                                 position_ids=position_ids, **self.window, **kwargs)
         hidden = attn.o_proj(attended.reshape(*shape, -1).contiguous())
         hidden += hidden_states
-        gate, up = self.gate_up(_rms_norm(hidden, layer.post_attention_layernorm)).split(self.intermediate, dim=-1)
+        gate, up = self.gate_up(rms_norm(hidden, layer.post_attention_layernorm)).split(self.intermediate, dim=-1)
         out = layer.mlp.down_proj(F.silu(gate).mul_(up))
         out += hidden
         return out
+
+    def compiled_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                         position_ids: torch.Tensor | None, position_embeddings: Any, **kwargs: Any) -> torch.Tensor:
+        """The same layer with its norms (the residual addition before the second), rotary embedding and SiLU * up
+        each one compiled pass over the rows (cbgen/kernels/decoder_ops.cpp), between the same matmuls and attention."""
+        layer, ops = self.layer, self.ops
+        attn = layer.self_attn
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
+        tokens, dim = rows.shape[0], self.head_dim
+        qkv = self.qkv(ops.rms_norm(rows, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon))
+        cos, sin = position_embeddings
+        ops.rope_(qkv, cos.reshape(tokens, dim), sin.reshape(tokens, dim), self.heads + self.kv_heads, dim)
+        q_size, kv_size = self.heads * dim, self.kv_heads * dim
+        q = qkv[:, :q_size].view(1, tokens, self.heads, dim).transpose(1, 2)
+        k = qkv[:, q_size : q_size + kv_size].view(1, tokens, self.kv_heads, dim).transpose(1, 2)
+        v = qkv[:, q_size + kv_size :].view(1, tokens, self.kv_heads, dim).transpose(1, 2)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
+        attended, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
+                                position_ids=position_ids, **self.window, **kwargs)
+        hidden = attn.o_proj(attended.reshape(tokens, -1))
+        norm = layer.post_attention_layernorm
+        out = layer.mlp.down_proj(ops.silu_mul(self.gate_up(ops.add_rms_norm(hidden, rows, norm.weight,
+                                                                              norm.variance_epsilon)),
+                                               self.intermediate))
+        out += hidden
+        return out.view(hidden_states.shape)
 
 
 def _merged(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
@@ -256,13 +286,13 @@ def _window(layer: Any) -> dict[str, Any]:
     return {}
 
 
-def _build(layer: Any) -> _Fused:
+def _build(layer: Any, ops: Any = None) -> _Fused:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = _merge(layer)
     config = attn.config
     return _Fused(layer, qkv, gate_up, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                   head_dim=attn.head_dim, intermediate=mlp.gate_proj.out_features, window=_window(layer),
-                  eager=sys.modules[type(attn).__module__].eager_attention_forward)
+                  eager=sys.modules[type(attn).__module__].eager_attention_forward, ops=ops)
 
 
 def _probe_reason(layer: Any) -> str | None:
@@ -271,20 +301,20 @@ def _probe_reason(layer: Any) -> str | None:
     attn = layer.self_attn
     dtype = layer.input_layernorm.weight.dtype
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, _PROBE_ROWS, layer.input_layernorm.weight.shape[0], generator=generator).to(dtype)
+    hidden = torch.randn(1, PROBE_ROWS, layer.input_layernorm.weight.shape[0], generator=generator).to(dtype)
     with torch.no_grad():
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not torch.equal(_rms_norm(hidden, norm), norm(hidden)):
+            if not torch.equal(rms_norm(hidden, norm), norm(hidden)):
                 return f"{type(norm).__name__} does not compute Llama's RMSNorm"
         apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
         if apply is None:
             return "its attention module has no apply_rotary_pos_emb"
         heads, dim = 2, attn.head_dim
-        q = torch.randn(1, _PROBE_ROWS, heads, dim, generator=generator).to(dtype)
-        cos = torch.randn(1, _PROBE_ROWS, dim, generator=generator).to(dtype)
-        sin = torch.randn(1, _PROBE_ROWS, dim, generator=generator).to(dtype)
+        q = torch.randn(1, PROBE_ROWS, heads, dim, generator=generator).to(dtype)
+        cos = torch.randn(1, PROBE_ROWS, dim, generator=generator).to(dtype)
+        sin = torch.randn(1, PROBE_ROWS, dim, generator=generator).to(dtype)
         expected, _ = apply(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
-        if not torch.equal(_rope(q, cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2), expected):
+        if not torch.equal(rope(q, cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2), expected):
             return "its rotary embedding is not Llama's (partial or interleaved rotation)"
         if not torch.equal(F.silu(hidden), layer.mlp.act_fn(hidden)):
             return "its MLP activation does not compute SiLU"
@@ -311,14 +341,22 @@ def unfit_reason(model: torch.nn.Module) -> str | None:
 
 
 @contextmanager
-def fused_layers(model: torch.nn.Module) -> Iterator[MergedLinears]:
+def fused_layers(model: torch.nn.Module, compiled_ops: bool = False) -> Iterator[MergedLinears]:
     """Every decoder layer of `model` computes through its fused forward while the block runs (the caller checked
-    `unfit_reason`); yields the merged linear layers, for the engine's linear kind to be installed on them too. On exit
-    the layers' forwards are transformers' again; the projections stay views of the merged weights, for the next
-    engine (see the module)."""
+    `unfit_reason`; and `compiled_ops_reason` for `compiled_ops`: its norms, rotary and SiLU as compiled operators);
+    yields the merged linear layers, for the engine's linear kind to be installed on them too. On exit the layers'
+    forwards are transformers' again; the projections stay views of the merged weights, for the next engine (see
+    the module)."""
     from cbgen.model.linear import replaced_forwards
 
-    built = [_build(layer) for layer in decoder_layers(model)]
+    ops = None
+    if compiled_ops:  # loaded in this process (a replica process planned by its parent has not loaded them yet)
+        from cbgen.kernels import kernel
+
+        if not kernel("decoder_ops").loaded:
+            raise RuntimeError(f"cbgen's compiled operators are not available: {kernel('decoder_ops').detail}")
+        ops = torch.ops.cbgen_kernels
+    built = [_build(layer, ops) for layer in decoder_layers(model)]
     # each layer's forward is its _Fused's bound method: the layer's own arguments, no wrapper in between
     forwards: dict[torch.nn.Module, object] = {fused.layer: fused.forward for fused in built}
     with replaced_forwards(forwards):

@@ -77,6 +77,8 @@ def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         padded[: count - full] = rows[full:]
     if full == 0 and padded is not None:  # one tile (a decode step): its rows are the result, no copy out
         out = tile(padded)[:count]
+    elif count == TILE_ROWS:  # exactly one tile: the result itself
+        out = tile(rows)
     else:
         out = rows.new_empty(count, out_features)
         for start in range(0, full, TILE_ROWS):

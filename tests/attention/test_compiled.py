@@ -111,6 +111,8 @@ def test_without_a_compiler_the_eager_attention_runs_and_says_why(tmp_path, tiny
     assert scope["attention_kernel"]["compiled"] is False
     assert scope["attention_kernel"]["why"].startswith("off: the build failed")
     assert "compiled kernel paged_attention unavailable" in done.stderr
+    layers = scope["decoder_layers"]
+    assert layers["compiled_operators"] is False and "norms, rotary and SiLU eager: the build failed" in layers["why"]
     # asked for, it must apply: a one-line error before anything runs
     done, _ = _run(tmp_path, tiny_model_dir, "--compiled-attention", env=env)
     assert done.returncode != 0 and "Traceback" not in done.stderr
@@ -126,9 +128,11 @@ def test_a_job_names_the_kernel_and_a_warm_start_loads_it_cached(tmp_path, tiny_
         scope = json.loads((out / "run.json").read_text())["engine_scope"]
         assert scope["attention_kernel"]["compiled"] is True and expected in scope["attention_kernel"]["why"]
         assert scope["batch_invariant"]["on"] is True
-    built = list((tmp_path / "cache" / "kernels").iterdir())
+        layers = scope["decoder_layers"]  # the fused layers' compiled operators, built and cached the same way
+        assert layers["compiled_operators"] is True and "norms, rotary and SiLU compiled" in layers["why"]
+    built = sorted(path.name for path in (tmp_path / "cache" / "kernels").iterdir())
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    assert len(built) == 1 and built[0].name.startswith(f"paged_attention-{capability}-")
+    assert [name.split("-")[:2] for name in built] == [["decoder_ops", capability], ["paged_attention", capability]]
     # --no-compiled-attention: the eager path, and the old default (invariance for seeded jobs only)
     done, out = _run(tmp_path, tiny_model_dir, "--no-compiled-attention", env=env)
     scope = json.loads((out / "run.json").read_text())["engine_scope"]

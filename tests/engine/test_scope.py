@@ -179,7 +179,9 @@ def test_the_plan_is_what_run_json_records(tiny_model_dir, tmp_path):
         "linear": "fixed-shape tiles of 64 rows (batch-invariant)",
         "dense_attention_mask": "not built: cbgen's per-sequence attention does not read it",
         "kv_cache_memory": "as used, freed blocks given back",
-        "decoder_layers": {"fused": True, "why": "on: the model's layers fit it (--no-fused-layers turns it off)"}}
+        "decoder_layers": {"fused": True, "compiled_operators": True,
+                           "why": "on: the model's layers fit it (--no-fused-layers turns it off); norms, rotary and "
+                                  "SiLU compiled (--no-compiled-ops: eager)"}}
     assert manifest["attention"] == manifest["engine_scope"]["attention"]
     assert manifest["model"]["linear"] == manifest["engine_scope"]["linear"]
     assert manifest["batch_invariant"] == manifest["engine_scope"]["batch_invariant"]
