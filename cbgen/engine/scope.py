@@ -204,7 +204,7 @@ class EngineScope:
         if plan.fused_layers:
             from cbgen.model.fused import fused_layers
 
-            merged = stack.enter_context(fused_layers(model, plan.fused_ops))
+            merged = stack.enter_context(fused_layers(model, decoder_ops() if plan.fused_ops else None))
         if plan.batch_invariant:
             from cbgen.model.invariant import batch_invariant_linear
 
@@ -297,3 +297,16 @@ class EngineScope:
         if mask is not False and (mask is not None) != self.plan.dense_mask:
             raise RuntimeError(f"the manager was built {'with' if mask is not None else 'without'} the dense attention "
                                f"mask, and the plan {'builds' if self.plan.dense_mask else 'skips'} it")
+
+
+def decoder_ops() -> Any:
+    """cbgen's compiled decoder-layer operators (torch.ops.cbgen_kernels), loaded in this process: a replica process
+    planned by its parent has not loaded them yet."""
+    import torch
+
+    from cbgen.kernels import kernel
+
+    built = kernel("decoder_ops")
+    if not built.loaded:
+        raise RuntimeError(f"cbgen's compiled operators are not available: {built.detail}")
+    return torch.ops.cbgen_kernels

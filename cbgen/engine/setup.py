@@ -240,8 +240,10 @@ def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str, bool]:
     """Whether the decoder layers run cbgen's fused forward (cbgen.model.fused), and why: by default on CPU in one
     process where the model fits it; asked for (--fused-layers), it must apply. And whether their norms, rotary
     embedding and SiLU run as cbgen's compiled operators: wherever those build and fit the model."""
+    from cbgen.engine.scope import decoder_ops
+    from cbgen.kernels import kernel
     from cbgen.model.fused import unfit_reason
-    from cbgen.model.fused_ops import compiled_ops_reason
+    from cbgen.model.fused_ops import ops_unfit_reason, probe_ops
 
     asked = job.model.fused_layers
     if asked is False:
@@ -258,7 +260,11 @@ def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str, bool]:
     why = "on (--fused-layers)" if asked else "on: the model's layers fit it (--no-fused-layers turns it off)"
     if job.model.compiled_ops is False:
         return True, why + "; norms, rotary and SiLU eager (--no-compiled-ops)", False
-    unfit_ops = compiled_ops_reason(loaded.model)
+    unfit_ops = ops_unfit_reason(loaded.model)
+    if unfit_ops is None and not kernel("decoder_ops").loaded:
+        unfit_ops = kernel("decoder_ops").detail
+    if unfit_ops is None:
+        unfit_ops = probe_ops(loaded.model, decoder_ops())
     if unfit_ops is not None and job.model.compiled_ops:
         raise CbgenError(f"--compiled-ops does not apply here: {unfit_ops}; drop the flag")
     return True, why + ("; norms, rotary and SiLU compiled (--no-compiled-ops: eager)" if unfit_ops is None else

@@ -341,21 +341,15 @@ def unfit_reason(model: torch.nn.Module) -> str | None:
 
 
 @contextmanager
-def fused_layers(model: torch.nn.Module, compiled_ops: bool = False) -> Iterator[MergedLinears]:
+def fused_layers(model: torch.nn.Module, ops: Any = None) -> Iterator[MergedLinears]:
     """Every decoder layer of `model` computes through its fused forward while the block runs (the caller checked
-    `unfit_reason`; and `compiled_ops_reason` for `compiled_ops`: its norms, rotary and SiLU as compiled operators);
+    `unfit_reason`; with `ops`, cbgen's compiled operators loaded, cbgen.model.fused_ops.compiled_ops_reason too: the
+    layers' norms, rotary and SiLU run as those operators);
     yields the merged linear layers, for the engine's linear kind to be installed on them too. On exit the layers'
     forwards are transformers' again; the projections stay views of the merged weights, for the next engine (see
     the module)."""
     from cbgen.model.linear import replaced_forwards
 
-    ops = None
-    if compiled_ops:  # loaded in this process (a replica process planned by its parent has not loaded them yet)
-        from cbgen.kernels import kernel
-
-        if not kernel("decoder_ops").loaded:
-            raise RuntimeError(f"cbgen's compiled operators are not available: {kernel('decoder_ops').detail}")
-        ops = torch.ops.cbgen_kernels
     built = [_build(layer, ops) for layer in decoder_layers(model)]
     # each layer's forward is its _Fused's bound method: the layer's own arguments, no wrapper in between
     forwards: dict[torch.nn.Module, object] = {fused.layer: fused.forward for fused in built}

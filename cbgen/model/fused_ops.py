@@ -11,11 +11,9 @@ import torch.nn.functional as F
 from cbgen.model.fused import PROBE_ROWS, decoder_layers, rms_norm, rope
 
 
-def compiled_ops_reason(model: torch.nn.Module) -> str | None:
-    """Why the fused layers of `model` (fit for them: `unfit_reason`) cannot run their norms, rotary embedding and
-    SiLU * up as cbgen's compiled operators (cbgen/kernels/decoder_ops.cpp), or None when they can. Builds the
-    operators on first use; probes them against the eager pieces on this model's first layer: the rotary embedding and
-    SiLU * up bitwise, RMSNorm to float rounding (its mean square sums in its own order)."""
+def ops_unfit_reason(model: torch.nn.Module) -> str | None:
+    """Why the fused layers of `model` (fit for them: cbgen.model.fused.unfit_reason) cannot run their norms, rotary
+    embedding and SiLU * up as cbgen's compiled operators, told from the model's structure; or None."""
     layer: Any = decoder_layers(model)[0]
     attn = layer.self_attn
     if hasattr(attn, "q_norm"):
@@ -23,14 +21,18 @@ def compiled_ops_reason(model: torch.nn.Module) -> str | None:
     dtype = layer.input_layernorm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16) or attn.head_dim % 2 or attn.head_dim > 512:
         return "the compiled operators compute float32, bfloat16 and float16 with even head dimensions up to 512"
-    from cbgen.kernels import kernel
+    return None
 
-    built = kernel("decoder_ops")
-    if not built.loaded:
-        return built.detail
+
+def probe_ops(model: torch.nn.Module, ops: Any) -> str | None:
+    """Why the compiled operators `ops` (torch.ops.cbgen_kernels, once cbgen.kernels loaded decoder_ops) do not
+    compute what the eager pieces compute on this model's first layer, or None: the rotary embedding and SiLU * up
+    bitwise, RMSNorm to float rounding (its mean square sums in its own order). A model whose weights are not loaded
+    (the planning process of --data-parallel replicas) is taken on its structure."""
+    layer: Any = decoder_layers(model)[0]
     if layer.input_layernorm.weight.device.type == "meta":
-        return None  # structure only: the replicas that load the weights run what their parent planned
-    return _probe_ops(layer, torch.ops.cbgen_kernels)
+        return None
+    return _probe_ops(layer, ops)
 
 
 def _probe_ops(layer: Any, ops: Any) -> str | None:

@@ -15,6 +15,7 @@ from cbgen.kernels import kernel
 from cbgen.model.fused import rms_norm, rope
 from tests.helpers import torch_threads
 
+
 @pytest.fixture(scope="module")
 def ops():
     built = kernel("decoder_ops")
