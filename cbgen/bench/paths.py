@@ -40,6 +40,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                     {"invariant": False, "compiled": False}),
     "cbgen-onednn": ("--onednn-linear: every float32 or bfloat16 linear layer through oneDNN, weights prepacked",
                      {"onednn": True}),
+    "cbgen-eager-ops": ("--no-compiled-ops: the fused layers' norms, rotary and SiLU as torch's eager operators",
+                        {"ops": False}),
 }
 
 # the sampling workload's variants: path suffix, temperature, seed, --batch-invariant
@@ -49,13 +51,16 @@ SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0
 
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
          invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-         model: ModelSection | None = None, onednn: bool = False, compiled: bool | None = None) -> JobConfig:
+         model: ModelSection | None = None, onednn: bool = False, compiled: bool | None = None,
+         ops: bool | None = None) -> JobConfig:
     job = JobConfig()
     if model is not None:
         job.model = dataclasses.replace(model)
     job.model.onednn_linear = job.model.onednn_linear or onednn
     if compiled is not None:
         job.model.compiled_attention = compiled
+    if ops is not None:
+        job.model.compiled_ops = ops
     job.generation.max_new_tokens = workload.max_new_tokens
     job.generation.temperature, job.generation.seed = sampling
     job.batching = dict(batching)
@@ -97,12 +102,13 @@ class Bench:
 
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False, compiled: bool | None = None) -> tuple[JobConfig, Planned]:
+              onednn: bool = False, compiled: bool | None = None, ops: bool | None = None
+              ) -> tuple[JobConfig, Planned]:
         """The plan `cbgen run` would make for these prompts (cbgen.job.sequence.plan_input), under the workload's
         schema when `constrained`, with the requests rendered as it renders them."""
         from cbgen.job.plan import used_settings
 
-        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled)
+        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled, ops)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -115,13 +121,13 @@ class Bench:
 
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False, compiled: bool | None = None) -> Measurement:
+              onednn: bool = False, compiled: bool | None = None, ops: bool | None = None) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
         `cbgen run` does it while reading). `invariant`: --batch-invariant or --no-batch-invariant (None: the
         default); `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear; `compiled`:
-        --compiled-attention or --no-compiled-attention."""
+        --compiled-attention or --no-compiled-attention; `ops`: --compiled-ops or --no-compiled-ops."""
         job, planned = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
-                                  invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled)
+                                  invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled, ops=ops)
         plan, grammars = planned.plan, planned.grammars
         engine = make_engine(job, planned, self.loaded)
         requests = list(prepared(job, planned, ordered=order != "input"))
