@@ -39,8 +39,10 @@ _KNOWN_KWARGS = frozenset(
 )
 
 
-def _sliding_window(config: Any, layer_idx: int) -> tuple[str, int | None] | None:
+def sliding_window_of(config: Any, layer_idx: int | None) -> tuple[str, int | None] | None:
     """The layer's attention type and the window the stock mask applies to it; None when unsupported."""
+    if config is None or not isinstance(layer_idx, int):
+        return None
     types = layer_types(config)
     if layer_idx >= len(types):
         return None
@@ -63,7 +65,7 @@ def step_layout(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     layer_idx = getattr(module, "layer_idx", None)
     if config is None or not isinstance(layer_idx, int):
         return None
-    layer = _sliding_window(config, layer_idx)
+    layer = sliding_window_of(config, layer_idx)
     if layer is None:
         return None
     layer_type, window = layer

@@ -88,8 +88,9 @@ class ModelSection:
         "its batches (batch limits, input order, resume, shards, --data-parallel). Default: on for every job where "
         "cbgen's compiled attention runs (it is invariant by construction, so only the linear tiles cost); else on "
         "for seeded jobs (--seed) where cbgen's eager CPU attention runs, off otherwise "
-        "(docs/performance.md: the cost). Not with --tp. For cbgen score: every row in a forward pass of its own, "
-        "so its scores do not depend on the other rows.")
+        "(docs/performance.md: the cost). Not with --tp. For cbgen score: on by default where the compiled "
+        "attention runs (rows packed end to end, each attending its own tokens: no padding, each row's scores its "
+        "own bits); elsewhere --batch-invariant scores every row in a forward pass of its own.")
     tp_size: int = setting(
         1, "Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m cbgen run "
         "... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress. A "

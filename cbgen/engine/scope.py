@@ -54,7 +54,8 @@ PER_SEQUENCE = "per-sequence"
 PER_SEQUENCE_INVARIANT = "per-sequence, batch-invariant"
 STOCK = "stock"
 SOFT_CAPPED = "stock, soft-capped"
-ATTENTION_KINDS = (COMPILED, PER_SEQUENCE, PER_SEQUENCE_INVARIANT, STOCK, SOFT_CAPPED)
+PACKED_ROWS = "rows packed end to end, compiled kernel (batch-invariant by construction)"  # the scorer's
+ATTENTION_KINDS = (COMPILED, PER_SEQUENCE, PER_SEQUENCE_INVARIANT, STOCK, SOFT_CAPPED, PACKED_ROWS)
 CPU_ATTENTION = (COMPILED, PER_SEQUENCE, PER_SEQUENCE_INVARIANT)  # cbgen's own: no dense mask, its CPU batch limits
 
 
@@ -191,6 +192,10 @@ class EngineScope:
             stack.enter_context(per_sequence_attention(model, required=True,
                                                        invariant=plan.attention == PER_SEQUENCE_INVARIANT,
                                                        compiled=plan.attention == COMPILED))
+        elif plan.attention == PACKED_ROWS:
+            from cbgen.attention.packed import packed_rows_attention
+
+            stack.enter_context(packed_rows_attention(model))
         elif plan.attention == SOFT_CAPPED:
             from cbgen.attention.softcap import softcapped_paged_eager
 
@@ -233,6 +238,7 @@ class EngineScope:
     def _check_plan(self) -> None:
         from cbgen.attention import batch_invariant_sdpa_forward, compiled_sdpa_forward, per_sequence_sdpa_forward
         from cbgen.attention.dense_mask import built_for
+        from cbgen.attention.packed import packed_rows_forward
         from cbgen.attention.registry import bound_function, serving
         from cbgen.attention.softcap import PAGED_EAGER, capped_paged_eager_forward
 
@@ -241,7 +247,8 @@ class EngineScope:
             COMPILED: ("sdpa", compiled_sdpa_forward),
             PER_SEQUENCE: ("sdpa", per_sequence_sdpa_forward),
             PER_SEQUENCE_INVARIANT: ("sdpa", batch_invariant_sdpa_forward),
-            SOFT_CAPPED: (PAGED_EAGER, capped_paged_eager_forward)}
+            SOFT_CAPPED: (PAGED_EAGER, capped_paged_eager_forward),
+            PACKED_ROWS: ("sdpa", packed_rows_forward)}
         wanted = functions.get(plan.attention)
         if wanted is not None and not serving(model, wanted[0], wanted[1]):
             raise RuntimeError(f"the plan's {plan.attention} attention does not serve the model: something replaced "

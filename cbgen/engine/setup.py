@@ -19,7 +19,15 @@ from cbgen.control.sampling import SamplingPlan
 from cbgen.engine.engine import EngineSettings
 from cbgen.engine.kv_sizing import WorkloadShape, sharing_choice, size_kv_cache
 from cbgen.engine.manager import ManagerSpec
-from cbgen.engine.scope import COMPILED, CPU_ATTENTION, PER_SEQUENCE_INVARIANT, SOFT_CAPPED, STOCK, ScopePlan
+from cbgen.engine.scope import (
+    COMPILED,
+    CPU_ATTENTION,
+    PACKED_ROWS,
+    PER_SEQUENCE_INVARIANT,
+    SOFT_CAPPED,
+    STOCK,
+    ScopePlan,
+)
 from cbgen.engine.scope import PER_SEQUENCE as PER_SEQUENCE_ATTENTION
 from cbgen.errors import CbgenError
 from cbgen.model import dtype_name
@@ -294,9 +302,17 @@ def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled:
 
 
 def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:
-    """What cbgen installs while a scoring job's scorer runs (cbgen.score): its linear layers only; the scorer
-    attends with the model's own attention and masks, one forward pass per batch of rows. Batch-invariant scoring
-    (--batch-invariant) gives every row a forward pass of its own: its shapes, and so its bits, are its own."""
+    """What cbgen installs while a scoring job's scorer runs (cbgen.score). Where cbgen's compiled attention serves
+    the model (on CPU, in one process), by default: rows packed end to end into each forward pass, attended by the
+    kernel and their linear layers in fixed tiles, so every row's scores are its own bits (batch-invariant, no
+    padding). Elsewhere the scorer attends with the model's own attention and masks over padded batches, and
+    --batch-invariant gives every row a forward pass of its own: its shapes, and so its bits, are its own."""
+    kernel_reason = _packed_rows_reason(job, loaded)
+    if kernel_reason is None:
+        return ScopePlan(attention=PACKED_ROWS, batch_invariant=True, linear=linear_choice(job, loaded, invariant=True),
+                         invariant_why="on: rows packed end to end, attended by cbgen's compiled kernel, the linear "
+                                       "layers in fixed tiles (--no-batch-invariant turns it off)",
+                         kernel_why="on: rows packed end to end")
     if job.model.batch_invariant:
         return ScopePlan(attention=STOCK, batch_invariant=True, linear=linear_choice(job, loaded, invariant=False),
                          invariant_why="on: each row scored in a forward pass of its own (--batch-invariant)")
@@ -320,3 +336,14 @@ def make_cb_config(batching: dict[str, Any], job: JobConfig, *, per_request: boo
         return ContinuousBatchingConfig(**fields)
     except (TypeError, ValueError) as e:
         raise CbgenError(f"batching: {e}") from None
+
+
+def _packed_rows_reason(job: JobConfig, loaded: LoadedModel) -> str | None:
+    """Why a scoring job does not pack its rows through cbgen's compiled attention, or None when it does."""
+    if job.model.batch_invariant is False or job.model.compiled_attention is False:
+        return "turned off"
+    if loaded.device != "cpu" or job.model.tp_size > 1:
+        return f"the kernel is for CPU in one process, and this job runs on {loaded.device}"
+    from cbgen.attention import compiled_attention_unavailable_reason, cpu_attention_unavailable_reason
+
+    return cpu_attention_unavailable_reason(loaded.model) or compiled_attention_unavailable_reason(loaded.model)

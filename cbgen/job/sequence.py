@@ -161,12 +161,11 @@ def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRec
 
 
 def make_scorer(job: JobConfig, loaded: LoadedModel, scope: ScopePlan, top_logprobs: int) -> Scorer:
-    """The scorer `scope` plans: batch-invariant scoring gives each row a forward pass of its own (a batch that no
-    second row fits)."""
+    """The scorer `scope` plans (its rows packed end to end through cbgen's compiled attention, in padded batches, or
+    each alone: cbgen.score.scorer)."""
     from cbgen.score.scorer import Scorer
 
-    return Scorer(loaded.model, batch_tokens=0 if scope.batch_invariant else job.score.batch_tokens,
-                  top_logprobs=top_logprobs, scope=scope)
+    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=top_logprobs, scope=scope)
 
 
 def score_rows(columns: OutputColumns, loaded: LoadedModel | None) -> ScoreRows:

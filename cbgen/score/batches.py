@@ -88,12 +88,18 @@ class Batch:
 
     pieces: Sequence[Piece]
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
+    attention_mask: torch.Tensor | dict[str, Any] | None
     position_ids: torch.Tensor | None
     length: int
+    offsets: list[int] | None = None  # packed rows (cbgen.score.packed): where each piece starts in the one sequence
+    extra: dict[str, Any] = field(default_factory=dict)  # more keyword arguments of the forward pass
+
+    def flat(self, piece: int, index: int) -> int:
+        """Where position `index` of piece number `piece` lies among the pass's hidden states, flattened."""
+        return self.offsets[piece] + index if self.offsets is not None else piece * self.length + index
 
     def forward_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"input_ids": self.input_ids, "use_cache": False}
+        kwargs: dict[str, Any] = {"input_ids": self.input_ids, "use_cache": False, **self.extra}
         if self.attention_mask is not None:
             kwargs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from cbgen.engine.scope import EngineScope, ScopePlan
+from cbgen.engine.scope import PACKED_ROWS, EngineScope, ScopePlan
 from cbgen.errors import first_line
 from cbgen.records import Completion, Score
 from cbgen.render.prompts import LOOKAHEAD
 from cbgen.score.batches import Batch, MaskShape, Piece, make_batch, pieces_of, plan_batches
 from cbgen.score.head import check_head, chunk_positions, decoder_of, output_head
+from cbgen.score.packed import make_packed, plan_packed
 from cbgen.score.requests import ScoreRequest
 
 SIDE_BY_SIDE_TOKENS = 8192  # longest row whose choices share one sequence: its mask is tokens² numbers
@@ -46,8 +47,10 @@ class ScorerStats:
 
 class Scorer:
     """Scores ScoreRequests on `model`: `top_logprobs` alternatives per scored token on request, at most
-    `batch_tokens` tokens (padding included) per forward pass; with what `scope` installs (cbgen.engine.scope: how the
-    linear layers run) while it runs."""
+    `batch_tokens` tokens per forward pass; with what `scope` installs (cbgen.engine.scope) while it runs. Rows go
+    packed end to end, without padding, where the scope attends packed rows (cbgen.attention.packed: each row's
+    bits its own); else in padded batches of similar lengths, or each alone where the scope is batch-invariant
+    without the packed attention (then a batch has a row's own shapes only)."""
 
     def __init__(self, model: Any, *, batch_tokens: int, top_logprobs: int = 0, window: int = LOOKAHEAD,
                  scope: ScopePlan | None = None) -> None:
@@ -55,15 +58,16 @@ class Scorer:
         self.scope = scope or ScopePlan()
         self.decoder = decoder_of(model)
         self.head = output_head(model)
-        self.batch_tokens = batch_tokens
+        self.packed = self.scope.attention == PACKED_ROWS
+        self.batch_tokens = 0 if self.scope.batch_invariant and not self.packed else batch_tokens
         self.top_logprobs = top_logprobs
         self.window = window
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.shape = MaskShape.of(model)
         self.chunk = chunk_positions(model.config.get_text_config().vocab_size)
-        self.stats = ScorerStats(settings={"batch_tokens": batch_tokens, "logits_chunk_positions": self.chunk,
-                                                  "choices_side_by_side": self.shape is not None})
+        self.stats = ScorerStats(settings={"batch_tokens": self.batch_tokens, "logits_chunk_positions": self.chunk,
+                                           "choices_side_by_side": self.shape is not None, "packed_rows": self.packed})
         self._checked = False
 
     def run(self, requests: Iterator[ScoreRequest], stop: threading.Event) -> Iterator[list[Completion]]:
@@ -101,7 +105,8 @@ class Scorer:
             waiting[piece.row] += 1
         found: dict[int, dict[int, list[tuple[int, float, Any]]]] = {row: {} for row in waiting}
         errors: dict[int, str] = {}
-        for batch in plan_batches(pieces, self.batch_tokens):
+        for batch in (plan_packed(pieces, self.batch_tokens) if self.packed else
+                      plan_batches(pieces, self.batch_tokens)):
             if stop.is_set():
                 return
             for piece, scored, error in self._run_batch(batch):
@@ -135,11 +140,12 @@ class Scorer:
     @torch.inference_mode()
     def _forward(self, pieces: list[Piece]) -> list[dict[int, list[tuple[int, float, Any]]]]:
         started = time.perf_counter()
-        batch = make_batch(pieces, self.shape, self.dtype, self.device)
+        batch = make_packed(pieces, self.device) if self.packed else \
+            make_batch(pieces, self.shape, self.dtype, self.device)
         hidden = self.decoder(**batch.forward_kwargs()).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1])
         where = [(b, unit, token) for b, piece in enumerate(pieces) for unit, _, token in piece.targets]
-        index = torch.tensor([b * batch.length + i for b, piece in enumerate(pieces) for _, i, _ in piece.targets],
+        index = torch.tensor([batch.flat(b, i) for b, piece in enumerate(pieces) for _, i, _ in piece.targets],
                              device=self.device)
         targets = torch.tensor([token for _, _, token in where], device=self.device)
         logprobs, top = self._logprobs(flat.index_select(0, index), targets)

@@ -98,7 +98,7 @@ def test_unseeded_sampling_is_never_cached(tiny_model_dir, prompts, tmp_path):
     assert ResultStore(cache).info().entries == 0
 
 
-def test_scores_hit_exactly_when_each_row_is_scored_alone(tiny_model_dir, tmp_path):
+def test_scores_hit_exactly_when_scoring_is_batch_invariant(tiny_model_dir, tmp_path):
     source = write_jsonl(tmp_path / "s.jsonl", [{"id": f"s{i}", "prompt": p, "completion": " It is lovely."}
                                                 for i, p in enumerate(PROMPTS)] + [{"id": "t", "text": "Salt."}])
     cache = tmp_path / "cache"
@@ -113,7 +113,8 @@ def test_scores_hit_exactly_when_each_row_is_scored_alone(tiny_model_dir, tmp_pa
     score("fresh", "--no-cache", "--batch-invariant", "--score-batch-tokens", "64")
     by_id = lambda out: {r["id"]: r for r in read_shards(tmp_path / out)}  # noqa: E731
     assert by_id("b") == by_id("fresh") == by_id("a")
-    shared = score("c", "--cache", str(cache))  # rows sharing forward passes: other numerics
+    assert score("d", "--cache", str(cache))["hits"] == len(PROMPTS) + 1  # the default: packed rows, invariant too
+    shared = score("c", "--cache", str(cache), "--no-batch-invariant")  # padded batches: other numerics
     assert shared["hits"] == 0 and shared["near_hits_skipped"] == len(PROMPTS) + 1
 
 
