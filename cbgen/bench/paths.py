@@ -259,8 +259,9 @@ class Bench:
 
 def _scoring(loaded: LoadedModel, workload: BenchWorkload, paths: Sequence[str], batch_sizes: Sequence[int]
              ) -> list[Measurement]:
-    """The scoring workload's paths (cbgen.bench.scoring): `cbgen` is the scorer, `static` the padded forward loop
-    at each batch size; the generation paths do not apply."""
+    """The scoring workload's paths (cbgen.bench.scoring): `cbgen` is the scorer as `cbgen score` runs it,
+    `cbgen-variant` with --no-batch-invariant (padded batches where the default packs rows), `static` the padded
+    forward loop at each batch size; the generation paths do not apply."""
     from cbgen.bench import scoring
 
     warm_up = BenchWorkload("warm-up", workload.prompts[:8], 0, continuations=(workload.continuations or [])[:8],
@@ -268,6 +269,9 @@ def _scoring(loaded: LoadedModel, workload: BenchWorkload, paths: Sequence[str],
     scoring.scorer(loaded, warm_up)  # first-call costs, off the clock
     measurement, reference = scoring.scorer(loaded, workload)
     measured = [measurement] if "cbgen" in paths else []
+    if "cbgen-variant" in paths:
+        scoring.scorer(loaded, warm_up, invariant=False)
+        measured.append(scoring.scorer(loaded, workload, invariant=False, path="cbgen-variant")[0])
     if "static" in paths:
         measured += [scoring.padded_forward(loaded, workload, b, reference) for b in batch_sizes]
     return measured

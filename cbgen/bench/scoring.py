@@ -42,12 +42,19 @@ def _tokens(workload: BenchWorkload) -> int:
     return sum(len(p) + sum(map(len, c)) for p, c in zip(workload.prompts, workload.continuations))
 
 
-def scorer(loaded: LoadedModel, workload: BenchWorkload) -> tuple[Measurement, list[list[float]]]:
-    """The workload through cbgen's scorer; with each row's scores (summed per unit: completion, text, or choice)."""
+def scorer(loaded: LoadedModel, workload: BenchWorkload, invariant: bool | None = None, path: str = "cbgen"
+           ) -> tuple[Measurement, list[list[float]]]:
+    """The workload through cbgen's scorer, with what `cbgen score` installs for it (`invariant`: --batch-invariant
+    or --no-batch-invariant; None: the default, rows packed through the compiled attention where it serves); with each
+    row's scores (summed per unit: completion, text, or choice)."""
+    from cbgen.config import JobConfig
+    from cbgen.engine.setup import plan_scoring_scope
     from cbgen.score.scorer import Scorer
 
+    job = JobConfig(kind="score")
+    job.model.batch_invariant = invariant
     requests = _requests(workload)
-    engine = Scorer(loaded.model, batch_tokens=BATCH_TOKENS)
+    engine = Scorer(loaded.model, batch_tokens=BATCH_TOKENS, scope=plan_scoring_scope(job, loaded))
     scores: list[list[float]] = [[] for _ in requests]
     start = time.perf_counter()
     for group in engine.run(iter(requests), threading.Event()):
@@ -56,8 +63,9 @@ def scorer(loaded: LoadedModel, workload: BenchWorkload) -> tuple[Measurement, l
         index = result.request.record.index
         scores[index] = result.score.choice_logprobs or [result.score.logprob or 0.0]
     seconds = time.perf_counter() - start
-    extra = {"forward_passes": engine.stats.forward_passes, "padded_tokens": engine.stats.padded_tokens}
-    return Measurement(workload.name, "cbgen", seconds, len(requests), _tokens(workload), 0, extra), scores
+    extra = {"forward_passes": engine.stats.forward_passes, "padded_tokens": engine.stats.padded_tokens,
+             "packed_rows": engine.packed}
+    return Measurement(workload.name, path, seconds, len(requests), _tokens(workload), 0, extra), scores
 
 
 @torch.inference_mode()
