@@ -20,6 +20,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,15 +139,45 @@ def _load(name: str) -> Built:
     return Built(name, True, f"built in {seconds:.1f} s", seconds, library)
 
 
+def _cached(name: str) -> bool:
+    """Whether the kernel's build is in the cache already (a warm start loads it, compiling nothing)."""
+    try:
+        folder = build_folder(name)
+    except Exception:  # noqa: BLE001 - no cache folder: _load says why
+        return False
+    return (folder / _DONE).exists() and (folder / f"{_module_name(name)}.so").exists()
+
+
 def kernel(name: str) -> Built:
     """The kernel `name` loaded into `torch.ops.cbgen_kernels` (built first if needed), or why it is not. Done once
-    per process; later calls return the first answer."""
+    per process; later calls return the first answer. A build starts the builds of the other kernels not in the cache
+    beside it (a job uses them all, and each is one compiler process: on 2 cores two builds take about as long as
+    one)."""
     with _lock:
-        state = _state.get(name)
-        if state is None:
-            state = _state[name] = _load(name)
+        future = _builds.get(name)
+        if future is None:
+            others = [] if _cached(name) or os.environ.get(DISABLE_ENV) == "1" else \
+                [other for other in SOURCES if other not in _builds and not _cached(other)]
+            for wanted in (name, *(other for other in others if other != name)):
+                _builds[wanted] = _pool().submit(_load, wanted)
+            future = _builds[name]
+    state = future.result()
+    with _lock:
+        if name not in _state:
+            _state[name] = state
             if state.loaded:
                 log.info("compiled kernel %s: %s", name, state.detail)
             else:
                 log.warning("compiled kernel %s unavailable: %s", name, state.detail)
-        return state
+    return state
+
+
+_builds: dict[str, Future[Built]] = {}
+_executor: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=len(SOURCES), thread_name_prefix="cbgen-kernel-build")
+    return _executor
