@@ -45,7 +45,6 @@ class Conversations:
         self.window = window
         self.journal = journal
         self.resumed = resumed or {}
-        self.resumed_turns = 0  # turns taken from the journal instead of computed
         self.queue: deque[Request] = deque()
         # id(request) -> its conversation and who speaks, queued or in the engine
         self.waiting: dict[int, tuple[Conversation, str]] = {}
@@ -64,8 +63,6 @@ class Conversations:
             yield self.done.popleft()
 
     def requests(self, records: Iterator[PromptRecord]) -> Iterator[Request | None]:
-        from cbgen.render.sandbox import RenderStopped
-
         exhausted = False
         while True:
             if self.queue:
@@ -75,10 +72,7 @@ class Conversations:
                 if record is None:
                     exhausted = True
                     continue
-                try:
-                    self._start(Conversation.open(record, self.rules))
-                except RenderStopped:
-                    return  # the job is stopping: the conversation is for a resume
+                self._start(Conversation.open(record, self.rules))
             elif self.waiting:
                 yield None
             else:
@@ -94,7 +88,6 @@ class Conversations:
             if conversation.next_role(self.rules) is None:
                 break
             conversation.add(turn, self.rules)
-            self.resumed_turns += 1
         self._next(conversation)
 
     def _next(self, conversation: Conversation) -> None:
@@ -104,7 +97,12 @@ class Conversations:
             self.open -= 1
             self.done.append(Finished(conversation, self.computed.pop(id(conversation), [])))
             return
-        request = self.builder.request(conversation, role)
+        from cbgen.render.sandbox import RenderStopped
+
+        try:
+            request = self.builder.request(conversation, role)
+        except RenderStopped:
+            return  # the job is stopping while the simulated user's template renders: the turn is for a resume
         self._queue(conversation, self.prepare(request) if request.error is None else request, role)
 
     def _queue(self, conversation: Conversation, request: Request, role: str) -> None:

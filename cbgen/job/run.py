@@ -162,6 +162,9 @@ class _Run:
 
             talks = plan_conversations(self.job, loaded, head, used, total, self.reader.ids, whole, self.stop,
                                        self.directory.path, self.directory.done.ids)
+            if talks.conversations.resumed:
+                self.progress.stage(f"resuming {plural(len(talks.conversations.resumed), 'conversation')} from "
+                                    "the turns an earlier run finished")
             self._generate(loaded, Planned(talks.plan, iter(()), None), talks.rows, total,
                            lambda compute: talks.conversations.run(itertools.chain(head, records), compute))
             talks.close(complete=self.summary.status == Status.COMPLETE)
