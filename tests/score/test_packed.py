@@ -16,7 +16,7 @@ from cbgen.model.linear import TILES
 from cbgen.score import packed as packed_module
 from cbgen.score.scorer import Scorer
 from tests.model.test_architectures import ARCHITECTURES
-from tests.score.test_scorer import TOLERANCE, _model, _reference, _requests, _score
+from tests.score.test_scorer import _model, _requests, _score, check_against_forward
 
 SCOPE = ScopePlan(attention=PACKED_ROWS, batch_invariant=True, linear=TILES)
 SERVED = [name for name, (_, attention) in ARCHITECTURES.items() if attention.startswith("per-sequence, compiled")]
@@ -26,20 +26,7 @@ SERVED = [name for name, (_, attention) in ARCHITECTURES.items() if attention.st
 def test_each_token_logprob_equals_an_independent_forward(name):
     model = _model(name, vocab_size=1024)
     requests = _requests(seed=1)
-    results = _score(model, requests, scope=SCOPE)
-    for request in requests:
-        result = results[request.request.record.id]
-        context = request.context
-        if request.has_choices:
-            for k, choice in enumerate(request.continuations):
-                expected, _ = _reference(model, context + list(choice), len(context))
-                assert result.score.choice_logprobs[k] == pytest.approx(sum(expected), abs=TOLERANCE), (name, k)
-            continue
-        sequence = context + list(request.continuations[0]) if request.continuations else context
-        start = len(context) if request.continuations else 1
-        expected, _ = _reference(model, sequence, start)
-        assert result.token_ids == sequence[start:]
-        assert max(abs(a - b) for a, b in zip(result.logprobs, expected)) <= TOLERANCE, name
+    check_against_forward(model, requests, _score(model, requests, scope=SCOPE, top_logprobs=3), name, top_logprobs=3)
 
 
 def _bits(results) -> dict[str, object]:

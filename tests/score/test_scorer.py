@@ -68,11 +68,9 @@ def _reference(model, sequence: list[int], start: int) -> tuple[list[float], tor
     return [float(logprobs[p - 1, sequence[p]]) for p in range(start, len(sequence))], logprobs[start - 1:-1]
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_each_token_logprob_equals_an_independent_forward(name):
-    model = _model(name, vocab_size=1024)
-    requests = _requests(seed=1)
-    results = _score(model, requests, top_logprobs=3)
+def check_against_forward(model, requests: list[ScoreRequest], results: dict[str, object], name: str,
+                          top_logprobs: int = 0) -> None:
+    """Each scored token's logprob (and its top alternatives) equals an independent forward pass's."""
     for request in requests:
         result = results[request.request.record.id]
         context = request.context
@@ -89,11 +87,20 @@ def test_each_token_logprob_equals_an_independent_forward(name):
         assert len(result.logprobs) == len(expected) == len(sequence) - start, name
         assert max(abs(a - b) for a, b in zip(result.logprobs, expected)) <= TOLERANCE, name
         assert result.score.logprob == pytest.approx(sum(expected), abs=TOLERANCE * len(expected))
-        top = rows.topk(3, dim=-1)
+        if not top_logprobs:
+            continue
+        top = rows.topk(top_logprobs, dim=-1)
         assert len(result.top_logprobs) == len(top.indices), name
         for (ids, values), want_ids, want_values in zip(result.top_logprobs, top.indices, top.values):
             assert values == pytest.approx(want_values.tolist(), abs=TOLERANCE)
             assert ids[0] == int(want_ids[0])
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_each_token_logprob_equals_an_independent_forward(name):
+    model = _model(name, vocab_size=1024)
+    requests = _requests(seed=1)
+    check_against_forward(model, requests, _score(model, requests, top_logprobs=3), name, top_logprobs=3)
 
 
 def test_scores_do_not_depend_on_the_batch():
