@@ -74,3 +74,11 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from tests.tool_model import make_tool_model
 
     return make_tool_model(tiny_model_dir, tmp_path_factory.mktemp("tool-model"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist the files go out longest first (tests.durations), so that the workers finish together."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tests.durations import longest_first
+
+        items[:] = longest_first(items)
