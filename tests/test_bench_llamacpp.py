@@ -32,9 +32,10 @@ class FakeLlama:
         pass
 
     def llama_model_default_params(self):
-        return SimpleNamespace(n_gpu_layers=-1)
+        return SimpleNamespace(n_gpu_layers=-1, use_extra_bufts=True)
 
     def llama_model_load_from_file(self, path, params):
+        self.model_params = params
         return object()
 
     def llama_context_default_params(self):
@@ -100,6 +101,18 @@ def test_scheduler_chunks_prompts_reuses_slots_and_stops_at_eos_or_cap():
     assert run.tokens == [[4, 5, 6, 7], [11, 12, 13], [42, 43, 44, 45], [24, 25]]  # the third ends at its EOS
     assert max(lib.steps) == 8 and lib.params.n_seq_max == 2
     assert not lib.held  # every finished sequence gave its slot back
+
+
+@pytest.mark.parametrize("value, extra", [(None, True), ("0", False), ("false", False), ("1", True)])
+def test_llama_arg_repack_turns_off_the_extra_buffer_types(monkeypatch, value, extra):
+    # llama.cpp's AMX kernels faulted on a Sapphire Rapids VM: LLAMA_ARG_REPACK=0 loads without them, as --no-repack
+    if value is None:
+        monkeypatch.delenv("LLAMA_ARG_REPACK", raising=False)
+    else:
+        monkeypatch.setenv("LLAMA_ARG_REPACK", value)
+    lib = FakeLlama()
+    LlamaCpp(lib, "m.gguf", threads=2, parallel=2, max_len=64)
+    assert lib.model_params.use_extra_bufts is extra and lib.model_params.n_gpu_layers == 0
 
 
 def test_fixed_workload_has_llama_batched_bench_shape(tiny_model_dir):

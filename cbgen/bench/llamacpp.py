@@ -8,6 +8,10 @@ step's `n_batch` tokens with the prompts of waiting requests; a finished sequenc
 
 `benchmarks/build_llamacpp.sh` builds the library for this CPU and converts the embedded model to f32 and bf16 GGUF
 files (the weights cbgen runs, dequantised from its Q4_1 file); without them the path is skipped, with the reason.
+
+`LLAMA_ARG_REPACK=0` (llama.cpp's own variable for its tools' `--no-repack`) loads the weights without llama.cpp's
+extra buffer types (repacked layouts, its AMX kernels): on a 2-core Sapphire Rapids VM, llama.cpp's AMX kernel for
+Q8_0 stopped on an illegal instruction (`tilezero`), in llama-batched-bench as here.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class LlamaCpp:
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
+        if os.environ.get("LLAMA_ARG_REPACK", "").lower() in ("0", "false", "off", "no"):
+            model_params.use_extra_bufts = False
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp cannot load '{gguf}'")
