@@ -1,6 +1,6 @@
 """A resume knows the model by its weights and the input by every byte: retrained weights in the same folder, a hub
-id at another commit, a middle edit of an input that keeps its size are each another job, refused before anything
-runs, naming what changed."""
+id at another commit, a hub dataset at another revision, a middle edit of an input that keeps its size are each
+another job, refused before anything runs, naming what changed."""
 
 from __future__ import annotations
 
@@ -59,15 +59,15 @@ def test_a_middle_edit_that_keeps_the_size_is_another_input(tiny_model_dir, tmp_
     assert sorted(r["id"] for r in read_shards(out)) == ["a", "b", "c"]
 
 
-@pytest.fixture
-def fake_hub(tiny_model_dir, tmp_path, monkeypatch):
-    """A local hub cache holding one model at two commits; `point(commit)` moves its main ref."""
+def _hub_cache(tmp_path, monkeypatch, repo_folder: str, fill):
+    """A local hub cache (the hub off) holding one repository at two commits, each snapshot made by `fill(folder)`;
+    returns `point(commit)`, which moves its main ref."""
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
-    repo = cache / "models--cbgen-test--tiny"
+    repo = cache / repo_folder
     for commit in ("a" * 40, "b" * 40):
-        shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+        fill(repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -78,27 +78,51 @@ def fake_hub(tiny_model_dir, tmp_path, monkeypatch):
     return point
 
 
-def test_a_hub_id_at_another_commit_is_another_model(fake_hub, tmp_path):
-    fake_hub("a" * 40)
-    source = ModelSource("cbgen-test/tiny", "cbgen-test/tiny")
-    before = source.identity()
-    assert before == {"hub_id": "cbgen-test/tiny", "commit": "a" * 40}
-    directory = tmp_path / "out"
-    fingerprint = {"model": before}
-    with RunDirectory(directory).open(fingerprint, {}, {}):
+@pytest.fixture
+def fake_hub(tiny_model_dir, tmp_path, monkeypatch):
+    """One model at two commits (see _hub_cache)."""
+    return _hub_cache(tmp_path, monkeypatch, "models--cbgen-test--tiny",
+                      lambda folder: shutil.copytree(tiny_model_dir, folder))
+
+
+def _resumes_only_at_the_same(directory, identity, point, key: str, what: str) -> None:
+    """A run directory opened with `identity()` at commit a, a row written, refused at commit b naming `key`, and
+    resumed at a again."""
+    from cbgen.errors import CbgenError
+
+    point("a" * 40)
+    with RunDirectory(directory).open({what: identity()}, {}, {}):
         pass
     row = {"id": "x", "finish_reason": "stop", "error": None, "num_prompt_tokens": 2, "num_generated_tokens": 1}
     (directory / "part-00000.jsonl").write_text(json.dumps(row) + "\n")
-    fake_hub("b" * 40)
-    after = {"model": source.identity()}
-    from cbgen.errors import CbgenError
-
-    with pytest.raises(CbgenError, match=r"different job \(model.commit: 'aaaa.*' -> 'bbbb.*'\)"):
-        with RunDirectory(directory).open(after, {}, {}):
+    point("b" * 40)
+    with pytest.raises(CbgenError, match=rf"different job \({what}.{key}: 'aaaa.*' -> 'bbbb.*'\)"):
+        with RunDirectory(directory).open({what: identity()}, {}, {}):
             pass
-    fake_hub("a" * 40)
-    with RunDirectory(directory).open({"model": source.identity()}, {}, {}) as resumed:  # the same commit: resumes
+    point("a" * 40)
+    with RunDirectory(directory).open({what: identity()}, {}, {}) as resumed:  # the same commit: resumes
         assert resumed.done.ids == {"x"}
+
+
+def test_a_hub_id_at_another_commit_is_another_model(fake_hub, tmp_path):
+    source = ModelSource("cbgen-test/tiny", "cbgen-test/tiny")
+    fake_hub("a" * 40)
+    assert source.identity() == {"hub_id": "cbgen-test/tiny", "commit": "a" * 40}
+    _resumes_only_at_the_same(tmp_path / "out", source.identity, fake_hub, "commit", "model")
+
+
+def test_a_hub_dataset_at_another_revision_is_another_input(tmp_path, monkeypatch):
+    from cbgen.outputs.manifest import input_identity
+
+    def fill(folder):
+        folder.mkdir(parents=True)
+        write_jsonl(folder / "train.jsonl", [{"id": "x", "prompt": "hi"}])
+
+    point = _hub_cache(tmp_path, monkeypatch, "datasets--cbgen-test--rows", fill)
+    monkeypatch.chdir(tmp_path)  # no local folder of that name: the id is the hub's
+    point("a" * 40)
+    assert input_identity("cbgen-test/rows") == {"hub_dataset": "cbgen-test/rows", "revision": "a" * 40}
+    _resumes_only_at_the_same(tmp_path / "out", lambda: input_identity("cbgen-test/rows"), point, "revision", "input")
 
 
 def test_a_run_of_the_previous_format_resumes_without_the_new_identities(tiny_model_dir, tmp_path, capsys):
