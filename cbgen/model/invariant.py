@@ -39,6 +39,15 @@ from cbgen.config.cpu import cpu_row
 from cbgen.model.linear import MergedLinears, onednn_available, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
+# Larger tiles for the full blocks of a long call (a prompt chunk), per layer where a probe finds them bitwise the
+# 64-row tiles (`big_tile_rows`). With AMX a 64-row tile's arithmetic is cheap and its oneDNN call is not: at 1,024
+# rows the embedded model's qkv, output and gate/up projections cost 1.8-3.6x one stock call in 64-row tiles, 1.1-1.45x
+# in 256-row ones; the down projection's 256-row tiles are not bitwise its 64-row ones there (and move with the thread
+# count), so it keeps 128 or 64. Layers above BIG_TILE_MAX_WEIGHTS parameters are not probed: their arithmetic
+# dominates the call, and the probe would cost start-up time.
+BIG_TILES = (256, 128)
+BIG_TILE_MAX_WEIGHTS = 4 * 1024 * 1024
+_big_tiles: dict[tuple[Any, ...], int | None] = {}  # (shape, dtype, threads) -> the probe's answer, once a process
 
 
 def _onednn(dtype: torch.dtype, device: torch.device) -> bool:
@@ -54,10 +63,16 @@ def _packs(dtype: torch.dtype, device: torch.device) -> bool:
     return _onednn(dtype, device)
 
 
+def _onednn_tile(source: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(source, weight, None, "none", [], "")
+
+
 def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       packed: torch.Tensor | None = None) -> torch.Tensor:
+                       packed: torch.Tensor | None = None, big: int | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` as matmuls of TILE_ROWS rows each: the same bits for a row whatever the rest.
-    `packed`: the weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile."""
+    `packed`: the weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile. `big`: a
+    larger tile that `big_tile_rows` found bitwise the TILE_ROWS one for this weight, used for the call's leading
+    full blocks of that size (a row's bits are the same in either)."""
     rows = x.reshape(-1, x.shape[-1])
     count, out_features = rows.shape[0], weight.shape[0]
     onednn = packed is not None or _onednn(rows.dtype, rows.device)
@@ -68,7 +83,7 @@ def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     def tile(source: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         if not onednn:
             return torch.mm(source, transposed, out=target) if target is not None else torch.mm(source, transposed)
-        result = torch.ops.mkldnn._linear_pointwise(source, dnn_weight, None, "none", [], "")
+        result = _onednn_tile(source, dnn_weight)
         return target.copy_(result) if target is not None else result
 
     padded = None
@@ -81,7 +96,11 @@ def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         out = tile(rows)
     else:
         out = rows.new_empty(count, out_features)
-        for start in range(0, full, TILE_ROWS):
+        size = big if big and packed is not None else TILE_ROWS
+        in_big = full - full % size if size != TILE_ROWS else 0  # the leading rows in big tiles
+        for start in range(0, in_big, size):
+            tile(rows[start : start + size], out[start : start + size])
+        for start in range(in_big, full, TILE_ROWS):
             tile(rows[start : start + TILE_ROWS], out[start : start + TILE_ROWS])
         if padded is not None:
             out[full:] = tile(padded)[: count - full]
@@ -124,10 +143,48 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE_ROWS)
 
 
-def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def big_tile_rows(weight: torch.Tensor, packed: torch.Tensor | None) -> int | None:
+    """The largest of BIG_TILES whose rows are bitwise this weight's TILE_ROWS tiles, on this thread count and on one
+    thread, for random rows (a kernel is chosen by shape, not by data: one draw tells them apart); None where none
+    is, the weight is not prepacked or too large to gain. Probed once per shape, dtype and thread count."""
+    if packed is None or weight.numel() > BIG_TILE_MAX_WEIGHTS:
+        return None
+    threads = torch.get_num_threads()
+    key = (tuple(weight.shape), weight.dtype, threads)
+    if key not in _big_tiles:
+        _big_tiles[key] = _probe_big_tiles(weight, packed, threads)
+    return _big_tiles[key]
+
+
+def _probe_big_tiles(weight: torch.Tensor, packed: torch.Tensor, threads: int) -> int | None:
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for big in BIG_TILES:
+            rows = torch.randn(big, weight.shape[1], generator=generator).to(weight.dtype)
+            small = torch.cat([_onednn_tile(rows[start : start + TILE_ROWS], packed)
+                               for start in range(0, big, TILE_ROWS)])
+            if not torch.equal(_onednn_tile(rows, packed), small):
+                continue
+            try:
+                torch.set_num_threads(1)
+                alone = _onednn_tile(rows, packed)
+            finally:
+                torch.set_num_threads(threads)
+            if torch.equal(alone, small):
+                return big
+    return None
+
+
+def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, big: int | None, x: torch.Tensor
+                   ) -> torch.Tensor:
     if torch.is_grad_enabled() or x.dtype != module.weight.dtype:
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    return fixed_shape_linear(x, module.weight, module.bias, packed)
+    return fixed_shape_linear(x, module.weight, module.bias, packed, big)
+
+
+def _tiled(module: torch.nn.Linear) -> functools.partial:
+    packed = pack(module.weight)
+    return functools.partial(_tiled_forward, module, packed, big_tile_rows(module.weight, packed))
 
 
 @contextmanager
@@ -145,8 +202,7 @@ def batch_invariant_linear(model: torch.nn.Module, merged: MergedLinears | None 
     if merged is not None:
         linears = merged.applied(linears)
     # the packed weights (float32; bfloat16 with bf16 units) are a second copy of the weights while the block runs
-    forwards: dict[torch.nn.Module, object] = {
-        module: functools.partial(_tiled_forward, module, pack(module.weight)) for module in linears}
+    forwards: dict[torch.nn.Module, object] = {module: _tiled(module) for module in linears}
     forward = model.forward
 
     def invariant_forward(self, *args, **kwargs):

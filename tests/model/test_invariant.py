@@ -1,7 +1,8 @@
 """Batch-invariant linear layers (cbgen.model.invariant) as a property: for any row count, a row's place among them,
-layer shape, bias, dtype and thread count, a row's result through the fixed-shape tiles is bitwise the row's result
-alone, and within rounding of the stock layer. In the slow suite the same property runs with torch, oneDNN and MKL
-held to other CPU kinds' instructions (tests.helpers.OTHER_ISAS)."""
+layer shape, bias, dtype and thread count, a row's result through the fixed-shape tiles (the larger tiles included,
+where this machine's probe plans them) is bitwise the row's result alone, and within rounding of the stock layer.
+In the slow suite the same property runs with torch, oneDNN and MKL held to other CPU kinds' instructions
+(tests.helpers.OTHER_ISAS)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import cbgen.model.invariant as invariant
 from cbgen.config.cpu import cpu_row
-from cbgen.model.invariant import TILE_ROWS, fixed_shape_linear, pack
+from cbgen.model.invariant import TILE_ROWS, big_tile_rows, fixed_shape_linear, pack
 from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -19,7 +21,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 @st.composite
 def layers(draw):
-    count = draw(st.sampled_from([1, 2, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1]) | st.integers(1, 300))
+    count = draw(st.sampled_from([1, 2, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, 256, 257, 640]) | st.integers(1, 600))
     return dict(dtype=draw(st.sampled_from(sorted(DTYPES))),
                 out_features=draw(st.sampled_from([16, 192, 576, 1536, 6144])),
                 in_features=draw(st.sampled_from([24, 64, 576, 1536])), bias=draw(st.booleans()), count=count,
@@ -44,13 +46,14 @@ def _same_bits_on_two_threads(case) -> None:
     packs = dtype == torch.float32 or cpu_row().dtype == "bfloat16"
     assert (packed is None) == (not packs or not torch.backends.mkldnn.is_available())
     place = case["place"]
-    together = fixed_shape_linear(rows, weight, bias, packed)
-    alone = fixed_shape_linear(rows[place : place + 1], weight, bias, packed)[0]
+    big = big_tile_rows(weight, packed)  # as the engine plans the layer on this machine
+    together = fixed_shape_linear(rows, weight, bias, packed, big)
+    alone = fixed_shape_linear(rows[place : place + 1], weight, bias, packed, big)[0]
     assert torch.equal(together[place], alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(fixed_shape_linear(rows, weight, bias, packed)[place], alone)
+        assert torch.equal(fixed_shape_linear(rows, weight, bias, packed, big)[place], alone)
     finally:
         torch.set_num_threads(threads)
     tolerance = {"atol": 0.5, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-3, "rtol": 1e-4}
@@ -61,3 +64,28 @@ def _same_bits_on_two_threads(case) -> None:
 @pytest.mark.parametrize("isa", list(OTHER_ISAS))
 def test_the_property_holds_on_other_instruction_sets(isa):
     pytest_under_isa(isa, __file__, "test_a_row_gets_the_same_bits_in_any_batch")
+
+
+def test_larger_tiles_are_planned_only_where_bitwise_the_64_row_ones(monkeypatch):
+    """The probe's control: where a larger tile's rows differ from the 64-row tiles' (here made to, by a kernel that
+    rounds a larger call's results differently), it plans none; with the real kernel, a planned size is used for the
+    leading full blocks and gives the 64-row tiles' bits."""
+    dtype = torch.bfloat16 if cpu_row().dtype == "bfloat16" else torch.float32  # the dtypes whose tiles are packed
+    weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+    packed = pack(weight)
+    assert packed is not None
+    real = invariant._onednn_tile
+
+    def rounds_larger_calls_differently(source, packed_weight):
+        result = real(source, packed_weight)
+        return result + 1 if source.shape[0] > TILE_ROWS else result
+
+    monkeypatch.setattr(invariant, "_big_tiles", {})
+    monkeypatch.setattr(invariant, "_onednn_tile", rounds_larger_calls_differently)
+    assert big_tile_rows(weight, packed) is None
+    monkeypatch.setattr(invariant, "_big_tiles", {})
+    monkeypatch.setattr(invariant, "_onednn_tile", real)
+    big = big_tile_rows(weight, packed)
+    rows = torch.randn(600, 576, generator=torch.Generator().manual_seed(2)).to(dtype)
+    planned = fixed_shape_linear(rows, weight, None, packed, big)
+    assert torch.equal(planned, fixed_shape_linear(rows, weight, None, packed))
