@@ -18,6 +18,8 @@ so float32 tiles run through oneDNN where the torch build has it, over weights p
 bfloat16 tiles do the same on CPUs with bf16 units: torch hands them to oneDNN anyway, but reorders the weight into
 oneDNN's layout at every call, and one tile shape is exactly what a prepacked weight serves best. Either way the
 packed weights are a second copy of the linear weights while the block runs (about 270 MB for the embedded model).
+A long call's leading full blocks may run in larger tiles (BIG_TILES), for a layer whose probe found them bitwise the
+TILE_ROWS tiles on this machine: a row's bits are then the same in either, and still its own.
 
 The cost, per call against one stock call (same machine, bfloat16, the embedded model's shapes): over torch's matmul
 1.05-1.2x at 64 rows and 1.5-3x at 512; over prepacked weights 0.7-1.0x at 64 rows (the 576 x 576 projection 1.8x)
