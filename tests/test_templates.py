@@ -115,15 +115,20 @@ def test_a_stop_ends_a_render_in_progress():
 
 def test_the_size_budget_follows_the_models_context(tiny_model_dir):
     from cbgen.config import build_config
-    from cbgen.render.templates import render_limits
+    from cbgen.model.source import context_tokens, source_of
+    from cbgen.render.templates import FALLBACK_MAX_CHARS, render_limits
 
-    embedded = render_limits(build_config(None))
+    def limits(job):
+        return render_limits(job, context_tokens(source_of(job)))
+
+    embedded = limits(build_config(None))
     assert embedded.max_chars == 16 * 8192 and embedded.seconds == 10.0  # SmolLM2: an 8,192-token context
-    folder = render_limits(build_config(None, {("model", "model"): (str(tiny_model_dir), "--model")}))
+    folder = limits(build_config(None, {("model", "model"): (str(tiny_model_dir), "--model")}))
     assert folder.max_chars == 16 * 256
-    chosen = render_limits(build_config(None, {("input", "max_render_chars"): (5000, "--max-render-chars"),
-                                               ("input", "render_timeout"): (2.5, "--render-timeout")}))
+    chosen = limits(build_config(None, {("input", "max_render_chars"): (5000, "--max-render-chars"),
+                                        ("input", "render_timeout"): (2.5, "--render-timeout")}))
     assert (chosen.max_chars, chosen.seconds) == (5000, 2.5)
+    assert render_limits(build_config(None), None).max_chars == FALLBACK_MAX_CHARS  # a context that cannot be read
 
 
 def test_a_job_writes_runaway_rows_as_errors_and_the_others_as_answers(tiny_model_dir, tmp_path):

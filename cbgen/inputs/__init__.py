@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cbgen.errors import CbgenError
-from cbgen.inputs.base import Reader
+from cbgen.inputs.base import Reader, ReaderOptions
 from cbgen.inputs.checks import ROW_NUMBER
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 
@@ -22,6 +23,10 @@ __all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_input", "open_reader"]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", ".arrow")
+# each input format's reader (cbgen.inputs.base.Reader): its module, and the class there; adding a format is a module,
+# a line here, a --input-format choice, its docs and tests
+FORMATS = {"jsonl": "cbgen.inputs.jsonl:JsonlReader", "openai": "cbgen.inputs.openai:OpenAIBatchReader",
+           "parquet": "cbgen.inputs.parquet:ParquetReader", "dataset": "cbgen.inputs.dataset:DatasetReader"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub dataset id, when no such local path exists
 
 
@@ -51,43 +56,15 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
     Raises `CbgenError` for a missing, unreadable or unsupported file, a schema without the needed columns, or a
     kept column that would clash with an output column.
     """
-    options = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns),
-               "detect_id": detect_id, "template": template, "score": score}
-    local = Path(path)
+    options = ReaderOptions(prompt_column, id_column, tuple(keep_columns), detect_id, template, score, split, subset,
+                            max_line_bytes)
     fmt, why = input_format, f"--input-format {input_format}"
     if fmt == "auto":
-        fmt, why = _detect(str(path), local)
-    reader = _open(path, fmt, options, split, subset, max_line_bytes)
+        fmt, why = _detect(str(path), Path(path))
+    module, name = FORMATS[fmt].split(":")  # imported on first use: pyarrow and datasets are slow to import
+    reader: Reader = getattr(import_module(module), name).open(str(path), options)
     reader.detected = why
     return reader
-
-
-def _open(path: str | Path, fmt: str, options: dict, split: str | None, subset: str | None,
-          max_line_bytes: int) -> Reader:
-    prompt_column, id_column, keep_columns = options["prompt_column"], options["id_column"], options["keep_columns"]
-    if fmt == "openai":
-        from cbgen.inputs.openai import OpenAIBatchReader
-
-        if options["score"] is not None:
-            raise CbgenError("an OpenAI batch file holds requests to generate, not texts to score: give cbgen score "
-                             "JSONL, Parquet or a dataset")
-        if prompt_column or id_column or options["template"] is not None:
-            raise CbgenError("--prompt-column, --id-column and templates do not apply to an OpenAI batch file: its "
-                             "lines carry body.messages or body.prompt, and custom_id")
-        return OpenAIBatchReader(None if str(path) == "-" else path, keep_columns=keep_columns,
-                                 max_line_bytes=max_line_bytes)
-    if fmt == "dataset":
-        from cbgen.inputs.dataset import DatasetReader
-
-        return DatasetReader(str(path), split=split, subset=subset, **options)
-    if split or subset:
-        raise CbgenError(f"--split and --subset apply to Hugging Face datasets, and '{path}' is read as {fmt}; "
-                         "add --input-format dataset to read it with the datasets library")
-    if fmt == "jsonl":
-        return JsonlReader(None if str(path) == "-" else path, max_line_bytes=max_line_bytes, **options)
-    from cbgen.inputs.parquet import ParquetReader  # pyarrow is slow to import; JSONL jobs do without it
-
-    return ParquetReader(path, **options)
 
 
 def _detect(path: str, local: Path) -> tuple[str, str]:
@@ -95,12 +72,12 @@ def _detect(path: str, local: Path) -> tuple[str, str]:
     if path == "-":
         return "jsonl", "standard input is read as JSONL prompt rows"
     name = local.name.lower()
-    if local.is_file() and name.removesuffix(".gz").endswith(JSONL_SUFFIXES):
-        from cbgen.inputs.openai import detect_openai_batch
+    if not (local.is_file() and name.removesuffix(".gz").endswith(JSONL_SUFFIXES)):
+        return _detect_other(path, local, name), "recognised from the path"
+    from cbgen.inputs.openai import detect_openai_batch  # a JSONL file: its first lines tell
 
-        openai, why = detect_openai_batch(local)
-        return ("openai" if openai else "jsonl"), why
-    return _detect_other(path, local, name), "recognised from the path"
+    openai, why = detect_openai_batch(local)
+    return ("openai" if openai else "jsonl"), why
 
 
 def _detect_other(path: str, local: Path, name: str) -> str:

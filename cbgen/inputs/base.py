@@ -45,6 +45,32 @@ PROMPT_FIELDS = ("prompt", "messages", "input_ids")
 ID_FIELD = "id"  # the field that names a row when --id-column does not
 
 
+@dataclass(frozen=True)
+class ReaderOptions:
+    """How a job reads its input, whatever the format: what a format's `Reader.open` is given (cbgen.inputs)."""
+
+    prompt_column: str | None = None
+    id_column: str | None = None
+    keep_columns: tuple[str, ...] = ()
+    detect_id: bool = True
+    template: PromptTemplate | None = None
+    score: ScoreFields | None = None
+    split: str | None = None  # a Hugging Face dataset's (the other formats refuse it)
+    subset: str | None = None
+    max_line_bytes: int | None = None  # a JSONL line's cap (None: the reader's own default)
+
+    def rows(self) -> dict[str, Any]:
+        """What every reader's constructor takes: how rows become records."""
+        return {"prompt_column": self.prompt_column, "id_column": self.id_column, "keep_columns": self.keep_columns,
+                "detect_id": self.detect_id, "template": self.template, "score": self.score}
+
+    def no_dataset_options(self, path: str, fmt: str) -> None:
+        """Refuses --split and --subset for an input that is not read as a dataset."""
+        if self.split or self.subset:
+            raise CbgenError(f"--split and --subset apply to Hugging Face datasets, and '{path}' is read as {fmt}; "
+                             "add --input-format dataset to read it with the datasets library")
+
+
 class Reader(ABC):
     """A streaming source of `PromptRecord`s; iterate over it to read the rows in order.
 
@@ -78,6 +104,14 @@ class Reader(ABC):
         self.render_limits: Limits | None = None  # a row's rendering budget (cbgen.render.templates.render_limits)
         self.stop: threading.Event | None = None  # the job's: set, it ends a render in progress and the reading
         self.score = score  # a scoring job's rows: each also says what to score (cbgen.inputs.scoring)
+
+    FORMAT = ""  # the name of the format it reads (--input-format)
+
+    @classmethod
+    def open(cls, path: str, options: ReaderOptions) -> Reader:
+        """A reader of `path` with `options`, checked for this format (cbgen.inputs.open_reader)."""
+        options.no_dataset_options(path, cls.FORMAT)
+        return cls(path, **options.rows())
 
     def _detect_id_column(self, fields: Sequence[str]) -> None:
         """Takes the rows' `id` field as their id when no id column was given and the rows carry one."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, first_line
-from cbgen.inputs.base import ID_FIELD, ColumnarReader
+from cbgen.inputs.base import ID_FIELD, ColumnarReader, Reader, ReaderOptions
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
@@ -78,6 +78,12 @@ def _loaded(datasets: Any, path: Path, source: str, *, split: str | None, subset
 
 class DatasetReader(ColumnarReader):
     """Rows of one split of a Hugging Face dataset; only the needed columns are read."""
+
+    FORMAT = "dataset"
+
+    @classmethod
+    def open(cls, path: str, options: ReaderOptions) -> Reader:
+        return cls(path, split=options.split, subset=options.subset, **options.rows())
 
     def __init__(self, source: str, *, split: str | None = None, subset: str | None = None,
                  prompt_column: str | None = None, id_column: str | None = None,

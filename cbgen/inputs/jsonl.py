@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from cbgen.config.sections import MAX_LINE_BYTES
 from cbgen.errors import CbgenError, RowError, describe_type
-from cbgen.inputs.base import Reader
+from cbgen.inputs.base import Reader, ReaderOptions
 from cbgen.inputs.checks import check_id
 from cbgen.inputs.settings import ROW_SETTINGS
 
@@ -59,6 +59,14 @@ def _decode(data: bytes, *, first: bool = False) -> Any:
 
 class JsonlReader(Reader):
     """Reads a JSONL file line by line; `path=None` reads stdin. Blank lines are skipped and not counted."""
+
+    FORMAT = "jsonl"
+
+    @classmethod
+    def open(cls, path: str, options: ReaderOptions) -> Reader:
+        options.no_dataset_options(path, cls.FORMAT)
+        return cls(None if path == "-" else path, max_line_bytes=options.max_line_bytes or MAX_LINE_BYTES,
+                   **options.rows())
 
     def __init__(self, path: str | Path | None, *, prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,

@@ -17,7 +17,8 @@ from typing import Any
 from cbgen.chat.formats import tool_call_format
 from cbgen.chat.openai_batch import COMPLETIONS, RequestLine
 from cbgen.chat.tools import check_tool_choice, check_tools
-from cbgen.errors import RowError, describe_type
+from cbgen.errors import CbgenError, RowError, describe_type
+from cbgen.inputs.base import Reader, ReaderOptions
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 from cbgen.inputs.settings import CHECKS, CONTROL_SETTINGS, parse_settings
@@ -80,6 +81,20 @@ def detect_openai_batch(path: str | Path) -> tuple[bool, str]:
 
 class OpenAIBatchReader(JsonlReader):
     """Reads an OpenAI batch input file; ids are the `custom_id`s (checked unique up front)."""
+
+    FORMAT = "openai"
+
+    @classmethod
+    def open(cls, path: str, options: ReaderOptions) -> Reader:
+        if options.score is not None:
+            raise CbgenError("an OpenAI batch file holds requests to generate, not texts to score: give cbgen score "
+                             "JSONL, Parquet or a dataset")
+        if options.prompt_column or options.id_column or options.template is not None:
+            raise CbgenError("--prompt-column, --id-column and templates do not apply to an OpenAI batch file: its "
+                             "lines carry body.messages or body.prompt, and custom_id")
+        options.no_dataset_options(path, cls.FORMAT)
+        return cls(None if path == "-" else path, keep_columns=options.keep_columns,
+                   max_line_bytes=options.max_line_bytes or MAX_LINE_BYTES)
 
     # body fields that shape the samplers, the count or the step control
     settings_keys = ("temperature", "top_p", "logprobs", "n", "top_logprobs", "seed", "response_format",

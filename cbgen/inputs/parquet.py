@@ -25,6 +25,8 @@ BATCH_SIZE = 1024
 class ParquetReader(ColumnarReader):
     """Reads only the needed columns, 1024 rows at a time; the columns are checked against every file's schema."""
 
+    FORMAT = "parquet"
+
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,
                  template: PromptTemplate | None = None, score: ScoreFields | None = None) -> None:

@@ -46,13 +46,15 @@ def plan_conversations(job: JobConfig, loaded: LoadedModel, head: list[PromptRec
     `directory` (None: no journal, in memory) with the turns an earlier run finished of conversations not `done`."""
     from cbgen.job.plan import InputFacts, plan_job, plan_rendering
     from cbgen.job.request_settings import RequestSettings
+    from cbgen.model.source import context_tokens
     from cbgen.render.prompts import Renderer
     from cbgen.render.templates import render_limits
 
     rendering = plan_rendering(job, loaded)
     renderer = Renderer(loaded.tokenizer, rendering.render)
     own = user_settings(job.chat)
-    builder = TurnBuilder(renderer, simulated_user(job.chat), own, render_limits(job), stop)
+    limits = render_limits(job, context_tokens(loaded.source))
+    builder = TurnBuilder(renderer, simulated_user(job.chat), own, limits, stop)
     rules = Rules.of(job.chat)
     first = _first_turns(builder, rules, head)
     facts = InputFacts(used | frozenset(own), tuple(first), total, whole=whole, ids=ids,

@@ -48,9 +48,10 @@ def dry_run(job: JobConfig, estimate: bool = False) -> DryRunReport:
     from cbgen.job.plan import used_settings
     from cbgen.job.sequence import open_job_input, plan_input, prepared, read_ahead
     from cbgen.model.load import load_model
+    from cbgen.model.source import context_tokens, source_of
     from cbgen.result_cache import for_generation
 
-    reader = open_job_input(job)
+    reader = open_job_input(job, context_tokens(source_of(job)))
     sharding = resolve_sharding(job)
     records = (r for r in reader if sharding is None or shard_of(r.id, sharding[1]) == sharding[0])
     structure = load_model(job.model, weights=False)

@@ -52,11 +52,12 @@ def encode_in_memory(job: JobConfig, loaded: LoadedEncoder, items: Sequence[Any]
     from cbgen.inputs.memory import MemoryReader
     from cbgen.inputs.scoring import ScoreFields
     from cbgen.job.sequence import drain, open_job_input
+    from cbgen.model.source import context_tokens
     from cbgen.render.templates import PromptTemplate
 
     reader = MemoryReader(items, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
                           template=PromptTemplate.from_input(job.input), score=ScoreFields.of(job))
-    open_job_input(job, reader=reader)
+    open_job_input(job, context_tokens(loaded.source), reader=reader)
     planned = plan_encoding(job, loaded, iter(reader))
     found: dict[int, dict[str, Any]] = {}
 

@@ -34,7 +34,7 @@ from cbgen.errors import CbgenError
 from cbgen.inputs import Reader
 from cbgen.job.sequence import Planned, drain, make_engine, open_job_input, read_ahead
 from cbgen.kinds import Kind, kind_of
-from cbgen.model.source import ModelSource, source_of
+from cbgen.model.source import ModelSource, context_tokens, resolve_source
 from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import cut_identity, job_fingerprint, stored_job, write_manifest
 from cbgen.outputs.rundir import MANIFEST_FILE, RunDirectory
@@ -88,13 +88,15 @@ def _run_job(job: JobConfig, progress: ProgressSink, stop: threading.Event, tp: 
     if job.input.path is None:
         raise CbgenError("no input file given: cbgen run PROMPTS.jsonl (or - for stdin)")
     sharding = resolve_sharding(job)
-    directory = RunDirectory(shard_directory(Path(job.output.dir), sharding), overwrite=job.output.overwrite,
-                             same_input=job.input.same_input)
+    output_dir = shard_directory(Path(job.output.dir), sharding)
+    directory = RunDirectory(output_dir, overwrite=job.output.overwrite, same_input=job.input.same_input)
     stored = directory.stored
-    # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
-    source = source_of(job)
+    embedded = kind_of(job.kind).embedded  # the model a job without --model runs: its kind's
+    source = resolve_source(job.model.model, embedded)
+    context = context_tokens(source)
     progress.stage(f"checking {'<stdin>' if job.input.path == '-' else job.input.path}")
-    reader = open_job_input(job, detect_id=stored is None or stored.detects_ids, stop=stop,
+    # a directory written before rows' own `id` fields were taken as ids keeps numbering its rows
+    reader = open_job_input(job, context, detect_id=stored is None or stored.detects_ids, stop=stop,
                             on_notice=lambda message: progress.stage(f"note: {message}"))  # said once each
     fingerprint = job_fingerprint(job, source, sharding) | ({"pipeline": lineage} if lineage is not None else {})
     cut = (stored.fingerprint.get("input") or {}).get("cut_at_bytes") if stored is not None else None

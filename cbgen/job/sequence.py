@@ -44,14 +44,15 @@ if TYPE_CHECKING:
     from cbgen.score.scorer import Scorer
 
 
-def open_job_input(job: JobConfig, *, detect_id: bool = True, stop: threading.Event | None = None,
+def open_job_input(job: JobConfig, context: int | None, *, detect_id: bool = True, stop: threading.Event | None = None,
                    on_notice: Callable[[str], None] | None = None, reader: Reader | None = None) -> Reader:
-    """The job's reader (or `reader`, prompts handed over in Python), with the job's rendering budget, the job's
-    `stop` (a render in progress ends when it is set) and `on_notice` (told each input notice once), its ids
-    checked. `detect_id`: see cbgen.inputs.base.Reader."""
+    """The job's reader (or `reader`, prompts handed over in Python), with the job's rendering budget (from the
+    model's `context` in tokens, cbgen.model.source.context_tokens), the job's `stop` (a render in progress ends when
+    it is set) and `on_notice` (told each input notice once), its ids checked. `detect_id`: see
+    cbgen.inputs.base.Reader."""
     if reader is None:
         reader = open_input(job.input, detect_id=detect_id, score=ScoreFields.of(job))
-    reader.render_limits, reader.stop, reader.on_notice = render_limits(job), stop, on_notice
+    reader.render_limits, reader.stop, reader.on_notice = render_limits(job, context), stop, on_notice
     reader.check_ids()
     return reader
 
@@ -180,13 +181,14 @@ def generate_in_memory(job: JobConfig, loaded: LoadedModel, prompts: Sequence[An
     with no file read or written, in input order (a prompt's sequences by sample index)."""
     from cbgen.inputs.memory import MemoryReader
     from cbgen.job.plan import used_settings
+    from cbgen.model.source import context_tokens
     from cbgen.render.templates import PromptTemplate
     from cbgen.result_cache import for_generation, through
 
     job = replace(job, output=replace(job.output, format="jsonl"))  # rows, whatever format the files would have
     reader = MemoryReader(prompts, keep_columns=job.input.keep_columns, id_column=job.input.id_column,
                           template=PromptTemplate.from_input(job.input))
-    open_job_input(job, reader=reader)
+    open_job_input(job, context_tokens(loaded.source), reader=reader)
     records: Iterator[PromptRecord] = iter(reader)
     head, _ = read_ahead(records)
     planned = plan_input(job, loaded, head, records, used_settings(reader.settings_present(), head),

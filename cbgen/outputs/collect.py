@@ -28,10 +28,9 @@ from cbgen.outputs.rundir import (
     StoredRun,
     read_json,
     read_stored_run,
-    scan_done,
     stored_columns,
 )
-from cbgen.outputs.shards import read_shards, shard_paths
+from cbgen.outputs.shards import done_index, read_shards, shard_paths
 from cbgen.outputs.writers import open_writer
 from cbgen.parallel.sharding import parse_shard_directory, shard_directory, shard_of
 
@@ -168,7 +167,7 @@ def job_status(base: Path, input_path: str | None = None) -> list[DirectoryStatu
     expected = _expected_counts(directories[0].stored, count, input_path)
     result = []
     for directory in directories:
-        done = scan_done(directory.path)
+        done = done_index(shard_paths(directory.path))
         key = directory.shard[0] if directory.shard else None
         manifest = read_json(directory.path / MANIFEST_FILE) or {}
         known = directory.stored.columns is not None or done.next_shard > 0

@@ -5,7 +5,7 @@ shards are rewritten in the input's order (each shard sorted in memory, then mer
 shard), into new shards numbered after the old ones in a staging folder. A journal naming the old set and the new
 one is the commit point; then the old shards are removed and the new ones moved into place. Readers
 (cbgen.outputs.shards.shard_paths) follow the journal while it exists, so they always see one whole set, and a run
-killed part-way is finished by the next one (`finish_reorder`).
+killed part-way is finished by the next one (cbgen.outputs.shards.finish_reorder).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cbgen.files import fsync_directory, read_json_or_none, write_json_atomic
+from cbgen.files import write_json_atomic
 from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.shards import ORDER_JOURNAL, ORDER_STAGING, read_shard, row_key, shard_paths
+from cbgen.outputs.shards import ORDER_JOURNAL, ORDER_STAGING, finish_reorder, read_shard, row_key, shard_paths
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -78,23 +78,6 @@ def rows_in_order(directories: list[Path], positions: Position) -> Iterator[dict
                                        key=lambda item: item[0]))
     for _, row in heapq.merge(*streams, key=lambda item: item[0]):
         yield row
-
-
-def finish_reorder(directory: Path) -> None:
-    """Completes a reorder whose journal exists: the old shards go, the new ones take their place."""
-    directory = Path(directory)
-    journal = read_json_or_none(directory / ORDER_JOURNAL)
-    if not isinstance(journal, dict):
-        return
-    for name in journal.get("old", []):
-        (directory / name).unlink(missing_ok=True)
-    staging = directory / ORDER_STAGING
-    for name in journal.get("new", []):
-        if (staging / name).exists():
-            (staging / name).replace(directory / name)
-    fsync_directory(directory)
-    (directory / ORDER_JOURNAL).unlink(missing_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _sorted(path: Path, positions: Position) -> Iterator[tuple[int, dict[str, Any]]]:

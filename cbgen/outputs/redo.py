@@ -16,22 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.outputs.shards import read_shards, rewrite_shard, row_key, shard_paths
+from cbgen.outputs.shards import read_shards, take_out
 
 REDO_KINDS = {"failed": "error", "length": "length"}  # what --redo names -> the finish_reason it takes
-
-
-def requests_to_redo(directory: Path, kinds: Sequence[str]) -> set[str]:
-    """The ids of the requests with a sequence whose finish_reason is one of `kinds` (--redo's names); a score row
-    (which has no finish_reason) failed when it has an error."""
-    reasons = {REDO_KINDS[kind] for kind in kinds}
-    return {row["id"] for row in read_shards(directory, columns=["id", "finish_reason", "error"])
-            if row.get("finish_reason", "error" if row.get("error") is not None else None) in reasons}
-
-
-def take_out(directory: Path, ids: set[str]) -> int:
-    """Takes every row of the requests `ids` out of the committed shards; returns how many rows left."""
-    return sum(rewrite_shard(path, lambda row: row_key(row) not in ids) for _, path in shard_paths(directory))
 
 
 def start_redo(directory: Path, data: dict[str, Any], fingerprint: dict[str, Any], kinds: Sequence[str]
@@ -45,7 +32,11 @@ def start_redo(directory: Path, data: dict[str, Any], fingerprint: dict[str, Any
     if last is not None and not last.get("finished") and last.get("generation") == generation \
             and last.get("redo") == sorted(kinds):
         return data  # the same redo, stopped part-way: the run resumes it
-    ids = requests_to_redo(directory, kinds)
+    # the requests with a sequence whose finish_reason is one of `kinds`; a score row (which has no finish_reason)
+    # failed when it has an error
+    reasons = {REDO_KINDS[kind] for kind in kinds}
+    ids = {row["id"] for row in read_shards(directory, columns=["id", "finish_reason", "error"])
+           if row.get("finish_reason", "error" if row.get("error") is not None else None) in reasons}
     rows = take_out(directory, ids)
     history.append({"redo": sorted(kinds), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "generation": generation, "changed": _changed(data.get("fingerprint", {}).get("generation", {}),

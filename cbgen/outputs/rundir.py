@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import IO, Any
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
 from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.shards import ORDER_STAGING, read_shards, shard_paths
+from cbgen.outputs.shards import DoneIndex, done_index, read_shards, settle, shard_paths
 
 LOCK_FILE = ".cbgen.lock"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -96,75 +95,6 @@ def compare_fingerprints(stored: dict[str, Any], current: dict[str, Any], stored
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not (key not in old and new.get(key) in (None, False, [], {}))
             and not (key not in old and key.startswith(added))]
-
-
-@dataclass
-class DoneIndex:
-    """What the committed shards of a directory already hold."""
-
-    ids: set[str] = field(default_factory=set)
-    requests: int = 0
-    failed_requests: int = 0
-    sequences: int = 0
-    failed: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    next_shard: int = 0
-    loop_stopped: int = 0  # sequences the loop stop ended (finish_reason "repetition")
-    loop_generated_tokens: int = 0  # the tokens those generated
-
-    @property
-    def succeeded(self) -> int:
-        return self.sequences - self.failed
-
-
-def scan_done(directory: Path) -> DoneIndex:
-    """Reads the ids and counts of every committed shard. A request's sequences are always committed together, so
-    an id present once is done."""
-    index = DoneIndex()
-    shards = shard_paths(directory)
-    if shards:
-        index.next_shard = shards[-1][0] + 1
-    # score rows (cbgen score) have no finish_reason, and count their scored tokens; embed and reward rows count the
-    # tokens they read as num_tokens
-    columns = ["id", "finish_reason", "error", "num_prompt_tokens", "num_generated_tokens", "num_scored_tokens",
-               "num_tokens"]
-    failed_ids: set[str] = set()
-    for row in read_shards(directory, columns=columns):
-        index.sequences += 1
-        index.generated_tokens += row.get("num_generated_tokens", row.get("num_scored_tokens")) or 0
-        if row.get("finish_reason", "error" if row.get("error") is not None else None) == "error":
-            index.failed += 1
-            failed_ids.add(row["id"])
-        if row.get("finish_reason") == "repetition":
-            index.loop_stopped += 1
-            index.loop_generated_tokens += row.get("num_generated_tokens") or 0
-        if row["id"] not in index.ids:
-            index.ids.add(row["id"])
-            index.requests += 1
-            index.prompt_tokens += row.get("num_prompt_tokens", row.get("num_tokens")) or 0
-    index.failed_requests = len(failed_ids)
-    return index
-
-
-def remove_temporary_files(directory: Path) -> None:
-    """Drops what a killed run was still writing (hidden `.part-*.tmp` shards and `.*.tmp` JSON files), and finishes
-    a reorder into input order that it had committed (cbgen.outputs.order), or drops one it had not."""
-    from cbgen.outputs.order import finish_reorder
-
-    for path in Path(directory).glob(".*.tmp"):
-        path.unlink(missing_ok=True)
-    finish_reorder(directory)
-    shutil.rmtree(Path(directory) / ORDER_STAGING, ignore_errors=True)
-
-
-def clear_results(directory: Path) -> None:
-    """--overwrite: removes the shards, fingerprint and manifest of an earlier run (the lock stays ours)."""
-    for _, path in shard_paths(directory):
-        path.unlink()
-    for name in (FINGERPRINT_FILE, MANIFEST_FILE, TURNS_FILE):
-        (Path(directory) / name).unlink(missing_ok=True)
-    remove_temporary_files(directory)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -282,12 +212,13 @@ class RunDirectory:
             raise CbgenError(f"output directory '{directory}' is not writable: {reason}; choose another with -o"
                              ) from None
         try:
-            remove_temporary_files(directory)
-            if self.overwrite:
-                clear_results(directory)
-            current = StoredRun(FORMAT, fingerprint, job, ids)
+            if self.overwrite:  # the earlier run's records go, and its shards with them (settle)
+                for name in (FINGERPRINT_FILE, MANIFEST_FILE, TURNS_FILE):
+                    (directory / name).unlink(missing_ok=True)
             stored = read_stored_run(directory)
-            self._check(stored, fingerprint, redo)
+            shards = settle(directory, clear=self.overwrite)
+            self._check(stored, fingerprint, redo, bool(shards))
+            current = StoredRun(FORMAT, fingerprint, job, ids)
             if stored is None:
                 data: dict[str, Any] | None = current.to_dict()
             else:  # an older format brought to this one; a redo's requests taken out of the shards first
@@ -296,22 +227,25 @@ class RunDirectory:
                     from cbgen.outputs.redo import start_redo
 
                     data = start_redo(directory, data or stored.data, fingerprint, redo)
+                    shards = shard_paths(directory)  # as the redo left them
+            done = DoneIndex() if stored is None else done_index(shards)
             if data is not None:
                 write_json_atomic(directory / FINGERPRINT_FILE, data)
-            self._lock, self.done = lock, DoneIndex() if stored is None else scan_done(directory)
+            self._lock, self.done = lock, done
             return self
         except BaseException:
             lock.release()
             raise
 
-    def _check(self, stored: StoredRun | None, fingerprint: dict[str, Any], redo: Sequence[str]) -> None:
+    def _check(self, stored: StoredRun | None, fingerprint: dict[str, Any], redo: Sequence[str], has_shards: bool
+               ) -> None:
         """Refuses a directory that holds another job's results (or shards no cbgen run wrote)."""
         directory = self.path
         if stored is None:
             if redo:
                 raise CbgenError(f"--redo generates part of an earlier run again, and '{directory}' holds none; run "
                                  "the job without --redo first")
-            if shard_paths(directory):
+            if has_shards:
                 raise CbgenError(
                     f"output directory '{directory}' holds shards but no {FINGERPRINT_FILE}, so cbgen cannot "
                     "tell which job wrote them; choose another directory with -o, or pass --overwrite to replace "
@@ -322,7 +256,7 @@ class RunDirectory:
         if redo:  # a redo runs with the job's current generation settings
             differences = [d for d in differences if not d.startswith("generation.")]
         if not differences and fingerprint.get("input") == {"source": "stdin"} and not self.same_input \
-                and shard_paths(directory):
+                and has_shards:
             raise CbgenError(
                 f"output directory '{directory}' holds a run of a job that read stdin, and cbgen cannot tell whether "
                 "this feed is the same one: pass --same-input if it is (its rows already written are skipped by "

@@ -1,7 +1,8 @@
-"""The committed shards of a run directory: which they are, and reading them back. A shard appears under its final
-name `part-NNNNN.jsonl` / `.parquet` only once complete (cbgen.outputs.writers); hidden temporary files are never
-shards. While a run puts its shards in input order (cbgen.outputs.order), a journal names the set that holds, so
-every reader sees either the old shards or the new ones, whole.
+"""The committed shards of a run directory: which they are, what they hold, and reading them back. A shard appears
+under its final name `part-NNNNN.jsonl` / `.parquet` only once complete (cbgen.outputs.writers); hidden temporary
+files are never shards. While a run puts its shards in input order (cbgen.outputs.order), a journal names the set
+that holds, so every reader sees either the old shards or the new ones, whole; `settle` finishes what a killed run
+left of that, and of its temporary files.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,88 @@ def shard_paths(directory: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := SHARD_NAME.match(p.name)))
 
 
+def settle(directory: Path, *, clear: bool = False) -> list[tuple[int, Path]]:
+    """The committed shards of the locked `directory` (as `shard_paths`), once what a killed run was still writing is
+    gone: hidden `.*.tmp` files, and a reorder into input order that it had not committed (one it had committed is
+    finished). `clear` (--overwrite) removes the committed shards too."""
+    directory = Path(directory)
+    for path in directory.glob(".*.tmp"):
+        path.unlink(missing_ok=True)
+    finish_reorder(directory)
+    shutil.rmtree(directory / ORDER_STAGING, ignore_errors=True)
+    shards = shard_paths(directory)
+    if clear:
+        for _, path in shards:
+            path.unlink()
+        shards = []
+    return shards
+
+
+def finish_reorder(directory: Path) -> None:
+    """Completes a reorder whose journal exists: the old shards go, the new ones take their place."""
+    directory = Path(directory)
+    journal = read_json_or_none(directory / ORDER_JOURNAL)
+    if not isinstance(journal, dict):
+        return
+    for name in journal.get("old", []):
+        (directory / name).unlink(missing_ok=True)
+    staging = directory / ORDER_STAGING
+    for name in journal.get("new", []):
+        if (staging / name).exists():
+            (staging / name).replace(directory / name)
+    fsync_directory(directory)
+    (directory / ORDER_JOURNAL).unlink(missing_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclass
+class DoneIndex:
+    """What the committed shards of a directory already hold."""
+
+    ids: set[str] = field(default_factory=set)
+    requests: int = 0
+    failed_requests: int = 0
+    sequences: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    next_shard: int = 0
+    loop_stopped: int = 0  # sequences the loop stop ended (finish_reason "repetition")
+    loop_generated_tokens: int = 0  # the tokens those generated
+
+    @property
+    def succeeded(self) -> int:
+        return self.sequences - self.failed
+
+
+def done_index(shards: list[tuple[int, Path]]) -> DoneIndex:
+    """The ids and counts of the committed `shards` (`shard_paths`). A request's sequences are always committed
+    together, so an id present once is done."""
+    index = DoneIndex()
+    if shards:
+        index.next_shard = shards[-1][0] + 1
+    # score rows (cbgen score) have no finish_reason, and count their scored tokens; embed and reward rows count the
+    # tokens they read as num_tokens
+    columns = ["id", "finish_reason", "error", "num_prompt_tokens", "num_generated_tokens", "num_scored_tokens",
+               "num_tokens"]
+    failed_ids: set[str] = set()
+    for row in (row for _, path in shards for row in read_shard(path, columns)):
+        index.sequences += 1
+        index.generated_tokens += row.get("num_generated_tokens", row.get("num_scored_tokens")) or 0
+        if row.get("finish_reason", "error" if row.get("error") is not None else None) == "error":
+            index.failed += 1
+            failed_ids.add(row["id"])
+        if row.get("finish_reason") == "repetition":
+            index.loop_stopped += 1
+            index.loop_generated_tokens += row.get("num_generated_tokens") or 0
+        if row["id"] not in index.ids:
+            index.ids.add(row["id"])
+            index.requests += 1
+            index.prompt_tokens += row.get("num_prompt_tokens", row.get("num_tokens")) or 0
+    index.failed_requests = len(failed_ids)
+    return index
+
+
 def read_shards(directory: Path, columns: Sequence[str] | None = None, *, as_rows: bool = True
                 ) -> Iterator[dict[str, Any]]:
     """Every row of the committed shards in `directory`, in shard order; temporary shards are skipped.
@@ -73,6 +158,12 @@ def read_shard(path: Path, columns: Sequence[str] | None = None, *, as_rows: boo
             columns = [name for name in columns if name in parquet.schema_arrow.names]
         for batch in parquet.iter_batches(batch_size=ROW_GROUP, columns=columns):
             yield from batch.to_pylist()
+
+
+def take_out(directory: Path, ids: set[str]) -> int:
+    """Takes every row of the requests `ids` out of the committed shards of the locked `directory`, each shard
+    rewritten whole (`rewrite_shard`); returns how many rows left."""
+    return sum(rewrite_shard(path, lambda row: row_key(row) not in ids) for _, path in shard_paths(directory))
 
 
 def rewrite_shard(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:

@@ -44,18 +44,14 @@ FALLBACK_MAX_CHARS = 1_000_000  # where the context cannot be read
 DEFAULT_TIMEOUT = 10.0
 
 
-def render_limits(job: JobConfig) -> Limits:
-    """A row's rendering budget for `job`: --max-render-chars (else derived from the model's context, read without
-    loading it) and --render-timeout."""
-    from cbgen.model.source import context_tokens, resolve_source
+def render_limits(job: JobConfig, context: int | None) -> Limits:
+    """A row's rendering budget for `job`: --max-render-chars, else derived from the model's `context` in tokens
+    (cbgen.model.source.context_tokens, read without loading the model; None where it cannot be told), and
+    --render-timeout."""
     from cbgen.render.sandbox import Limits
 
     chars = job.input.max_render_chars
     if chars is None:
-        try:
-            context = context_tokens(resolve_source(job.model.model))
-        except CbgenError:
-            context = None
         chars = CHARS_PER_TOKEN * context if context else FALLBACK_MAX_CHARS
     return Limits(max_chars=chars, seconds=job.input.render_timeout)
 

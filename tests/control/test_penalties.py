@@ -303,7 +303,7 @@ def test_the_loop_stop_ends_a_looping_sequence(looping_model_dir, tmp_path):
 
 
 def test_loop_stopped_sequences_are_cached_and_counted_on_resume(looping_model_dir, tmp_path, monkeypatch):
-    from cbgen.outputs.rundir import scan_done
+    from cbgen.outputs.shards import done_index, shard_paths
     from cbgen.outputs.summary import RunSummary
 
     monkeypatch.delenv("CBGEN_RESULT_CACHE", raising=False)
@@ -317,7 +317,7 @@ def test_loop_stopped_sequences_are_cached_and_counted_on_resume(looping_model_d
     assert [(r["finish_reason"], r["token_ids"]) for r in read_shards(tmp_path / "again")] == \
         [("repetition", [CYCLE[1], CYCLE[2], CYCLE[0]] * 4)]
     assert again["counts"]["loop_stopped"] == 1
-    done = scan_done(tmp_path / "first")  # what a resumed run counts of the rows written before it
+    done = done_index(shard_paths(tmp_path / "first"))  # what a resumed run counts of the rows written before it
     assert (done.loop_stopped, done.loop_generated_tokens) == (1, 12)
     summary = RunSummary(output_dir=tmp_path, model="m", max_new_tokens=30)
     summary.add_done(done)

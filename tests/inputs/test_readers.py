@@ -330,3 +330,19 @@ def test_not_parquet(tmp_path):
     with pytest.raises(CbgenError, match=r"^input file '.*d.parquet' is not a valid Parquet file: ") as e:
         open_reader(path)
     assert "\n" not in str(e.value)
+
+
+def test_every_input_format_has_a_reader_and_a_choice():
+    """--input-format's choices are the formats registry's (and auto); each names a reader class of that format."""
+    import typing
+
+    from cbgen.config.sections import InputSection
+    from cbgen.inputs import FORMATS
+    from cbgen.inputs.base import Reader
+
+    choices = set(typing.get_args(typing.get_type_hints(InputSection)["format"]))
+    assert choices == set(FORMATS) | {"auto"}
+    for fmt, where in FORMATS.items():
+        module, name = where.split(":")
+        reader = getattr(__import__(module, fromlist=[name]), name)
+        assert issubclass(reader, Reader) and reader.FORMAT == fmt
