@@ -16,16 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.outputs.shards import read_shards, take_out
+from cbgen.outputs.shards import read_shard, take_out
 
 REDO_KINDS = {"failed": "error", "length": "length"}  # what --redo names -> the finish_reason it takes
 
 
-def start_redo(directory: Path, data: dict[str, Any], fingerprint: dict[str, Any], kinds: Sequence[str]
-               ) -> dict[str, Any]:
-    """The first half of a redo on the locked `directory`, whose fingerprint.json holds `data`: unless it resumes
-    an unfinished redo with the same generation settings, it takes the requests to redo out of the shards. Returns
-    what fingerprint.json must hold now (the new generation settings, the redo in the history)."""
+def start_redo(shards: list[tuple[int, Path]], data: dict[str, Any], fingerprint: dict[str, Any],
+               kinds: Sequence[str]) -> dict[str, Any]:
+    """The first half of a redo on a locked directory whose committed shards are `shards` (cbgen.outputs.shards.settle)
+    and whose fingerprint.json holds `data`: unless it resumes an unfinished redo with the same generation settings,
+    it takes the requests to redo out of the shards. Returns what fingerprint.json must hold now (the new generation
+    settings, the redo in the history)."""
     history: list[dict[str, Any]] = list(data.get("redos") or [])
     last = history[-1] if history else None
     generation = fingerprint.get("generation", {})
@@ -35,9 +36,9 @@ def start_redo(directory: Path, data: dict[str, Any], fingerprint: dict[str, Any
     # the requests with a sequence whose finish_reason is one of `kinds`; a score row (which has no finish_reason)
     # failed when it has an error
     reasons = {REDO_KINDS[kind] for kind in kinds}
-    ids = {row["id"] for row in read_shards(directory, columns=["id", "finish_reason", "error"])
+    ids = {row["id"] for _, path in shards for row in read_shard(path, columns=["id", "finish_reason", "error"])
            if row.get("finish_reason", "error" if row.get("error") is not None else None) in reasons}
-    rows = take_out(directory, ids)
+    rows = take_out(shards, ids)
     history.append({"redo": sorted(kinds), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "generation": generation, "changed": _changed(data.get("fingerprint", {}).get("generation", {}),
                                                                   generation),

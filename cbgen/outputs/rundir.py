@@ -226,8 +226,8 @@ class RunDirectory:
                 if redo:
                     from cbgen.outputs.redo import start_redo
 
-                    data = start_redo(directory, data or stored.data, fingerprint, redo)
-                    shards = shard_paths(directory)  # as the redo left them
+                    data = start_redo(shards, data or stored.data, fingerprint, redo)
+                    shards = [(number, path) for number, path in shards if path.exists()]  # one left empty is gone
             done = DoneIndex() if stored is None else done_index(shards)
             if data is not None:
                 write_json_atomic(directory / FINGERPRINT_FILE, data)

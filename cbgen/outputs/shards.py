@@ -56,7 +56,8 @@ def settle(directory: Path, *, clear: bool = False) -> list[tuple[int, Path]]:
         path.unlink(missing_ok=True)
     finish_reorder(directory)
     shutil.rmtree(directory / ORDER_STAGING, ignore_errors=True)
-    shards = shard_paths(directory)
+    # no journal is left: the shards are the files of their names (as `shard_paths` lists them without one)
+    shards = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := SHARD_NAME.match(p.name)))
     if clear:
         for _, path in shards:
             path.unlink()
@@ -160,10 +161,10 @@ def read_shard(path: Path, columns: Sequence[str] | None = None, *, as_rows: boo
             yield from batch.to_pylist()
 
 
-def take_out(directory: Path, ids: set[str]) -> int:
-    """Takes every row of the requests `ids` out of the committed shards of the locked `directory`, each shard
-    rewritten whole (`rewrite_shard`); returns how many rows left."""
-    return sum(rewrite_shard(path, lambda row: row_key(row) not in ids) for _, path in shard_paths(directory))
+def take_out(shards: list[tuple[int, Path]], ids: set[str]) -> int:
+    """Takes every row of the requests `ids` out of the committed `shards` (`settle`) of a locked directory, each
+    shard rewritten whole (`rewrite_shard`); returns how many rows left."""
+    return sum(rewrite_shard(path, lambda row: row_key(row) not in ids) for _, path in shards)
 
 
 def rewrite_shard(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
