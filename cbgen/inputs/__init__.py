@@ -3,7 +3,6 @@ directory) and Hugging Face datasets."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from importlib import import_module
 from pathlib import Path
@@ -21,13 +20,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ROW_NUMBER", "JsonlReader", "Reader", "open_input", "open_reader"]
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", ".arrow")
-# each input format's reader (cbgen.inputs.base.Reader): its module, and the class there; adding a format is a module,
-# a line here, a --input-format choice, its docs and tests
+# each input format's reader (cbgen.inputs.base.Reader): its module, and the class there, in the order in which they
+# detect a path's format (`Reader.detect`); adding a format is a module, a line here, a --input-format choice, its
+# docs and tests
 FORMATS = {"jsonl": "cbgen.inputs.jsonl:JsonlReader", "openai": "cbgen.inputs.openai:OpenAIBatchReader",
            "parquet": "cbgen.inputs.parquet:ParquetReader", "dataset": "cbgen.inputs.dataset:DatasetReader"}
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub dataset id, when no such local path exists
 
 
 def open_input(settings: InputSection, *, path: str | None = None, detect_id: bool = True,
@@ -61,42 +58,26 @@ def open_reader(path: str | Path, *, prompt_column: str | None = None, id_column
     fmt, why = input_format, f"--input-format {input_format}"
     if fmt == "auto":
         fmt, why = _detect(str(path), Path(path))
-    module, name = FORMATS[fmt].split(":")  # imported on first use: pyarrow and datasets are slow to import
-    reader: Reader = getattr(import_module(module), name).open(str(path), options)
+    reader = reader_class(fmt).open(str(path), options)
     reader.detected = why
     return reader
 
 
+def reader_class(fmt: str) -> type[Reader]:
+    """The reader of the input format `fmt`, its module imported on first use (pyarrow and datasets are slow to
+    import, and a JSONL job does without them)."""
+    module, name = FORMATS[fmt].split(":")
+    found: type[Reader] = getattr(import_module(module), name)
+    return found
+
+
 def _detect(path: str, local: Path) -> tuple[str, str]:
-    """The input's format, and why it was chosen (said in the log)."""
-    if path == "-":
-        return "jsonl", "standard input is read as JSONL prompt rows"
-    name = local.name.lower()
-    if not (local.is_file() and name.removesuffix(".gz").endswith(JSONL_SUFFIXES)):
-        return _detect_other(path, local, name), "recognised from the path"
-    from cbgen.inputs.openai import detect_openai_batch  # a JSONL file: its first lines tell
-
-    openai, why = detect_openai_batch(local)
-    return ("openai" if openai else "jsonl"), why
-
-
-def _detect_other(path: str, local: Path, name: str) -> str:
-    if local.is_file() and name.endswith(".parquet"):
-        return "parquet"
-    if local.is_dir():
-        from cbgen.inputs.dataset import is_saved_dataset
-
-        if is_saved_dataset(local):
-            return "dataset"
-        if any(local.glob("*.parquet")):
-            return "parquet"  # a flat folder of Parquet files streams without the datasets library's cache
-        if not any(p.is_file() and p.name.lower().endswith(DATA_SUFFIXES) for p in local.rglob("*")):
-            raise CbgenError(f"input directory '{path}' contains no data files ({', '.join(DATA_SUFFIXES)}) and is "
-                             "not a dataset saved with save_to_disk")
-        return "dataset"  # a dataset folder: the datasets library reads its files and split layout
+    """The input's format, and why it was chosen (said in the log): the first reader of FORMATS whose format tells."""
+    for fmt in FORMATS:
+        found = reader_class(fmt).detect(path, local)
+        if found is not None:
+            return found
     if not local.exists():
-        if HUB_ID.match(path) and not name.endswith((*JSONL_SUFFIXES, ".parquet", ".gz")):
-            return "dataset"
         raise CbgenError(f"input file '{path}' does not exist")
     raise CbgenError(f"cannot read '{path}': unsupported input format; use a .jsonl, .json or .ndjson file "
                      "(optionally .gz; OpenAI batch files too), a .parquet file, a folder of Parquet files or a "

@@ -9,10 +9,12 @@ and rows that carry none by their position from 0 (`--id-column @row` asks for p
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, RowError, describe_type, first_line
@@ -43,6 +45,12 @@ class IdChoice:
 
 PROMPT_FIELDS = ("prompt", "messages", "input_ids")
 ID_FIELD = "id"  # the field that names a row when --id-column does not
+
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson", ".jsonl.gz", ".csv", ".arrow")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name: a hub dataset id, when no such local path exists
+FROM_PATH = "recognised from the path"
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,12 @@ class Reader(ABC):
         self.score = score  # a scoring job's rows: each also says what to score (cbgen.inputs.scoring)
 
     FORMAT = ""  # the name of the format it reads (--input-format)
+
+    @classmethod
+    def detect(cls, path: str, local: Path) -> tuple[str, str] | None:
+        """The format that `path` (`local` as a path) is read as and why, where this reader's format tells it (a
+        format may tell a look-alike's: the OpenAI batch sniff says JSONL rows too); None where it does not."""
+        return None
 
     @classmethod
     def open(cls, path: str, options: ReaderOptions) -> Reader:

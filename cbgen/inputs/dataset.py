@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.errors import CbgenError, first_line
-from cbgen.inputs.base import ID_FIELD, ColumnarReader, Reader, ReaderOptions
+from cbgen.inputs.base import (
+    DATA_SUFFIXES,
+    FROM_PATH,
+    HUB_ID,
+    ID_FIELD,
+    JSONL_SUFFIXES,
+    ColumnarReader,
+    Reader,
+    ReaderOptions,
+)
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
@@ -80,6 +89,24 @@ class DatasetReader(ColumnarReader):
     """Rows of one split of a Hugging Face dataset; only the needed columns are read."""
 
     FORMAT = "dataset"
+
+    @classmethod
+    def detect(cls, path: str, local: Path) -> tuple[str, str] | None:
+        """A folder (a saved dataset, a flat folder of Parquet files, or a dataset folder the datasets library lays
+        out), or the hub id of a dataset where no such local path exists."""
+        if local.is_dir():
+            if is_saved_dataset(local):
+                return cls.FORMAT, FROM_PATH
+            if any(local.glob("*.parquet")):  # streams without the datasets library's cache
+                return "parquet", FROM_PATH
+            if not any(p.is_file() and p.name.lower().endswith(DATA_SUFFIXES) for p in local.rglob("*")):
+                raise CbgenError(f"input directory '{path}' contains no data files ({', '.join(DATA_SUFFIXES)}) and "
+                                 "is not a dataset saved with save_to_disk")
+            return cls.FORMAT, FROM_PATH  # the datasets library reads its files and split layout
+        name = local.name.lower()
+        if not local.exists() and HUB_ID.match(path) and not name.endswith((*JSONL_SUFFIXES, ".parquet", ".gz")):
+            return cls.FORMAT, FROM_PATH
+        return None
 
     @classmethod
     def open(cls, path: str, options: ReaderOptions) -> Reader:

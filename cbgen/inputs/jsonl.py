@@ -63,6 +63,10 @@ class JsonlReader(Reader):
     FORMAT = "jsonl"
 
     @classmethod
+    def detect(cls, path: str, local: Path) -> tuple[str, str] | None:
+        return (cls.FORMAT, "standard input is read as JSONL prompt rows") if path == "-" else None
+
+    @classmethod
     def open(cls, path: str, options: ReaderOptions) -> Reader:
         options.no_dataset_options(path, cls.FORMAT)
         return cls(None if path == "-" else path, max_line_bytes=options.max_line_bytes or MAX_LINE_BYTES,

@@ -18,7 +18,7 @@ from cbgen.chat.formats import tool_call_format
 from cbgen.chat.openai_batch import COMPLETIONS, RequestLine
 from cbgen.chat.tools import check_tool_choice, check_tools
 from cbgen.errors import CbgenError, RowError, describe_type
-from cbgen.inputs.base import Reader, ReaderOptions
+from cbgen.inputs.base import JSONL_SUFFIXES, Reader, ReaderOptions
 from cbgen.inputs.checks import check_id, check_input_ids, check_messages
 from cbgen.inputs.jsonl import MAX_LINE_BYTES, JsonlReader
 from cbgen.inputs.settings import CHECKS, CONTROL_SETTINGS, parse_settings
@@ -83,6 +83,14 @@ class OpenAIBatchReader(JsonlReader):
     """Reads an OpenAI batch input file; ids are the `custom_id`s (checked unique up front)."""
 
     FORMAT = "openai"
+
+    @classmethod
+    def detect(cls, path: str, local: Path) -> tuple[str, str] | None:
+        """A JSONL file (.gz too): OpenAI batch lines or prompt rows, as its first lines tell."""
+        if not (local.is_file() and local.name.lower().removesuffix(".gz").endswith(JSONL_SUFFIXES)):
+            return None
+        openai, why = detect_openai_batch(local)
+        return (cls.FORMAT if openai else JsonlReader.FORMAT), why
 
     @classmethod
     def open(cls, path: str, options: ReaderOptions) -> Reader:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbgen.errors import CbgenError, first_line
-from cbgen.inputs.base import ID_FIELD, ColumnarReader
+from cbgen.inputs.base import FROM_PATH, ID_FIELD, ColumnarReader
 from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ class ParquetReader(ColumnarReader):
     """Reads only the needed columns, 1024 rows at a time; the columns are checked against every file's schema."""
 
     FORMAT = "parquet"
+
+    @classmethod
+    def detect(cls, path: str, local: Path) -> tuple[str, str] | None:
+        return (cls.FORMAT, FROM_PATH) if local.is_file() and local.name.lower().endswith(".parquet") else None
 
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, id_column: str | None = None,
                  keep_columns: Sequence[str] = (), detect_id: bool = True,
