@@ -14,7 +14,6 @@ import typer
 from rich.console import Console
 
 from cbgen.cli._options import ConfigFile, InputPath, job_options
-from cbgen.cli.display import dry_run_table, make_progress, summary_table
 from cbgen.config import JobConfig, build_config
 from cbgen.errors import CbgenError, ExitCode
 
@@ -86,6 +85,8 @@ def run(
             raise typer.Exit(follow_job(job, tp))  # rank 0 reads, writes and reports; this rank runs its model shard
         finally:
             tp.close()
+    from cbgen.cli.display import make_progress  # the display's imports are not paid by `cbgen run --help`
+
     console = Console(stderr=True, log_path=False)
     stop = threading.Event()
     try:
@@ -99,6 +100,8 @@ def run(
 
 def report(console: Console, job: JobConfig, summary: RunSummary) -> None:
     """The end of a job's command: its summary table (unless --quiet), how to resume a stopped job, its exit code."""
+    from cbgen.cli.display import summary_table
+
     if not job.run.quiet:
         console.print(summary_table(summary))
     if summary.exit_code not in (ExitCode.OK, ExitCode.SOME_FAILED):
@@ -114,6 +117,8 @@ def _dry_run(job: JobConfig, estimate: bool, as_json: bool) -> int:
     if as_json:
         typer.echo(json.dumps(report.to_dict()))
         return ExitCode.OK
+    from cbgen.cli.display import dry_run_table
+
     Console().print(dry_run_table(report))
     return ExitCode.OK
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-import yaml
-
 from cbgen.config.batching import BATCHING_FIELDS
 from cbgen.config.sections import SECTIONS
 
@@ -23,6 +21,8 @@ _BATCHING_NOTE = ("transformers' ContinuousBatchingConfig. Leave a key out to le
 
 def _value(value: object) -> str:
     """A value as YAML writes it on one line (flow style for lists and mappings)."""
+    import yaml  # only for `cbgen config template`: a command's help and a job start without it
+
     return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
 
 
