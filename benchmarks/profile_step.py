@@ -1,12 +1,12 @@
 """Where a step's time goes in cbgen's engine on this CPU: matmuls against attention against everything else.
 
 Runs the `fixed` workload of `cbgen bench` (64 plain-text prompts of 128 tokens, 64 new tokens: llama-batched-bench's
-shape) through cbgen's engine path and profiles every step inside the manager's generation thread, where torch.profiler
-must run (the step method is wrapped for this script only: transformers' private names, checked against the
-installed version). Steps are split into prefill steps (any prompt tokens in the batch) and decode steps (one token
-per sequence, at least --min-decode sequences); each kind gets its operators' self time in buckets (matmul,
-attention, copies and gathers, elementwise, ...) and the wall time no operator accounts for (Python: the model's
-module calls, scheduling, input preparation).
+shape; `--workload` picks another) through cbgen's engine path and profiles every step inside the manager's
+generation thread, where torch.profiler must run (the step method is wrapped for this script only: transformers'
+private names, checked against the installed version). Steps are split into prefill steps (any prompt tokens in
+the batch) and decode steps (one token per sequence, at least --min-decode sequences); each kind gets its operators'
+self time in buckets (matmul, attention, copies and gathers, elementwise, ...) and the wall time no operator accounts
+for (Python: the model's module calls, scheduling, input preparation).
 
     python benchmarks/profile_step.py
     python benchmarks/profile_step.py --top 15 --max-batch-tokens 2048
@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-requests-per-batch", type=int, default=None)
     parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
+    parser.add_argument("--workload", default="fixed", help="The cbgen bench workload whose steps are profiled "
+                        "(shared-prefix: prompt chunks after a cached prefix)")
     parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
     parser.add_argument("--no-fused-layers", action="store_true", help="Transformers' decoder layers (as for cbgen "
                         "run): to compare against cbgen's fused ones.")
@@ -143,7 +145,7 @@ def main() -> None:
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     bench = Bench(loaded, batching, section)
-    fixed = build_workloads(loaded.tokenizer, args.size, ["fixed"])[0]
+    fixed = build_workloads(loaded.tokenizer, args.size, [args.workload])[0]
     invariant = args.batch_invariant
     bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input", invariant=invariant)
     _profiles.clear()

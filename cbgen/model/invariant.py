@@ -18,8 +18,9 @@ so float32 tiles run through oneDNN where the torch build has it, over weights p
 bfloat16 tiles do the same on CPUs with bf16 units: torch hands them to oneDNN anyway, but reorders the weight into
 oneDNN's layout at every call, and one tile shape is exactly what a prepacked weight serves best. Either way the
 packed weights are a second copy of the linear weights while the block runs (about 270 MB for the embedded model).
-A long call's leading full blocks may run in larger tiles (BIG_TILES), for a layer whose probe found them bitwise the
-TILE_ROWS tiles on this machine: a row's bits are then the same in either, and still its own.
+A call may also run in tiles of other sizes (TILE_SIZES), for a layer whose probe found them bitwise the TILE_ROWS
+tiles on this machine: larger ones for a long call, smaller ones for its last rows; a row's bits are then the same in
+any of them, and still its own.
 
 The cost, per call against one stock call (same machine, bfloat16, the embedded model's shapes): over torch's matmul
 1.05-1.2x at 64 rows and 1.5-3x at 512; over prepacked weights 0.7-1.0x at 64 rows (the 576 x 576 projection 1.8x)
@@ -29,6 +30,7 @@ and 0.6-1.3x at 512. Whole jobs: docs/performance.md.
 from __future__ import annotations
 
 import functools
+import math
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,15 +43,24 @@ from cbgen.config.cpu import cpu_row
 from cbgen.model.linear import MergedLinears, onednn_available, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
-# Larger tiles for the full blocks of a long call (a prompt chunk), per layer where a probe finds them bitwise the
-# 64-row tiles (`big_tile_rows`). With AMX a 64-row tile's arithmetic is cheap and its oneDNN call is not: at 1,024
-# rows the embedded model's qkv, output and gate/up projections cost 1.8-3.6x one stock call in 64-row tiles, 1.1-1.45x
-# in 256-row ones; the down projection's 256-row tiles are not bitwise its 64-row ones there (and move with the thread
-# count), so it keeps 128 or 64. Layers above BIG_TILE_MAX_WEIGHTS parameters are not probed: their arithmetic
-# dominates the call, and the probe would cost start-up time.
-BIG_TILES = (256, 128)
-BIG_TILE_MAX_WEIGHTS = 4 * 1024 * 1024
-_big_tiles: dict[tuple[Any, ...], int | None] = {}  # (shape, dtype, threads) -> the probe's answer, once a process
+# Other tile sizes, per layer, where a probe finds a row's bits in them those of a 64-row tile (`tile_sizes`): larger
+# ones for a long call (a prompt chunk), smaller ones for the rest of a call, so that few rows are padded. Which sizes
+# qualify is the kernel's choice, per shape and dtype, measured on a Sapphire Rapids: in bfloat16 (AMX) the 128- and
+# 256-row tiles of the embedded model's projections but not the down projection's 256-row one, and no tile under 64
+# rows (another AMX kernel); in float32 (oneDNN's AVX-512 or AVX2 kernels over prepacked weights) every size tried.
+# With AMX a 64-row tile's arithmetic is cheap and its oneDNN call is not (at 1,024 rows the qkv, output and gate/up
+# projections cost 1.8-3.6x one stock call in 64-row tiles, 1.1-1.45x in 256-row ones); in float32 under AVX2 the
+# arithmetic is the cost, and a call of 200 rows in four 64-row tiles computed 56 rows of padding. Layers above
+# TILE_PROBE_MAX_WEIGHTS parameters are not probed: their arithmetic dominates the call, the probe would cost
+# start-up time, and the largest (the vocabulary projection) only sees a row per request in continuous batching.
+TILE_SIZES = (8, 16, 32, 128, 256)
+TILE_PROBE_MAX_WEIGHTS = 4 * 1024 * 1024
+# What a tile's call costs beyond its arithmetic, in rows of arithmetic, by dtype: the plan of a call (`tile_plan`)
+# weighs padded rows against calls with it. Measured on a Sapphire Rapids: bfloat16 with AMX (a 64-row tile of the
+# qkv projection 0.07 ms, a 256-row one 0.15 ms) about 100 rows; float32 under AVX2 (a 64-row tile 0.37 ms, 4.7 us a
+# row) about 15. A plan only moves time, never a row's bits.
+CALL_ROWS = {torch.bfloat16: 96, torch.float16: 96, torch.float32: 16}
+_tile_sizes: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (shape, dtype, threads) -> the probe's sizes, per process
 
 
 def _onednn(dtype: torch.dtype, device: torch.device) -> bool:
@@ -70,16 +81,15 @@ def _onednn_tile(source: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       packed: torch.Tensor | None = None, big: int | None = None) -> torch.Tensor:
+                       packed: torch.Tensor | None = None, sizes: tuple[int, ...] = ()) -> torch.Tensor:
     """`F.linear(x, weight, bias)` as matmuls of TILE_ROWS rows each: the same bits for a row whatever the rest.
-    `packed`: the weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile. `big`: a
-    larger tile that `big_tile_rows` found bitwise the TILE_ROWS one for this weight, used for the call's leading
-    full blocks of that size (a row's bits are the same in either)."""
+    `packed`: the weight prepacked for oneDNN (`pack`), which saves oneDNN reordering it at every tile. `sizes`:
+    other tile sizes that `tile_sizes` found bitwise the TILE_ROWS one for this weight, which the call's plan may use
+    too (`tile_plan`: a row's bits are the same in any of them)."""
     rows = x.reshape(-1, x.shape[-1])
     count, out_features = rows.shape[0], weight.shape[0]
     onednn = packed is not None or _onednn(rows.dtype, rows.device)
     transposed = weight.t()
-    full = count - count % TILE_ROWS
     dnn_weight = packed if packed is not None else weight
 
     def tile(source: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,27 +98,49 @@ def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         result = _onednn_tile(source, dnn_weight)
         return target.copy_(result) if target is not None else result
 
-    padded = None
-    if full < count:  # the last rows, in a zero-padded tile of the same shape
-        padded = rows.new_zeros(TILE_ROWS, rows.shape[1])
-        padded[: count - full] = rows[full:]
-    if full == 0 and padded is not None:  # one tile (a decode step): its rows are the result, no copy out
-        out = tile(padded)[:count]
-    elif count == TILE_ROWS:  # exactly one tile: the result itself
-        out = tile(rows)
+    plan = tile_plan(count, sizes if packed is not None else (), CALL_ROWS.get(rows.dtype, TILE_ROWS))
+    if len(plan) == 1:  # one tile (a decode step): its rows are the result, no copy out
+        size = plan[0][1]
+        out = tile(rows if size == count else _padded(rows, 0, size))[:count]
     else:
         out = rows.new_empty(count, out_features)
-        size = big if big and packed is not None else TILE_ROWS
-        in_big = full - full % size if size != TILE_ROWS else 0  # the leading rows in big tiles
-        for start in range(0, in_big, size):
-            tile(rows[start : start + size], out[start : start + size])
-        for start in range(in_big, full, TILE_ROWS):
-            tile(rows[start : start + TILE_ROWS], out[start : start + TILE_ROWS])
-        if padded is not None:
-            out[full:] = tile(padded)[: count - full]
+        for start, size in plan:
+            if start + size <= count:
+                tile(rows[start : start + size], out[start : start + size])
+            else:  # the last rows, in a zero-padded tile of its size
+                out[start:] = tile(_padded(rows, start, size))[: count - start]
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
+
+
+@functools.lru_cache(maxsize=8192)
+def tile_plan(count: int, sizes: tuple[int, ...] = (), call_rows: int = TILE_ROWS) -> tuple[tuple[int, int], ...]:
+    """The tiles (start, rows) that cover `count` rows, each but the last whole, the last zero-padded where it runs
+    past them: of TILE_ROWS rows or of any of `sizes`, the cheapest cover, each call weighed as `call_rows` rows of
+    arithmetic beside the rows it computes (CALL_ROWS). Any plan gives a row the same bits, as the `sizes` are bitwise
+    TILE_ROWS tiles (`tile_sizes`)."""
+    choices = sorted({TILE_ROWS, *sizes})
+    unit = math.gcd(*choices)
+    units = -(-count // unit)
+    # best[u]: (cost, -size of its first tile) of the cheapest cover of the rows from unit u on; at equal cost the
+    # larger first tile (fewer calls, fewer copies)
+    best: list[tuple[int, int]] = [(0, 0)] * (units + 1)
+    for u in range(units - 1, -1, -1):
+        best[u] = min((call_rows + size + (best[u + size // unit][0] if u + size // unit < units else 0), -size)
+                      for size in choices)
+    plan, u = [], 0
+    while u < units:
+        size = -best[u][1]
+        plan.append((u * unit, size))
+        u += size // unit
+    return tuple(plan)
+
+
+def _padded(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    tile = rows.new_zeros(size, rows.shape[1])
+    tile[: rows.shape[0] - start] = rows[start:]
+    return tile
 
 
 class _FixedShapeMode(TorchFunctionMode):
@@ -145,48 +177,53 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE_ROWS)
 
 
-def big_tile_rows(weight: torch.Tensor, packed: torch.Tensor | None) -> int | None:
-    """The largest of BIG_TILES whose rows are bitwise this weight's TILE_ROWS tiles, on this thread count and on one
-    thread, for random rows (a kernel is chosen by shape, not by data: one draw tells them apart); None where none
-    is, the weight is not prepacked or too large to gain. Probed once per shape, dtype and thread count."""
-    if packed is None or weight.numel() > BIG_TILE_MAX_WEIGHTS:
-        return None
+def tile_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, ...]:
+    """Those of TILE_SIZES in which random rows get the bits they get in TILE_ROWS tiles of this weight, on this
+    thread count and on one thread (a kernel is chosen by shape, not by data: one draw tells them apart); none where
+    the weight is not prepacked or too large to gain. Probed once per shape, dtype and thread count."""
+    if packed is None or weight.numel() > TILE_PROBE_MAX_WEIGHTS:
+        return ()
     threads = torch.get_num_threads()
     key = (tuple(weight.shape), weight.dtype, threads)
-    if key not in _big_tiles:
-        _big_tiles[key] = _probe_big_tiles(weight, packed, threads)
-    return _big_tiles[key]
+    if key not in _tile_sizes:
+        _tile_sizes[key] = _probe_tile_sizes(weight, packed, threads)
+    return _tile_sizes[key]
 
 
-def _probe_big_tiles(weight: torch.Tensor, packed: torch.Tensor, threads: int) -> int | None:
+def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) -> tuple[int, ...]:
     generator = torch.Generator().manual_seed(0)
+    found = []
     with torch.no_grad():
-        for big in BIG_TILES:
-            rows = torch.randn(big, weight.shape[1], generator=generator).to(weight.dtype)
-            small = torch.cat([_onednn_tile(rows[start : start + TILE_ROWS], packed)
-                               for start in range(0, big, TILE_ROWS)])
-            if not torch.equal(_onednn_tile(rows, packed), small):
+        for size in TILE_SIZES:
+            rows = torch.randn(max(size, TILE_ROWS), weight.shape[1], generator=generator).to(weight.dtype)
+            reference = _in_tiles(rows, packed, TILE_ROWS)
+            if not torch.equal(_in_tiles(rows, packed, size), reference):
                 continue
             try:
                 torch.set_num_threads(1)
-                alone = _onednn_tile(rows, packed)
+                alone = _in_tiles(rows, packed, size)
             finally:
                 torch.set_num_threads(threads)
-            if torch.equal(alone, small):
-                return big
-    return None
+            if torch.equal(alone, reference):
+                found.append(size)
+    return tuple(found)
 
 
-def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, big: int | None, x: torch.Tensor
+def _in_tiles(rows: torch.Tensor, packed: torch.Tensor, size: int) -> torch.Tensor:
+    """`rows` (a whole number of tiles of `size`) through the packed weight, `size` rows a call."""
+    return torch.cat([_onednn_tile(rows[start : start + size], packed) for start in range(0, rows.shape[0], size)])
+
+
+def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, sizes: tuple[int, ...], x: torch.Tensor
                    ) -> torch.Tensor:
     if torch.is_grad_enabled() or x.dtype != module.weight.dtype:
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    return fixed_shape_linear(x, module.weight, module.bias, packed, big)
+    return fixed_shape_linear(x, module.weight, module.bias, packed, sizes)
 
 
 def _tiled(module: torch.nn.Linear) -> functools.partial:
     packed = pack(module.weight)
-    return functools.partial(_tiled_forward, module, packed, big_tile_rows(module.weight, packed))
+    return functools.partial(_tiled_forward, module, packed, tile_sizes(module.weight, packed))
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import cbgen.model.invariant as invariant
 from cbgen.config.cpu import cpu_row
-from cbgen.model.invariant import TILE_ROWS, big_tile_rows, fixed_shape_linear, pack
+from cbgen.model.invariant import TILE_ROWS, fixed_shape_linear, pack, tile_plan, tile_sizes
 from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -46,14 +46,14 @@ def _same_bits_on_two_threads(case) -> None:
     packs = dtype == torch.float32 or cpu_row().dtype == "bfloat16"
     assert (packed is None) == (not packs or not torch.backends.mkldnn.is_available())
     place = case["place"]
-    big = big_tile_rows(weight, packed)  # as the engine plans the layer on this machine
-    together = fixed_shape_linear(rows, weight, bias, packed, big)
-    alone = fixed_shape_linear(rows[place : place + 1], weight, bias, packed, big)[0]
+    sizes = tile_sizes(weight, packed)  # as the engine plans the layer on this machine
+    together = fixed_shape_linear(rows, weight, bias, packed, sizes)
+    alone = fixed_shape_linear(rows[place : place + 1], weight, bias, packed, sizes)[0]
     assert torch.equal(together[place], alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(fixed_shape_linear(rows, weight, bias, packed, big)[place], alone)
+        assert torch.equal(fixed_shape_linear(rows, weight, bias, packed, sizes)[place], alone)
     finally:
         torch.set_num_threads(threads)
     tolerance = {"atol": 0.5, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-3, "rtol": 1e-4}
@@ -66,26 +66,38 @@ def test_the_property_holds_on_other_instruction_sets(isa):
     pytest_under_isa(isa, __file__, "test_a_row_gets_the_same_bits_in_any_batch")
 
 
-def test_larger_tiles_are_planned_only_where_bitwise_the_64_row_ones(monkeypatch):
-    """The probe's control: where a larger tile's rows differ from the 64-row tiles' (here made to, by a kernel that
-    rounds a larger call's results differently), it plans none; with the real kernel, a planned size is used for the
-    leading full blocks and gives the 64-row tiles' bits."""
+def test_other_tile_sizes_are_planned_only_where_bitwise_the_64_row_ones(monkeypatch):
+    """The probe's control: where another size's rows differ from the 64-row tiles' (here made to, by a kernel that
+    rounds every other call size's results differently), it plans none; with the real kernel, the sizes it finds give
+    the 64-row tiles' bits in a call whose plan uses them."""
     dtype = torch.bfloat16 if cpu_row().dtype == "bfloat16" else torch.float32  # the dtypes whose tiles are packed
     weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed = pack(weight)
     assert packed is not None
     real = invariant._onednn_tile
 
-    def rounds_larger_calls_differently(source, packed_weight):
+    def rounds_other_sizes_differently(source, packed_weight):
         result = real(source, packed_weight)
-        return result + 1 if source.shape[0] > TILE_ROWS else result
+        return result + 1 if source.shape[0] != TILE_ROWS else result
 
-    monkeypatch.setattr(invariant, "_big_tiles", {})
-    monkeypatch.setattr(invariant, "_onednn_tile", rounds_larger_calls_differently)
-    assert big_tile_rows(weight, packed) is None
-    monkeypatch.setattr(invariant, "_big_tiles", {})
+    monkeypatch.setattr(invariant, "_tile_sizes", {})
+    monkeypatch.setattr(invariant, "_onednn_tile", rounds_other_sizes_differently)
+    assert tile_sizes(weight, packed) == ()
+    monkeypatch.setattr(invariant, "_tile_sizes", {})
     monkeypatch.setattr(invariant, "_onednn_tile", real)
-    big = big_tile_rows(weight, packed)
+    sizes = tile_sizes(weight, packed)
+    assert sizes, "no other tile size is bitwise the 64-row one for this shape here (the plan would only use 64)"
     rows = torch.randn(600, 576, generator=torch.Generator().manual_seed(2)).to(dtype)
-    planned = fixed_shape_linear(rows, weight, None, packed, big)
+    assert any(size != TILE_ROWS for _, size in tile_plan(600, sizes, invariant.CALL_ROWS[dtype]))
+    planned = fixed_shape_linear(rows, weight, None, packed, sizes)
     assert torch.equal(planned, fixed_shape_linear(rows, weight, None, packed))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.sets(st.sampled_from(invariant.TILE_SIZES)), st.sampled_from([0, 16, 96, 1000]))
+def test_a_plan_covers_the_rows_once_in_its_sizes(count, sizes, call_rows):
+    plan = tile_plan(count, tuple(sorted(sizes)), call_rows)
+    assert plan[0][0] == 0 and all(size in {TILE_ROWS, *sizes} for _, size in plan)
+    assert all(start + size == following for (start, size), (following, _) in zip(plan, plan[1:], strict=False))
+    last_start, last_size = plan[-1]
+    assert last_start < count <= last_start + last_size  # only the last tile runs past the rows, and not by a tile
