@@ -191,22 +191,60 @@ def tile_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, 
 
 
 def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) -> tuple[int, ...]:
-    generator = torch.Generator().manual_seed(0)
-    found = []
+    span = max(*TILE_SIZES, TILE_ROWS)
     with torch.no_grad():
+        rows = probe_rows(weight, span, torch.Generator().manual_seed(0))
+        reference = _in_tiles(rows, packed, TILE_ROWS)
+        found = []
         for size in TILE_SIZES:
-            rows = torch.randn(max(size, TILE_ROWS), weight.shape[1], generator=generator).to(weight.dtype)
-            reference = _in_tiles(rows, packed, TILE_ROWS)
-            if not torch.equal(_in_tiles(rows, packed, size), reference):
+            some = max(size, TILE_ROWS)  # rows of whole tiles of both sizes
+            if not torch.equal(_in_tiles(rows[:some], packed, size), reference[:some]):
                 continue
             try:
                 torch.set_num_threads(1)
-                alone = _in_tiles(rows, packed, size)
+                alone = _in_tiles(rows[:some], packed, size)
             finally:
                 torch.set_num_threads(threads)
-            if torch.equal(alone, reference):
+            if torch.equal(alone, reference[:some]):
                 found.append(size)
     return tuple(found)
+
+
+PROBE_PEAK = 2.0**16  # how large the cancelling pair of a probe row makes one output's partial sums
+
+
+def cancelling_pairs(weight: torch.Tensor, generator: torch.Generator, sample: int = 256
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of `sample` output columns drawn at random, those with two equal nonzero weights: each column and the two
+    places (`probe_rows`)."""
+    drawn = torch.randperm(weight.shape[0], generator=generator)[:sample]
+    values, order = torch.sort(weight.detach()[drawn].float(), dim=1)
+    equal = (values[:, 1:] == values[:, :-1]) & (values[:, 1:] != 0)
+    have = equal.any(dim=1).nonzero().flatten()
+    at = equal[have].to(torch.int8).argmax(dim=1)  # the first equal pair of each such column
+    return drawn[have], order[have, at], order[have, at + 1]
+
+
+def probe_rows(weight: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` random rows that tell two kernels apart whenever they add a row's products in another order.
+
+    Random rows alone do not: two orders of a float32 sum differ by an ulp of it, and rounding the result to
+    bfloat16 (2^-8) hides that in most outputs (measured: a 64-row tile against 8-row ones, 61,440 outputs, 0 to 12
+    differed, often none). So each row also gets a pair of equal and opposite large entries at two places where one
+    output column's weights are equal (`cancelling_pairs`): their products cancel exactly in that column, whose sum
+    passes through partial sums of PROBE_PEAK and is left near 1, so that where the other products are added, before,
+    between or after the pair, shows in its bfloat16 bits (the same tiles then differed in 40-190 outputs). Columns
+    with equal weights are common in bfloat16 (256 values an octave); in float32, where rounding hides nothing, the
+    rows may stay plain."""
+    rows = torch.randn(count, weight.shape[1], generator=generator)
+    columns, first, second = cancelling_pairs(weight, generator)
+    if len(columns):
+        pick = torch.randint(0, len(columns), (count,), generator=generator)
+        peak = PROBE_PEAK / weight.detach().float()[columns[pick], first[pick]].abs()
+        everyone = torch.arange(count)
+        rows[everyone, first[pick]] = peak
+        rows[everyone, second[pick]] = -peak
+    return rows.to(weight.dtype)
 
 
 def _in_tiles(rows: torch.Tensor, packed: torch.Tensor, size: int) -> torch.Tensor:

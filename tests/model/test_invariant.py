@@ -93,6 +93,42 @@ def test_other_tile_sizes_are_planned_only_where_bitwise_the_64_row_ones(monkeyp
     assert torch.equal(planned, fixed_shape_linear(rows, weight, None, packed))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_probe_tells_apart_a_kernel_that_only_adds_in_another_order(monkeypatch, dtype):
+    """The probe's harder control: tiles whose arithmetic is the 64-row tile's but for the order of a row's sum (the
+    even products, then the odd ones, then the two added), the one difference a kernel chosen by shape makes. Random
+    rows nearly hide it in bfloat16 (the sums differ by an ulp of float32, which bfloat16's rounding hides in most
+    outputs: 24 of 147,456 differed here); the probe's rows, whose large cancelling pair leaves one output's sum near 1
+    after partial sums of 2^16, do not (391)."""
+    weight = (torch.randn(576, 576, generator=torch.Generator().manual_seed(4)) * 0.02).to(dtype)
+
+    w = weight.float()
+
+    def one_sum(source, packed_weight):  # row by row, so that no tile size changes a row's arithmetic
+        return torch.cat([row.float() @ w.t() for row in source.split(1)]).to(dtype)
+
+    def even_then_odd(source, packed_weight):
+        if source.shape[0] == TILE_ROWS:
+            return one_sum(source, packed_weight)
+        return torch.cat([row.float()[:, 0::2] @ w[:, 0::2].t() + row.float()[:, 1::2] @ w[:, 1::2].t()
+                          for row in source.split(1)]).to(dtype)
+
+    monkeypatch.setattr(invariant, "_onednn_tile", even_then_odd)
+
+    def differing(rows):
+        return int((invariant._in_tiles(rows, weight, 128) != invariant._in_tiles(rows, weight, TILE_ROWS)).sum())
+
+    probe = differing(invariant.probe_rows(weight, 256, torch.Generator().manual_seed(0)))
+    plain = differing(torch.randn(256, 576, generator=torch.Generator().manual_seed(0)).to(dtype))
+    if dtype == torch.bfloat16:  # the probe's rows show the other order many times more often (379 against 21 here)
+        assert probe >= 5 * max(plain, 1)
+    else:  # float32 rounding hides nothing: plain rows show it in most outputs, and so do the probe's
+        assert probe > weight.numel() // 10 and plain > weight.numel() // 10
+    assert invariant._probe_tile_sizes(weight, weight, torch.get_num_threads()) == ()
+    monkeypatch.setattr(invariant, "_onednn_tile", one_sum)  # the same order in every tile: every size is bitwise
+    assert invariant._probe_tile_sizes(weight, weight, torch.get_num_threads()) == invariant.TILE_SIZES
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5000), st.sets(st.sampled_from(invariant.TILE_SIZES)), st.sampled_from([0, 16, 96, 1000]))
 def test_a_plan_covers_the_rows_once_in_its_sizes(count, sizes, call_rows):
