@@ -61,6 +61,7 @@ TILE_PROBE_MAX_WEIGHTS = 4 * 1024 * 1024
 # row) about 15. A plan only moves time, never a row's bits.
 CALL_ROWS = {torch.bfloat16: 96, torch.float16: 96, torch.float32: 16}
 _tile_sizes: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (shape, dtype, threads) -> the probe's sizes, per process
+PROBE_PEAK = 2.0**16  # how large the cancelling pair of a probe row makes one output's partial sums
 
 
 def _onednn(dtype: torch.dtype, device: torch.device) -> bool:
@@ -178,16 +179,69 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def tile_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, ...]:
-    """Those of TILE_SIZES in which random rows get the bits they get in TILE_ROWS tiles of this weight, on this
-    thread count and on one thread (a kernel is chosen by shape, not by data: one draw tells them apart); none where
-    the weight is not prepacked or too large to gain. Probed once per shape, dtype and thread count."""
+    """Those of TILE_SIZES in which rows get the bits they get in TILE_ROWS tiles of this weight, on this thread count
+    and on one thread, for the rows of `probe_rows` (a kernel is chosen by shape, not by data); none where the weight
+    is not prepacked or too large to gain. Probed once per shape, dtype, thread count and machine (`_probe_name`), the
+    answer kept in cbgen's kernels cache, so that a warm start reads it."""
     if packed is None or weight.numel() > TILE_PROBE_MAX_WEIGHTS:
         return ()
     threads = torch.get_num_threads()
     key = (tuple(weight.shape), weight.dtype, threads)
     if key not in _tile_sizes:
-        _tile_sizes[key] = _probe_tile_sizes(weight, packed, threads)
+        known = _probed_before()
+        name = _probe_name(weight, threads)
+        if isinstance(known.get(name), list) and all(size in TILE_SIZES for size in known[name]):
+            _tile_sizes[key] = tuple(known[name])
+        else:
+            _tile_sizes[key] = _probe_tile_sizes(weight, packed, threads)
+            _remember(name, _tile_sizes[key])
     return _tile_sizes[key]
+
+
+PROBES_FILE = "tile-sizes.json"  # in cbgen's kernels cache: the probe's answers, by what they depend on
+
+
+def _probe_name(weight: torch.Tensor, threads: int) -> str:
+    """What a probe's answer depends on: the shape, dtype and thread count, torch (oneDNN's version), the CPU (its
+    model and flags, and oneDNN's own settings in the environment) and the sizes probed; a change to any of them
+    probes again."""
+    import hashlib
+    import os
+
+    from cbgen.config.cpu import cpu_flags, cpu_model
+
+    machine = [torch.__version__, cpu_model(), " ".join(sorted(cpu_flags())), repr(TILE_SIZES), repr(PROBE_PEAK),
+               *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("ONEDNN_", "DNNL_")))]
+    digest = hashlib.sha256("\0".join(machine).encode()).hexdigest()[:16]
+    return f"{'x'.join(map(str, weight.shape))}-{str(weight.dtype).removeprefix('torch.')}-{threads}t-{digest}"
+
+
+@functools.lru_cache(maxsize=1)
+def _probed_before() -> dict[str, Any]:
+    from cbgen.files import read_json_or_none
+    from cbgen.model import default_cache_dir
+
+    try:
+        known = read_json_or_none(default_cache_dir() / "kernels" / PROBES_FILE)
+    except Exception:  # noqa: BLE001 - no cache folder: every process probes
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remember(name: str, sizes: tuple[int, ...]) -> None:
+    """Keeps a probe's answer for the next process (a warm start then probes nothing); an unwritable cache only
+    costs the next process its probe."""
+    from cbgen.files import read_json_or_none, write_json_atomic
+    from cbgen.model import default_cache_dir
+
+    _probed_before()[name] = list(sizes)
+    try:
+        path = default_cache_dir() / "kernels" / PROBES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        known = read_json_or_none(path)
+        write_json_atomic(path, (known if isinstance(known, dict) else {}) | {name: list(sizes)}, durable=False)
+    except OSError:
+        pass
 
 
 def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) -> tuple[int, ...]:
@@ -210,7 +264,6 @@ def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) 
     return tuple(found)
 
 
-PROBE_PEAK = 2.0**16  # how large the cancelling pair of a probe row makes one output's partial sums
 
 
 def cancelling_pairs(weight: torch.Tensor, generator: torch.Generator, sample: int = 256

@@ -6,6 +6,8 @@ In the slow suite the same property runs with torch, oneDNN and MKL held to othe
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -80,6 +82,8 @@ def test_other_tile_sizes_are_planned_only_where_bitwise_the_64_row_ones(monkeyp
         result = real(source, packed_weight)
         return result + 1 if source.shape[0] != TILE_ROWS else result
 
+    monkeypatch.setattr(invariant, "_probed_before", dict)  # no answer kept on disk: it probes, and keeps nothing
+    monkeypatch.setattr(invariant, "_remember", lambda name, sizes: None)
     monkeypatch.setattr(invariant, "_tile_sizes", {})
     monkeypatch.setattr(invariant, "_onednn_tile", rounds_other_sizes_differently)
     assert tile_sizes(weight, packed) == ()
@@ -127,6 +131,32 @@ def test_the_probe_tells_apart_a_kernel_that_only_adds_in_another_order(monkeypa
     assert invariant._probe_tile_sizes(weight, weight, torch.get_num_threads()) == ()
     monkeypatch.setattr(invariant, "_onednn_tile", one_sum)  # the same order in every tile: every size is bitwise
     assert invariant._probe_tile_sizes(weight, weight, torch.get_num_threads()) == invariant.TILE_SIZES
+
+
+def test_a_warm_start_reads_the_probes_answer(monkeypatch, tmp_path):
+    """The answer is kept in the kernels cache under what it depends on: the next process reads it and probes
+    nothing; another thread count (or machine, torch, oneDNN setting) is another name, and is probed."""
+    monkeypatch.setenv("CBGEN_CACHE_DIR", str(tmp_path))
+    dtype = torch.bfloat16 if cpu_row().dtype == "bfloat16" else torch.float32
+    weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+    packed = pack(weight)
+    monkeypatch.setattr(invariant, "_tile_sizes", {})
+    invariant._probed_before.cache_clear()
+    probed = tile_sizes(weight, packed)
+    kept = json.loads((tmp_path / "kernels" / invariant.PROBES_FILE).read_text())
+    assert list(kept.values()) == [list(probed)]
+
+    def no_probe(*args):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(invariant, "_probe_tile_sizes", no_probe)
+    monkeypatch.setattr(invariant, "_tile_sizes", {})  # a fresh process
+    invariant._probed_before.cache_clear()
+    assert tile_sizes(weight, packed) == probed
+    monkeypatch.setattr(invariant, "_tile_sizes", {})
+    with torch_threads(torch.get_num_threads() + 1), pytest.raises(AssertionError, match="probed again"):
+        tile_sizes(weight, packed)
+    invariant._probed_before.cache_clear()
 
 
 @settings(max_examples=200, deadline=None)
