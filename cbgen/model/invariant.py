@@ -266,8 +266,6 @@ def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) 
     return tuple(found)
 
 
-
-
 def cancelling_pairs(weight: torch.Tensor, generator: torch.Generator, sample: int = 256
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of `sample` output columns drawn at random, those with two equal nonzero weights: each column and the two
