@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 import cbgen
 from cbgen.cli import run_cli
 from cbgen.model.invariant import batch_invariant_linear
+from cbgen.model.linear import LINEAR_KINDS, TILES
 from cbgen.outputs import read_shards
 from tests.helpers import property_examples, write_jsonl
 from tests.model.test_architectures import ARCHITECTURES, BASE
@@ -367,7 +368,7 @@ def test_every_job_is_invariant_where_the_compiled_attention_runs(tiny_model_dir
     plain = manifest("plain")
     assert plain["batch_invariant"]["on"] is True and plain["batch_invariant"]["why"].startswith(
         "on: cbgen's compiled attention is invariant by construction")
-    assert plain["engine_scope"]["linear"] == "fixed-shape tiles of 64 rows (batch-invariant)"
+    assert plain["engine_scope"]["linear"] == LINEAR_KINDS[TILES]
     off = manifest("off", "--no-batch-invariant")  # the kernel stays (it is invariant anyway), the linear tiles go
     assert off["batch_invariant"] == {"on": False, "why": "off (--no-batch-invariant)"}
     assert off["attention"] == plain["attention"] and "tiles" not in off["engine_scope"]["linear"]

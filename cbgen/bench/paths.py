@@ -40,6 +40,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                     {"invariant": False, "compiled": False}),
     "cbgen-onednn": ("--onednn-linear: every float32 or bfloat16 linear layer through oneDNN, weights prepacked",
                      {"onednn": True}),
+    "cbgen-tiles": ("--no-compiled-linear: the invariant linear layers in oneDNN's fixed tiles, not cbgen's kernel",
+                    {"linear_kernel": False}),
     "cbgen-eager-ops": ("--no-compiled-ops: the fused layers' norms, rotary and SiLU as torch's eager operators",
                         {"ops": False}),
 }
@@ -52,7 +54,7 @@ SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
          invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
          model: ModelSection | None = None, onednn: bool = False, compiled: bool | None = None,
-         ops: bool | None = None) -> JobConfig:
+         ops: bool | None = None, linear_kernel: bool | None = None) -> JobConfig:
     job = JobConfig()
     if model is not None:
         job.model = dataclasses.replace(model)
@@ -61,6 +63,8 @@ def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool 
         job.model.compiled_attention = compiled
     if ops is not None:
         job.model.compiled_ops = ops
+    if linear_kernel is not None:
+        job.model.compiled_linear = linear_kernel
     job.generation.max_new_tokens = workload.max_new_tokens
     job.generation.temperature, job.generation.seed = sampling
     job.batching = dict(batching)
@@ -102,13 +106,14 @@ class Bench:
 
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False, compiled: bool | None = None, ops: bool | None = None
-              ) -> tuple[JobConfig, Planned]:
+              onednn: bool = False, compiled: bool | None = None, ops: bool | None = None,
+              linear_kernel: bool | None = None) -> tuple[JobConfig, Planned]:
         """The plan `cbgen run` would make for these prompts (cbgen.job.sequence.plan_input), under the workload's
         schema when `constrained`, with the requests rendered as it renders them."""
         from cbgen.job.plan import used_settings
 
-        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled, ops)
+        job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled, ops,
+                   linear_kernel)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -121,13 +126,16 @@ class Bench:
 
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
-              onednn: bool = False, compiled: bool | None = None, ops: bool | None = None) -> Measurement:
+              onednn: bool = False, compiled: bool | None = None, ops: bool | None = None,
+              linear_kernel: bool | None = None) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
         `cbgen run` does it while reading). `invariant`: --batch-invariant or --no-batch-invariant (None: the
         default); `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear; `compiled`:
-        --compiled-attention or --no-compiled-attention; `ops`: --compiled-ops or --no-compiled-ops."""
+        --compiled-attention or --no-compiled-attention; `ops`: --compiled-ops or --no-compiled-ops; `linear_kernel`:
+        --compiled-linear or --no-compiled-linear."""
         job, planned = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
-                                  invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled, ops=ops)
+                                  invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled, ops=ops,
+                                  linear_kernel=linear_kernel)
         plan, grammars = planned.plan, planned.grammars
         engine = make_engine(job, planned, self.loaded)
         requests = list(prepared(job, planned, ordered=order != "input"))

@@ -77,6 +77,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "onednn_linear", ("--onednn-linear/--stock-linear",), bool, PANEL_MODEL),
     JobOption("model", "linear_row_buckets", ("--linear-row-buckets/--no-linear-row-buckets",), bool, PANEL_MODEL),
     JobOption("model", "fused_layers", ("--fused-layers/--no-fused-layers",), bool, PANEL_MODEL),
+    JobOption("model", "compiled_linear", ("--compiled-linear/--no-compiled-linear",), bool, PANEL_MODEL),
     JobOption("model", "compiled_attention", ("--compiled-attention/--no-compiled-attention",), bool, PANEL_MODEL),
     JobOption("model", "compiled_ops", ("--compiled-ops/--no-compiled-ops",), bool, PANEL_MODEL),
     JobOption("model", "batch_invariant", ("--batch-invariant/--no-batch-invariant",), bool, PANEL_MODEL),

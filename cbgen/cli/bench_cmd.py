@@ -13,7 +13,7 @@ from cbgen.errors import CbgenError
 
 # the cbgen-* variants are cbgen.bench.paths.VARIANTS (kept equal by a test; that module imports torch)
 PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-invariant", "cbgen-variant", "cbgen-eager",
-         "cbgen-onednn", "cbgen-eager-ops", "generate_batch", "static", "llamacpp", "llamacpp-q8_0")
+         "cbgen-onednn", "cbgen-eager-ops", "cbgen-tiles", "generate_batch", "static", "llamacpp", "llamacpp-q8_0")
 
 
 def _split(value: str) -> list[str]:

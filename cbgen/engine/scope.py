@@ -73,6 +73,7 @@ class ScopePlan:
     fused_why: str = "off"
     fused_ops: bool = False  # and their norms, rotary embedding and SiLU run cbgen's compiled operators
     kernel_why: str = "off"  # why the compiled attention kernel serves the model, or why not
+    linear_kernel: tuple[bool, str] = (False, "off")  # whether the invariant linear layers run the compiled kernel, why
 
     def describe(self) -> dict[str, Any]:
         """What the scope installs, for run.json."""
@@ -85,7 +86,8 @@ class ScopePlan:
                 "kv_cache_memory": "as used, freed blocks given back" if self.lazy_kv_cache else "all at start",
                 "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why,
                                    "compiled_operators": self.fused_ops},
-                "attention_kernel": {"compiled": self.attention == COMPILED, "why": self.kernel_why}}
+                "attention_kernel": {"compiled": self.attention == COMPILED, "why": self.kernel_why},
+                "linear_kernel": {"compiled": self.linear_kernel[0], "why": self.linear_kernel[1]}}
 
 
 @dataclass
@@ -209,11 +211,14 @@ class EngineScope:
         if plan.fused_layers:
             from cbgen.model.fused import fused_layers
 
-            merged = stack.enter_context(fused_layers(model, decoder_ops() if plan.fused_ops else None))
+            ops = compiled_kernel("decoder_ops") if plan.fused_ops else None
+            merged = stack.enter_context(fused_layers(model, ops))
         if plan.batch_invariant:
             from cbgen.model.invariant import batch_invariant_linear
+            from cbgen.model.tiles_kernel import KERNEL
 
-            stack.enter_context(batch_invariant_linear(model, merged))
+            stack.enter_context(batch_invariant_linear(model, merged, compiled_kernel(KERNEL)
+                                                       if plan.linear_kernel[0] else None))
         else:
             from cbgen.model.linear import linear_layers
 
@@ -306,14 +311,14 @@ class EngineScope:
                                f"mask, and the plan {'builds' if self.plan.dense_mask else 'skips'} it")
 
 
-def decoder_ops() -> Any:
-    """cbgen's compiled decoder-layer operators (torch.ops.cbgen_kernels), loaded in this process: a replica process
-    planned by its parent has not loaded them yet."""
+def compiled_kernel(name: str) -> Any:
+    """cbgen's compiled operators (torch.ops.cbgen_kernels) with the kernel `name` loaded in this process: a replica
+    process planned by its parent has not loaded them yet."""
     import torch
 
     from cbgen.kernels import kernel
 
-    built = kernel("decoder_ops")
+    built = kernel(name)
     if not built.loaded:
-        raise RuntimeError(f"cbgen's compiled operators are not available: {built.detail}")
+        raise RuntimeError(f"cbgen's compiled kernel {name} is not available: {built.detail}")
     return torch.ops.cbgen_kernels

@@ -199,7 +199,7 @@ def invariance_choice(job: JobConfig, loaded: LoadedModel, attention: str) -> tu
         return True, "on (--batch-invariant)"
     if attention == COMPILED:
         return True, ("on: cbgen's compiled attention is invariant by construction, the linear layers run in fixed "
-                      "tiles (--no-batch-invariant turns it off)")
+                      "blocks (--no-batch-invariant turns it off)")
     if job.generation.seed is not None:
         return True, "on: a seeded job (--no-batch-invariant turns it off)"
     return False, "off: not a seeded job (--batch-invariant turns it on)"
@@ -244,11 +244,32 @@ def linear_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> str:
     return linear.STOCK
 
 
+def linear_kernel_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> tuple[bool, str]:
+    """Whether a batch-invariant job's linear layers run cbgen's compiled kernel (cbgen.model.tiles_kernel) rather
+    than cbgen.model.invariant's fixed tiles, and why: by default wherever it builds and fits the model's dtype;
+    asked for (--compiled-linear), it must apply."""
+    from cbgen.kernels import kernel
+    from cbgen.model.tiles_kernel import KERNEL, unfit_reason
+
+    asked = job.model.compiled_linear
+    if asked is False:
+        return False, "off (--no-compiled-linear)"
+    reason = "the job is not batch-invariant" if not invariant else \
+        f"it runs on {loaded.device}" if loaded.device != "cpu" else unfit_reason(loaded.dtype)
+    if reason is None and not (built := kernel(KERNEL)).loaded:
+        reason = built.detail
+    if reason is not None:
+        if asked:
+            raise CbgenError(f"--compiled-linear does not apply here: {reason}; drop the flag")
+        return False, f"off: {reason}"
+    return True, f"on ({kernel(KERNEL).detail}; --no-compiled-linear: the fixed tiles)"
+
+
 def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str, bool]:
     """Whether the decoder layers run cbgen's fused forward (cbgen.model.fused), and why: by default on CPU in one
     process where the model fits it; asked for (--fused-layers), it must apply. And whether their norms, rotary
     embedding and SiLU run as cbgen's compiled operators: wherever those build and fit the model."""
-    from cbgen.engine.scope import decoder_ops
+    from cbgen.engine.scope import compiled_kernel
     from cbgen.kernels import kernel
     from cbgen.model.fused import unfit_reason
     from cbgen.model.fused_ops import ops_unfit_reason, probe_ops
@@ -272,7 +293,7 @@ def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str, bool]:
     if unfit_ops is None and not kernel("decoder_ops").loaded:
         unfit_ops = kernel("decoder_ops").detail
     if unfit_ops is None:
-        unfit_ops = probe_ops(loaded.model, decoder_ops())
+        unfit_ops = probe_ops(loaded.model, compiled_kernel("decoder_ops"))
     if unfit_ops is not None and job.model.compiled_ops:
         raise CbgenError(f"--compiled-ops does not apply here: {unfit_ops}; drop the flag")
     return True, why + ("; norms, rotary and SiLU compiled (--no-compiled-ops: eager)" if unfit_ops is None else
@@ -296,6 +317,7 @@ def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled:
         attention = PER_SEQUENCE_INVARIANT
     return ScopePlan(attention=attention, batch_invariant=invariant, invariant_why=why,
                      linear=linear_choice(job, loaded, invariant),
+                     linear_kernel=linear_kernel_choice(job, loaded, invariant),
                      dense_mask=attention not in CPU_ATTENTION or compiled,
                      lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why, fused_ops=fused_ops,
                      kernel_why=kernel_why)
@@ -310,11 +332,13 @@ def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:
     kernel_reason = _packed_rows_reason(job, loaded)
     if kernel_reason is None:
         return ScopePlan(attention=PACKED_ROWS, batch_invariant=True, linear=linear_choice(job, loaded, invariant=True),
+                         linear_kernel=linear_kernel_choice(job, loaded, True),
                          invariant_why="on: rows packed end to end, attended by cbgen's compiled kernel, the linear "
                                        "layers in fixed tiles (--no-batch-invariant turns it off)",
                          kernel_why="on: rows packed end to end")
     if job.model.batch_invariant:
         return ScopePlan(attention=STOCK, batch_invariant=True, linear=linear_choice(job, loaded, invariant=False),
+                         linear_kernel=linear_kernel_choice(job, loaded, True),
                          invariant_why="on: each row scored in a forward pass of its own (--batch-invariant)")
     return ScopePlan(attention=STOCK, linear=linear_choice(job, loaded, invariant=False),
                      invariant_why="off: rows of similar length share forward passes (--batch-invariant scores each "

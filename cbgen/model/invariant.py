@@ -40,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from cbgen.config.cpu import cpu_row
+from cbgen.model import tiles_kernel
 from cbgen.model.linear import MergedLinears, onednn_available, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
@@ -271,6 +272,8 @@ def cancelling_pairs(weight: torch.Tensor, generator: torch.Generator, sample: i
     """Of `sample` output columns drawn at random, those with two equal nonzero weights: each column and the two
     places (`probe_rows`)."""
     drawn = torch.randperm(weight.shape[0], generator=generator)[:sample]
+    if weight.shape[1] < 2:  # one input: no pair
+        return drawn[:0], drawn[:0], drawn[:0]
     values, order = torch.sort(weight.detach()[drawn].float(), dim=1)
     equal = (values[:, 1:] == values[:, :-1]) & (values[:, 1:] != 0)
     have = equal.any(dim=1).nonzero().flatten()
@@ -312,27 +315,31 @@ def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, sizes: 
     return fixed_shape_linear(x, module.weight, module.bias, packed, sizes)
 
 
-def _tiled(module: torch.nn.Linear) -> functools.partial:
+def _tiled(module: torch.nn.Linear, kernel: Any = None) -> functools.partial:
+    if kernel is not None and tiles_kernel.layer_fits(module):
+        return tiles_kernel.tiled_forward(kernel, module)
     packed = pack(module.weight)
     return functools.partial(_tiled_forward, module, packed, tile_sizes(module.weight, packed))
 
 
 @contextmanager
-def batch_invariant_linear(model: torch.nn.Module, merged: MergedLinears | None = None) -> Iterator[None]:
+def batch_invariant_linear(model: torch.nn.Module, merged: MergedLinears | None = None, kernel: Any = None
+                           ) -> Iterator[None]:
     """Inside the block, the model computes every linear layer in fixed-shape tiles: each `nn.Linear` through a
     forward of its own, and, in a model with MoE experts, every other `F.linear` of its forward pass (routers, the
     experts' matmuls) through a torch function mode, with the experts run "eager" (one matmul per expert; the fused
     grouped matmuls split by the batch's routing). The mode costs Python time on every operator (about 10 % of a
     decode step of the embedded model), which is why dense models, whose linear layers are all `nn.Linear`, do
-    without it. `merged` linear layers (cbgen.model.fused) are tiled in place of those they compute. Everything is put
-    back on exit."""
+    without it. `merged` linear layers (cbgen.model.fused) are tiled in place of those they compute. With `kernel`
+    (torch.ops.cbgen_kernels, the compiled linear tiles loaded and fit for the model's dtype: cbgen.model.tiles_kernel)
+    the `nn.Linear` layers run through it instead of this module's tiles. Everything is put back on exit."""
     experts = _experts_implementation(model)
     switch = experts is not None and set(experts.values()) != {"eager"}
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
     if merged is not None:
         linears = merged.applied(linears)
     # the packed weights (float32; bfloat16 with bf16 units) are a second copy of the weights while the block runs
-    forwards: dict[torch.nn.Module, object] = {module: _tiled(module) for module in linears}
+    forwards: dict[torch.nn.Module, object] = {module: _tiled(module, kernel) for module in linears}
     forward = model.forward
 
     def invariant_forward(self, *args, **kwargs):

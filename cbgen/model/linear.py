@@ -77,7 +77,7 @@ LINEAR_KINDS = {
     VOCABULARY_CHUNKS: f"stock, vocabulary in {VOCAB_CHUNK}-column chunks",
     ROW_BUCKETS: f"stock, rows in buckets (multiples of {SMALL_STEP} to {ROW_STEP}, then four per doubling)",
     ONEDNN: "onednn, weights prepacked",
-    TILES: "fixed-shape tiles of 64 rows (batch-invariant)",
+    TILES: "batch-invariant, rows in blocks of 64 (engine_scope.linear_kernel says whose)",
 }
 
 

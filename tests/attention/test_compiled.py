@@ -16,6 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cbgen.attention.compiled as compiled
 from cbgen.attention import compiled_sdpa_forward, per_sequence_attention, registry
+from cbgen.model import tiles_kernel
 from tests.attention.test_per_sequence import GREEDY, SHAPE, generate, load, prompts, quiet_engine  # noqa: F401
 
 
@@ -113,6 +114,12 @@ def test_without_a_compiler_the_eager_attention_runs_and_says_why(tmp_path, tiny
     assert "compiled kernel paged_attention unavailable" in done.stderr
     layers = scope["decoder_layers"]
     assert layers["compiled_operators"] is False and "norms, rotary and SiLU eager: the build failed" in layers["why"]
+    assert scope["linear_kernel"] == {"compiled": False, "why": "off: the job is not batch-invariant"}
+    done, out = _run(tmp_path, tiny_model_dir, "--batch-invariant", env=env)  # the linear layers: the fixed tiles
+    assert done.returncode == 0, done.stderr[-2000:]
+    scope = json.loads((out / "run.json").read_text())["engine_scope"]
+    assert scope["batch_invariant"]["on"] is True and scope["linear_kernel"]["compiled"] is False
+    assert scope["linear_kernel"]["why"].startswith("off: the build failed")
     # asked for, it must apply: a one-line error before anything runs
     done, _ = _run(tmp_path, tiny_model_dir, "--compiled-attention", env=env)
     assert done.returncode != 0 and "Traceback" not in done.stderr
@@ -130,9 +137,14 @@ def test_a_job_names_the_kernel_and_a_warm_start_loads_it_cached(tmp_path, tiny_
         assert scope["batch_invariant"]["on"] is True
         layers = scope["decoder_layers"]  # the fused layers' compiled operators, built and cached the same way
         assert layers["compiled_operators"] is True and "norms, rotary and SiLU compiled" in layers["why"]
+        linear = scope["linear_kernel"]  # the invariant linear layers' kernel, built beside them, where it serves
+        dtype = getattr(torch, json.loads((out / "run.json").read_text())["model"]["dtype"])
+        assert linear["compiled"] is (tiles_kernel.unfit_reason(dtype) is None)
+        assert expected in linear["why"] if linear["compiled"] else linear["why"].startswith("off: ")
     built = sorted(path.name for path in (tmp_path / "cache" / "kernels").iterdir() if path.is_dir())  # builds
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    assert [name.split("-")[:2] for name in built] == [["decoder_ops", capability], ["paged_attention", capability]]
+    assert [name.split("-")[:2] for name in built] == [["decoder_ops", capability], ["linear_tiles", capability],
+                                                       ["paged_attention", capability]]
     # --no-compiled-attention: the eager path, and the old default (invariance for seeded jobs only)
     done, out = _run(tmp_path, tiny_model_dir, "--no-compiled-attention", env=env)
     scope = json.loads((out / "run.json").read_text())["engine_scope"]

@@ -16,6 +16,7 @@ from cbgen.attention import registry
 from cbgen.engine import scope as scope_module
 from cbgen.engine.scope import PER_SEQUENCE, EngineScope, ScopePlan
 from cbgen.errors import CbgenError
+from cbgen.model import tiles_kernel
 
 ROWS = [{"id": str(i), "prompt": "Tell me about the river number " + "and its banks " * (i % 4) + str(i)}
         for i in range(12)]
@@ -170,13 +171,19 @@ def test_the_plan_is_what_run_json_records(tiny_model_dir, tmp_path):
                     "--seed", "3", "--temperature", "1", "--max-new-tokens", "3", "-q"]) == 0
     manifest = json.loads((out / "run.json").read_text())
     kernel = manifest["engine_scope"].pop("attention_kernel")
+    linear = manifest["engine_scope"].pop("linear_kernel")  # float32 on AVX2 and up: the compiled linear blocks
+    assert linear == ({"compiled": True, "why": linear["why"]} if tiles_kernel.unfit_reason(torch.float32) is None
+                      else {"compiled": False, "why": linear["why"]})
+    assert linear["why"].endswith("; --no-compiled-linear: the fixed tiles)") if linear["compiled"] else \
+        linear["why"].startswith("off: ")
     assert kernel["compiled"] is True and kernel["why"].startswith("on (")  # "on (built in 18.2 s; ..." or "cached"
     assert kernel["why"].endswith("; --no-compiled-attention turns it off)")
     assert manifest["engine_scope"] == {
         "attention": "per-sequence, compiled kernel (batch-invariant by construction)",
         "batch_invariant": {"on": True, "why": "on: cbgen's compiled attention is invariant by construction, the "
-                                               "linear layers run in fixed tiles (--no-batch-invariant turns it off)"},
-        "linear": "fixed-shape tiles of 64 rows (batch-invariant)",
+                                               "linear layers run in fixed blocks (--no-batch-invariant turns it "
+                                               "off)"},
+        "linear": "batch-invariant, rows in blocks of 64 (engine_scope.linear_kernel says whose)",
         "dense_attention_mask": "not built: cbgen's per-sequence attention does not read it",
         "kv_cache_memory": "as used, freed blocks given back",
         "decoder_layers": {"fused": True, "compiled_operators": True,

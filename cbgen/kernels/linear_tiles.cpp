@@ -1,0 +1,193 @@
+// Batch-invariant linear layers: out = x W^T + bias, every output block of BLOCK_M rows x block_n columns one call
+// of oneDNN's brgemm micro-kernel (through ATen's at::native::cpublas::brgemm) over the whole reduction, by one thread.
+//
+// Invariant by construction. A micro-kernel call adds each output's K products in one order, fixed by the layer's
+// K and block_n (its register blocking over K, AMX tiles of 32 bfloat16 pairs or one FMA per k): the rows of the call
+// only say how many accumulators it fills, never in what order one of them sums. Each block is computed by one
+// thread in one call, so a row's bits do not depend on how many rows share the layer's call, where it sits among
+// them or how many threads run; the float32 sum is rounded once, with the bias added before (as oneDNN's linear
+// does). Measured (the tests): a row alone, among 1-600 others and on one or two threads, bitwise; float32 within
+// rounding of torch's linear.
+//
+// Why this and not oneDNN's linear primitive in fixed tiles (cbgen.model.invariant's fallback): a primitive picks
+// its kernel, blocking and thread split by the call's shape, so invariance there needs every call padded to a few
+// probed tile shapes, a call each; here the loop is ours. On a 2-core Sapphire Rapids (AMX) in bfloat16 at a decode
+// step's 64 rows the embedded model's projections cost 0.4-0.6x one stock call (and the fixed tiles' 0.4-0.9x), and
+// at 200-1,024 rows about a stock call (the tiles 1.2-2x).
+//
+// The weight is packed once (linear_pack): split into panels of block_n output columns (the last zero-padded),
+// each stored K x block_n; in bfloat16 in the pair-interleaved (VNNI) layout the micro-kernel reads: ATen's own
+// pack on AMX, the plain pair interleave on other CPUs with bfloat16 units. The kernel serves float32 on AVX2 and
+// up, bfloat16 with bfloat16 units (cbgen.model.tiles_kernel says which): elsewhere ATen would fall back to a BLAS
+// call, whose bits move with the shape.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace cbgen_kernels {
+namespace {
+
+namespace cpublas = at::native::cpublas;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+constexpr int64_t BLOCK_M = 64;  // rows a call: a decode step's; a call's last block has its own row count
+constexpr int64_t PANELS_CACHED = 1 << 18;  // bytes of weight panels a group of blocks shares: half of a Zen 3's L2
+
+bool amx_packs() { return cpublas::could_pack(at::kBFloat16); }
+
+// Panel p of the weight [N, K] as K x block_n (output columns past N zero): `pairs` interleaves each two rows of K
+template <typename T>
+void panel(const T* weight, int64_t n, int64_t k, int64_t p, int64_t block_n, bool pairs, T* out) {
+  const int64_t columns = std::max<int64_t>(0, std::min(block_n, n - p * block_n));
+  const T* first = weight + p * block_n * k;
+  for (int64_t i = 0; i < k; ++i) {  // written in order; the block_n rows read stay in L1 across 16 or more i
+    T* target = pairs ? out + (i / 2) * block_n * 2 + i % 2 : out + i * block_n;
+    const int64_t step = pairs ? 2 : 1;
+    for (int64_t j = 0; j < columns; ++j) {
+      target[j * step] = first[j * k + i];
+    }
+    for (int64_t j = columns; j < block_n; ++j) {
+      target[j * step] = T(0);
+    }
+  }
+}
+
+// [N, K] -> [P, K, block_n]: panels of block_n output columns, the last zero-padded; bfloat16 pair-interleaved
+// (ATen's pack on AMX), one panel per task
+at::Tensor linear_pack(const at::Tensor& weight_in, int64_t block_n) {
+  TORCH_CHECK(weight_in.dim() == 2 && weight_in.device().is_cpu(), "linear_pack: a 2-D CPU weight");
+  const at::Tensor weight = weight_in.contiguous();
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + block_n - 1) / block_n;
+  at::Tensor out = at::empty({panels, k, block_n}, weight.options());
+  if (weight.scalar_type() == at::kFloat) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        panel(weight.data_ptr<float>(), n, k, p, block_n, false, out.data_ptr<float>() + p * k * block_n);
+      }
+    });
+    return out;
+  }
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_pack: float32 or bfloat16");
+  TORCH_CHECK(k % 2 == 0, "linear_pack: bfloat16 needs an even number of input features");
+  const bool amx = amx_packs();
+  using BF16 = at::BFloat16;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BF16> plain(amx ? k * block_n : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      BF16* target = out.data_ptr<BF16>() + p * k * block_n;
+      if (!amx) {
+        panel(weight.data_ptr<BF16>(), n, k, p, block_n, true, target);
+        continue;
+      }
+      panel(weight.data_ptr<BF16>(), n, k, p, block_n, false, plain.data());
+      cpublas::pack(k, block_n, block_n, block_n, at::kBFloat16, at::kBFloat16, plain.data(), target);
+    }
+  });
+  return out;
+}
+
+// One block's float32 sums (rows x block_n, ld block_n) plus the bias, rounded into `width` columns of the output
+template <typename T>
+void store_block(const float* sums, int64_t rows, int64_t block_n, int64_t width, const float* bias, T* out,
+                 int64_t ld_out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = sums + r * block_n;
+    T* dst = out + r * ld_out;
+    int64_t c = 0;
+    for (; c + 2 * W <= width; c += 2 * W) {
+      Vec a = Vec::loadu(src + c), b = Vec::loadu(src + c + W);
+      if (bias != nullptr) {
+        a = a + Vec::loadu(bias + c);
+        b = b + Vec::loadu(bias + c + W);
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        a.store(dst + c);
+        b.store(dst + c + W);
+      } else {
+        at::vec::convert_from_float<T>(a, b).store(dst + c);
+      }
+    }
+    for (; c < width; ++c) {
+      dst[c] = static_cast<T>(bias != nullptr ? src[c] + bias[c] : src[c]);
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), ld_x = x.stride(0), n = out.size(1);
+  const int64_t panels = packed.size(0), block_n = packed.size(2);
+  const int64_t row_blocks = (m + BLOCK_M - 1) / BLOCK_M;
+  const bool vnni = std::is_same_v<T, at::BFloat16>;
+  const T* a = x.data_ptr<T>();
+  const T* b = packed.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  // blocks in groups of `chunk` panels: within a group row block by row block, so that the group's panels stay in
+  // a core's cache while the rows pass over them, and a row block while it meets the group's panels
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(panels, PANELS_CACHED / (k * block_n * x.element_size())));
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(BLOCK_M * block_n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t group = task / (chunk * row_blocks), in_group = task % (chunk * row_blocks);
+      const int64_t width_g = std::min(chunk, panels - group * chunk);
+      const int64_t p = group * chunk + in_group % width_g, first = (in_group / width_g) * BLOCK_M;
+      const int64_t rows = std::min(BLOCK_M, m - first), width = std::min(block_n, n - p * block_n);
+      cpublas::brgemm(rows, block_n, k, ld_x, block_n, block_n, false, a + first * ld_x, b + p * k * block_n,
+                      sums.data(), vnni);
+      store_block<T>(sums.data(), rows, block_n, width, bias == nullptr ? nullptr : bias + p * block_n,
+                     o + first * n + p * block_n, n);
+    }
+    if (vnni) {
+      cpublas::brgemm_release(vnni);
+    }
+  });
+}
+
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                        int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_tiles: rows of contiguous features");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.scalar_type() == x.scalar_type(),
+              "linear_tiles: the weight packed by linear_pack for these rows");
+  TORCH_CHECK(packed.size(0) * packed.size(2) >= out_features, "linear_tiles: more output features than packed");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) {
+    return out;
+  }
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "linear_tiles: a bias of out_features");
+    bias_f = at::zeros({packed.size(0) * packed.size(2)}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, out_features).copy_(*bias);
+  }
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(x, packed, bias_ptr, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "linear_tiles: float32 or bfloat16");
+    run<float>(x, packed, bias_ptr, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cbgen_kernels, m) {
+  m.def("linear_pack(Tensor weight, int block_n) -> Tensor");
+  m.def("linear_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_amx_packs() -> bool", &amx_packs);  // whether bfloat16 weights take ATen's AMX packing
+}
+
+TORCH_LIBRARY_IMPL(cbgen_kernels, CPU, m) {
+  m.impl("linear_pack", &linear_pack);
+  m.impl("linear_tiles", &linear_tiles);
+}
+
+}  // namespace cbgen_kernels
