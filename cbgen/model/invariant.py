@@ -1,5 +1,8 @@
 """Batch-invariant linear layers: every matmul of the model's forward pass in fixed-shape row tiles, so that a row's
 result does not depend on how many rows share the call, where it sits among them, or how many threads run it.
+Where cbgen's compiled linear blocks serve the model (cbgen.model.tiles_kernel: float32 on AVX2 and up, bfloat16
+with bfloat16 units), its `nn.Linear` layers run those instead, which need neither padding nor a probe; the tiles
+below are the way everywhere else (float16, other CPUs, no compiler, MoE models' other matmuls).
 
 **Why.** A BLAS picks its kernel, its blocking and its thread split by the shape of the call. Under continuous
 batching a token's row shares each linear layer with every other token of the step, so the same prompt gives other
