@@ -32,7 +32,8 @@ from cbgen.model import dtype_name
 from cbgen.model.load import load_model
 
 BUCKETS = (  # first match wins; operator names as torch.profiler reports them
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn", "aten::_mkl", "onednn")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn", "aten::_mkl", "onednn",
+                "cbgen_kernels::linear_tiles")),
     ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax", "cbgen_kernels::")),
     ("copy / gather / index", ("aten::copy_", "aten::index", "aten::cat", "aten::gather", "aten::scatter",
                                "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::embedding",
@@ -134,13 +135,17 @@ def main() -> None:
                         help="As for cbgen run: cbgen's compiled attention kernel, or its eager CPU attention.")
     parser.add_argument("--compiled-ops", action=argparse.BooleanOptionalAction, default=None,
                         help="As for cbgen run: the fused layers' norms, rotary and SiLU compiled, or eager.")
+    parser.add_argument("--compiled-linear", action=argparse.BooleanOptionalAction, default=None,
+                        help="As for cbgen run: a batch-invariant job's linear layers in cbgen's compiled blocks, or "
+                        "in the fixed tiles.")
     parser.add_argument("--timing-only", action="store_true", help="Time the steps without the profiler (which slows "
                         "them): the true step times, without the breakdown.")
     args = parser.parse_args()
     _instrument(args.min_decode, args.timing_only)
     section = ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear,
                            fused_layers=False if args.no_fused_layers else None,
-                           compiled_attention=args.compiled_attention, compiled_ops=args.compiled_ops)
+                           compiled_attention=args.compiled_attention, compiled_ops=args.compiled_ops,
+                           compiled_linear=args.compiled_linear)
     loaded = load_model(section)
     batching = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
