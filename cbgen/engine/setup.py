@@ -326,7 +326,7 @@ def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled:
 def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:
     """What cbgen installs while a scoring job's scorer runs (cbgen.score). Where cbgen's compiled attention serves
     the model (on CPU, in one process), by default: rows packed end to end into each forward pass, attended by the
-    kernel and their linear layers in fixed tiles, so every row's scores are its own bits (batch-invariant, no
+    kernel and their linear layers in fixed blocks, so every row's scores are its own bits (batch-invariant, no
     padding). Elsewhere the scorer attends with the model's own attention and masks over padded batches, and
     --batch-invariant gives every row a forward pass of its own: its shapes, and so its bits, are its own."""
     kernel_reason = _packed_rows_reason(job, loaded)
@@ -334,7 +334,7 @@ def plan_scoring_scope(job: JobConfig, loaded: LoadedModel) -> ScopePlan:
         return ScopePlan(attention=PACKED_ROWS, batch_invariant=True, linear=linear_choice(job, loaded, invariant=True),
                          linear_kernel=linear_kernel_choice(job, loaded, True),
                          invariant_why="on: rows packed end to end, attended by cbgen's compiled kernel, the linear "
-                                       "layers in fixed tiles (--no-batch-invariant turns it off)",
+                                       "layers in fixed blocks (--no-batch-invariant turns it off)",
                          kernel_why="on: rows packed end to end")
     if job.model.batch_invariant:
         return ScopePlan(attention=STOCK, batch_invariant=True, linear=linear_choice(job, loaded, invariant=False),

@@ -12,8 +12,8 @@
 // Why this and not oneDNN's linear primitive in fixed tiles (cbgen.model.invariant's fallback): a primitive picks
 // its kernel, blocking and thread split by the call's shape, so invariance there needs every call padded to a few
 // probed tile shapes, a call each; here the loop is ours. On a 2-core Sapphire Rapids (AMX) in bfloat16 at a decode
-// step's 64 rows the embedded model's projections cost 0.4-0.6x one stock call (and the fixed tiles' 0.4-0.9x), and
-// at 200-1,024 rows about a stock call (the tiles 1.2-2x).
+// step's 64 rows the embedded model's projections cost 0.4-0.6x one stock call (the fixed tiles 0.9-1.0x), and at
+// 200-1,024 rows 0.5-1.4x (the tiles 1.2-2x).
 //
 // The weight is packed once (linear_pack): split into panels of block_n output columns (the last zero-padded),
 // each stored K x block_n; in bfloat16 in the pair-interleaved (VNNI) layout the micro-kernel reads: ATen's own
@@ -161,11 +161,10 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, const std
   if (x.size(0) == 0) {
     return out;
   }
-  at::Tensor bias_f;
+  at::Tensor bias_f;  // float32: the caller's, or a converted copy (cbgen.model.tiles_kernel converts it once)
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == out_features, "linear_tiles: a bias of out_features");
-    bias_f = at::zeros({packed.size(0) * packed.size(2)}, x.options().dtype(at::kFloat));
-    bias_f.narrow(0, 0, out_features).copy_(*bias);
+    bias_f = bias->to(at::kFloat).contiguous();
   }
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kBFloat16) {

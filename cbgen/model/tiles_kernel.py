@@ -53,14 +53,16 @@ def tiled_forward(ops: Any, module: torch.nn.Linear) -> functools.partial:
     """The layer's forward through the kernel, over its weight packed now (a second copy of it while in use)."""
     with torch.no_grad():
         packed = ops.linear_pack(module.weight.detach().contiguous(), BLOCK_N)
-    return functools.partial(_forward, ops, module, packed)
+        bias = None if module.bias is None else module.bias.detach().float().contiguous()  # added to float32 sums
+    return functools.partial(_forward, ops, module, packed, bias)
 
 
-def _forward(ops: Any, module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _forward(ops: Any, module: torch.nn.Linear, packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+             ) -> torch.Tensor:
     if torch.is_grad_enabled() or x.dtype != module.weight.dtype or x.device.type != "cpu":
         return torch.nn.functional.linear(x, module.weight, module.bias)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = ops.linear_tiles(rows, packed, module.bias, module.out_features)
+    out = ops.linear_tiles(rows, packed, bias, module.out_features)
     return out.view(*x.shape[:-1], module.out_features)
