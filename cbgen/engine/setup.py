@@ -256,13 +256,14 @@ def linear_kernel_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -
         return False, "off (--no-compiled-linear)"
     reason = "the job is not batch-invariant" if not invariant else \
         f"it runs on {loaded.device}" if loaded.device != "cpu" else unfit_reason(loaded.dtype)
-    if reason is None and not (built := kernel(KERNEL)).loaded:
+    if reason is None:
+        built = kernel(KERNEL)
+        if built.loaded:
+            return True, f"on ({built.detail}; --no-compiled-linear: the fixed tiles)"
         reason = built.detail
-    if reason is not None:
-        if asked:
-            raise CbgenError(f"--compiled-linear does not apply here: {reason}; drop the flag")
-        return False, f"off: {reason}"
-    return True, f"on ({kernel(KERNEL).detail}; --no-compiled-linear: the fixed tiles)"
+    if asked:
+        raise CbgenError(f"--compiled-linear does not apply here: {reason}; drop the flag")
+    return False, f"off: {reason}"
 
 
 def fused_choice(job: JobConfig, loaded: LoadedModel) -> tuple[bool, str, bool]:

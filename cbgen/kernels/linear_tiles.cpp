@@ -41,8 +41,6 @@ constexpr int64_t W = Vec::size();
 constexpr int64_t BLOCK_M = 64;  // rows a call: a decode step's; a call's last block has its own row count
 constexpr int64_t PANELS_CACHED = 1 << 18;  // bytes of weight panels a group of blocks shares: half of a Zen 3's L2
 
-bool amx_packs() { return cpublas::could_pack(at::kBFloat16); }
-
 // Panel p of the weight [N, K] as K x block_n (output columns past N zero): `pairs` interleaves each two rows of K
 template <typename T>
 void panel(const T* weight, int64_t n, int64_t k, int64_t p, int64_t block_n, bool pairs, T* out) {
@@ -77,7 +75,7 @@ at::Tensor linear_pack(const at::Tensor& weight_in, int64_t block_n) {
   }
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_pack: float32 or bfloat16");
   TORCH_CHECK(k % 2 == 0, "linear_pack: bfloat16 needs an even number of input features");
-  const bool amx = amx_packs();
+  const bool amx = cpublas::could_pack(at::kBFloat16);  // ATen packs bfloat16 for AMX only
   using BF16 = at::BFloat16;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<BF16> plain(amx ? k * block_n : 0);
@@ -181,7 +179,6 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, const std
 TORCH_LIBRARY_FRAGMENT(cbgen_kernels, m) {
   m.def("linear_pack(Tensor weight, int block_n) -> Tensor");
   m.def("linear_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("linear_amx_packs() -> bool", &amx_packs);  // whether bfloat16 weights take ATen's AMX packing
 }
 
 TORCH_LIBRARY_IMPL(cbgen_kernels, CPU, m) {
