@@ -47,8 +47,8 @@ class StepPlan:
         `used`: the row settings its input carries; `columns`: what its rows record (logprobs, top logprobs);
         `own_draws`: cbgen draws every sampled token itself, seeded or not (on CPU in one process: transformers'
         own draw, a softmax and torch.multinomial over the vocabulary, took 130 ms of a 64-sequence step there, where
-        cbgen's vectorised inverse-CDF draw takes 7; with tensor parallelism every rank must draw alike, and on a GPU
-        the step control would turn CUDA graphs off)."""
+        cbgen's compiled inverse-CDF draw takes 1.4 ms, its eager one 7; with tensor parallelism every rank must draw
+        alike, and on a GPU the step control would turn CUDA graphs off)."""
         g = job.generation
         try:
             fmt = job_format(g)

@@ -9,13 +9,13 @@ Each step, for the requests that get a new token:
    grammar accepts, and a grammar that has ended allows nothing else.
 2. transformers' own temperature, top-k and top-p stages run in between.
 3. `Choose` (last) picks the token itself: the most likely one when the job is greedy, else an inverse-CDF draw:
-   with u uniform in [0, 1), the first token whose cumulative probability under softmax(scores) exceeds u, which
-   draws exactly from softmax(scores). u is a counter-based hash of (the request's seed, its sample index, the
-   token's position) alone, so a seeded sequence is the same whatever shares its batch, in any order, after a
-   resume, on any shard or rank; and all rows of a step draw in one vectorised pass (softmax and cumulative sum row
-   by row), where a Gumbel-max draw needed a generator and a vocabulary of noise per row (measured: the seeded job
-   ran 0.64x as fast as greedy). It leaves only the chosen token possible, so transformers' own sampling takes it,
-   and it advances the sequence's grammar.
+   with u uniform in [0, 1), the first token whose cumulative weight under softmax(scores) passes u times the
+   row's total, weights being integers (floor(exp(score - max) * 2^44), so their sums are exact in any order). u is
+   a counter-based hash of (the request's seed, its sample index, the token's position) alone, so a seeded sequence
+   is the same whatever shares its batch, in any order, after a resume, on any shard or rank; all rows of a step
+   draw in one call of cbgen's compiled draw (cbgen/kernels/sampling.cpp: a row a thread, one pass over its scores),
+   or of the same arithmetic in torch operators where the kernel cannot be built. It leaves only the chosen token
+   possible, so transformers' own sampling takes it, and it advances the sequence's grammar.
 
 The processors run in Python between the forward pass and sampling, so they need the engine's synchronous loop:
 cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has neither).
@@ -23,6 +23,7 @@ cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,35 +74,65 @@ def uniform(seed: int, index: int, position: int) -> float:
     return (int.from_bytes(digest, "big") >> 11) / 2**53
 
 
+WEIGHT_SCALE = 2**44  # a token's weight: floor(exp(score - the row's best) * 2^44), an integer (the best is 2^44)
+
+
 class DrawBuffers:
-    """The draw's working memory, kept from step to step: a fresh 25 MB float64 cumulative sum per step (64 rows of
+    """The eager draw's working memory, kept from step to step: a fresh 25 MB cumulative sum per step (64 rows of
     49,152) cost more in page faults than in arithmetic (measured 5 to 25 ms for the same cumulative sum)."""
 
     def __init__(self) -> None:
         self.weights = torch.empty(0)
-        self.cdf = torch.empty(0, dtype=torch.float64)
+        self.cdf = torch.empty(0, dtype=torch.int64)
 
     def get(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.weights.shape[0] < rows or self.weights.shape[1:] != (vocab,) or self.weights.device != device:
             self.weights = torch.empty(rows, vocab, device=device)
-            self.cdf = torch.empty(rows, vocab, dtype=torch.float64, device=device)
+            self.cdf = torch.empty(rows, vocab, dtype=torch.int64, device=device)
         return self.weights[:rows], self.cdf[:rows]
 
 
-def inverse_cdf_draw(scores: torch.Tensor, uniforms: torch.Tensor, buffers: DrawBuffers | None = None
-                     ) -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def draw_kernel() -> tuple[Any, str]:
+    """(torch.ops.cbgen_kernels with the compiled draw loaded, "compiled") or (None, why the eager draw runs)."""
+    from cbgen.kernels import kernel
+
+    built = kernel("sampling")
+    if not built.loaded:
+        return None, f"eager: {built.detail}"
+    return torch.ops.cbgen_kernels, "compiled"
+
+
+def inverse_cdf_draw(scores: torch.Tensor, uniforms: torch.Tensor, buffers: DrawBuffers | None = None,
+                     compiled: bool = True) -> torch.Tensor:
     """One token per row of `scores` ([rows, vocab]) drawn from softmax(scores) by its uniform number ([rows],
-    float64): the first token whose cumulative weight exp(score - max) (float64 sums) exceeds u times the row's
-    total, so no normalised softmax is needed. A token of weight 0 is never drawn: its cumulative weight equals the
-    one before it. `buffers`: working memory to reuse."""
+    float64): the first token whose cumulative weight passes u times the row's total, with integer weights
+    floor(exp(score - max) * 2^44) (exact sums, so the order of addition cannot move a draw; a token more than 30.5
+    nats below the row's best has weight 0 and is never drawn). A row whose best score is not finite takes its first
+    best token. `compiled`: through cbgen's compiled kernel (cbgen/kernels/sampling.cpp) on CPU where it built, one
+    pass per row; else, or on other devices, the same arithmetic in torch operators (`buffers`: their working memory
+    to reuse), whose exp may round a last bit differently from the kernel's."""
     scores = scores.float()
+    if compiled and scores.device.type == "cpu" and (ops := draw_kernel()[0]) is not None:
+        rows = scores if scores.stride(-1) == 1 else scores.contiguous()
+        return ops.draw_rows(rows, uniforms.to(torch.float64).contiguous())
     weights, cdf = (buffers or DrawBuffers()).get(scores.shape[0], scores.shape[1], scores.device)
-    torch.sub(scores, scores.amax(dim=-1, keepdim=True), out=weights).exp_()
-    torch.cumsum(weights, dim=-1, dtype=torch.float64, out=cdf)
+    top = scores.amax(dim=-1, keepdim=True)
+    torch.sub(scores, top, out=weights).exp_().mul_(WEIGHT_SCALE)
+    torch.cumsum(weights.to(torch.int64), dim=-1, out=cdf)  # the float-to-integer conversion truncates
     total = cdf[:, -1:]
-    # u < 1, but u * total may round up to total: keep the target below it so that a positive token is found
-    target = torch.minimum(uniforms.to(torch.float64).unsqueeze(1) * total, torch.nextafter(total, total.new_zeros(())))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=scores.size(1) - 1)
+    target = (uniforms.to(torch.float64).unsqueeze(1) * total.double()).to(torch.int64)
+    target = torch.minimum(target.clamp_(min=0), total - 1)
+    chosen = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=scores.size(1) - 1)
+    unweighable = ~torch.isfinite(top.squeeze(1))
+    if bool(unweighable.any()):
+        chosen[unweighable] = _first_best(scores[unweighable])
+    return chosen
+
+
+def _first_best(scores: torch.Tensor) -> torch.Tensor:
+    """The first highest score's index of each row, NaN read as -inf (rows with no finite maximum)."""
+    return torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(dim=-1)
 
 
 class StepControl:

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = {"paged_attention": _HERE / "paged_attention.cpp", "decoder_ops": _HERE / "decoder_ops.cpp",
-           "linear_tiles": _HERE / "linear_tiles.cpp"}
+           "linear_tiles": _HERE / "linear_tiles.cpp", "sampling": _HERE / "sampling.cpp"}
 
 # Compiler flags per torch CPU capability: those torch builds its own kernels of that capability with
 _CAPABILITY_FLAGS = {

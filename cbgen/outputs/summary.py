@@ -86,6 +86,10 @@ class RunSummary:
             "top_logprobs": steps.top_logprobs,
             "draws": ("seeded per request" if steps.seeds else "per request") if steps.do_sample else "greedy",
         }
+        if steps.do_sample:
+            from cbgen.control.processor import draw_kernel
+
+            self.step_control["draw"] = draw_kernel()[1]  # "compiled", or why the eager draw runs
 
     def add_done(self, done: DoneIndex) -> None:
         """Counts what earlier runs already wrote."""

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from cbgen.model.load import LoadedModel
     from cbgen.records import Request
 
-KEY_VERSION = 1  # raised whenever what a key holds, or what an entry means, changes
+KEY_VERSION = 2  # raised whenever what a key holds, or what an entry means, changes
 
 
 def digest(value: Any) -> str:

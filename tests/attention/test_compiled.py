@@ -144,7 +144,7 @@ def test_a_job_names_the_kernel_and_a_warm_start_loads_it_cached(tmp_path, tiny_
     built = sorted(path.name for path in (tmp_path / "cache" / "kernels").iterdir() if path.is_dir())  # builds
     capability = torch.backends.cpu.get_cpu_capability().lower()
     assert [name.split("-")[:2] for name in built] == [["decoder_ops", capability], ["linear_tiles", capability],
-                                                       ["paged_attention", capability]]
+                                                       ["paged_attention", capability], ["sampling", capability]]
     # --no-compiled-attention: the eager path, and the old default (invariance for seeded jobs only)
     done, out = _run(tmp_path, tiny_model_dir, "--no-compiled-attention", env=env)
     scope = json.loads((out / "run.json").read_text())["engine_scope"]
