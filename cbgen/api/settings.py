@@ -368,6 +368,10 @@ class CallSettings(TypedDict, total=False):
     # reward.max_length: Tokens read per conversation; a longer one is cut to it and marked truncated. Unset: the
     # model's position limit.
     max_length: int | None
+    # embed.packed: Lay a batch's texts end to end with no padding, each attending to its own tokens (cbgen's compiled
+    # attention), where the model is a BERT encoder on CPU; elsewhere, or with --padded, batches are padded and run
+    # transformers' own attention. run.json says which ran, and why. Changes speed; embeddings only by float rounding.
+    packed: bool
     # chat.max_turns: Assistant replies per conversation: it ends after this many (or sooner, when its listed user
     # turns run out or the simulated user's message matches user_stop).
     max_turns: int

@@ -201,6 +201,7 @@ EMBED_OPTIONS: list[JobOption] = [
     JobOption("embed", "normalize", ("--normalize/--no-normalize",), bool, EMBED_PANEL),
     JobOption("embed", "max_length", ("--max-length",), int, EMBED_PANEL, metavar="N"),
     JobOption("embed", "batch_tokens", ("--embed-batch-tokens",), int, EMBED_PANEL, metavar="N"),
+    JobOption("embed", "packed", ("--packed/--padded",), bool, EMBED_PANEL),
 ]
 
 

@@ -45,9 +45,15 @@ class EmbedSection:
         None, "Tokens read per text; a longer text is cut to it and marked truncated. Unset: the model's own "
         "(sentence_bert_config.json's max_seq_length, else its position limit).")
     batch_tokens: int = setting(
-        16384, "Tokens per forward pass: texts of similar length are batched up to this many (padded tokens "
-        "included), so short texts go in large batches and long ones in small. Changes speed and memory; "
-        "embeddings only by float rounding.")
+        2048, "Tokens per forward pass: texts are batched up to this many. A BERT encoder's batches are packed "
+        "end to end, so only real tokens count (larger batches ran slower on CPU: their activations leave the "
+        "caches); other models' batches hold texts of similar length, padded tokens included. Changes speed and "
+        "memory; embeddings only by float rounding.")
+    packed: bool = setting(
+        True, "Lay a batch's texts end to end with no padding, each attending to its own tokens (cbgen's compiled "
+        "attention), where the model is a BERT encoder on CPU; elsewhere, or with --padded, batches are padded "
+        "and run transformers' own attention. run.json says which ran, and why. Changes speed; embeddings only "
+        "by float rounding.")
 
 
 @dataclass

@@ -32,7 +32,7 @@ def plan_encoding(job: JobConfig, loaded: LoadedEncoder, records: Iterator[Promp
     renderer = EncodeRenderer(loaded, conversations=not embed, template_kwargs=job.generation.chat_template_kwargs)
     section = job.embed if embed else job.reward
     return PlannedEncoding(columns, renderer.render_all(records), EncodedRows(columns, loaded.label_names),
-                           Encoder(loaded, section.batch_tokens))
+                           Encoder(loaded, section.batch_tokens, packed_batches=getattr(section, "packed", False)))
 
 
 def encoded_columns(job: JobConfig, loaded: LoadedEncoder | None) -> OutputColumns:

@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = {"paged_attention": _HERE / "paged_attention.cpp", "decoder_ops": _HERE / "decoder_ops.cpp",
-           "linear_tiles": _HERE / "linear_tiles.cpp", "sampling": _HERE / "sampling.cpp"}
+           "linear_tiles": _HERE / "linear_tiles.cpp", "sampling": _HERE / "sampling.cpp",
+           "packed_attention": _HERE / "packed_attention.cpp"}
+# the kernels a generation job uses: building one of them starts the builds of the others beside it
+GENERATION = ("paged_attention", "decoder_ops", "linear_tiles", "sampling")
 
 # Compiler flags per torch CPU capability: those torch builds its own kernels of that capability with
 _CAPABILITY_FLAGS = {
@@ -151,14 +154,14 @@ def _cached(name: str) -> bool:
 
 def kernel(name: str) -> Built:
     """The kernel `name` loaded into `torch.ops.cbgen_kernels` (built first if needed), or why it is not. Done once
-    per process; later calls return the first answer. A build starts the builds of the other kernels not in the cache
-    beside it (a job uses them all, and each is one compiler process: on 2 cores two builds take about as long as
-    one)."""
+    per process; later calls return the first answer. A generation kernel's build starts the builds of the other
+    generation kernels not in the cache beside it (a job uses them all, and each is one compiler process: on 2 cores
+    two builds take about as long as one); an encoder's kernel is built alone."""
     with _lock:
         future = _builds.get(name)
         if future is None:
-            others = [] if _cached(name) or os.environ.get(DISABLE_ENV) == "1" else \
-                [other for other in SOURCES if other not in _builds and not _cached(other)]
+            others = [] if name not in GENERATION or _cached(name) or os.environ.get(DISABLE_ENV) == "1" else \
+                [other for other in GENERATION if other not in _builds and not _cached(other)]
             for wanted in (name, *(other for other in others if other != name)):
                 _builds[wanted] = _pool().submit(_load, wanted)
             future = _builds[name]

@@ -44,5 +44,5 @@ class Embed(EncoderKind):
     def fingerprint(self, job: Any, fingerprint: dict[str, Any]) -> dict[str, Any]:
         """What is embedded, and how; no generation setting applies (the batch size changes float rounding
         only)."""
-        embed = {k: v for k, v in dataclasses.asdict(job.embed).items() if k != "batch_tokens"}
+        embed = {k: v for k, v in dataclasses.asdict(job.embed).items() if k not in ("batch_tokens", "packed")}
         return {k: v for k, v in fingerprint.items() if k != "generation"} | {"kind": self.name, "embed": embed}
