@@ -43,7 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from cbgen.config.cpu import cpu_row
-from cbgen.model import tiles_kernel
+from cbgen.model import packs, tiles_kernel
 from cbgen.model.linear import MergedLinears, onednn_available, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
@@ -321,7 +321,7 @@ def _tiled_forward(module: torch.nn.Linear, packed: torch.Tensor | None, sizes: 
 def _tiled(module: torch.nn.Linear, kernel: Any = None) -> functools.partial:
     if kernel is not None and tiles_kernel.layer_fits(module):
         return tiles_kernel.tiled_forward(kernel, module)
-    packed = pack(module.weight)
+    packed = packs.kept(module.weight, "onednn tiles", pack)  # once per loaded model (cbgen.model.packs)
     return functools.partial(_tiled_forward, module, packed, tile_sizes(module.weight, packed))
 
 

@@ -124,8 +124,10 @@ def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tens
 def _onednn(module: torch.nn.Linear):
     if module.weight.dtype not in PACKED_DTYPES:
         return None
-    with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+    from cbgen.model import packs
+
+    packed = packs.kept(module.weight, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(),
+                                                                                                   PACK_ROWS))
     return functools.partial(_packed_forward, module, packed)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from cbgen.model import packs
+
 KERNEL = "linear_tiles"
 BLOCK_N = 64  # output columns a micro-kernel call computes: the panels the weight is packed in
 # oneDNN's ISA names under which its micro-kernel does not serve float32 (needs AVX2) or bfloat16 (needs AVX-512)
@@ -50,10 +52,11 @@ def layer_fits(module: torch.nn.Linear) -> bool:
 
 
 def tiled_forward(ops: Any, module: torch.nn.Linear) -> functools.partial:
-    """The layer's forward through the kernel, over its weight packed now (a second copy of it while in use)."""
-    with torch.no_grad():
-        packed = ops.linear_pack(module.weight.detach().contiguous(), BLOCK_N)
-        bias = None if module.bias is None else module.bias.detach().float().contiguous()  # added to float32 sums
+    """The layer's forward through the kernel, over its weight packed once for the loaded model (cbgen.model.packs:
+    a second copy of it, kept while the weight lives and unchanged)."""
+    packed = packs.kept(module.weight, KERNEL, lambda w: ops.linear_pack(w.detach().contiguous(), BLOCK_N))
+    bias = None if module.bias is None else packs.kept(  # added to the float32 sums
+        module.bias, "float32", lambda b: b.detach().float().contiguous())
     return functools.partial(_forward, ops, module, packed, bias)
 
 
