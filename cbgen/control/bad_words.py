@@ -51,6 +51,9 @@ class VocabText:
         self._containing: dict[str, torch.Tensor] = {}
 
     def _decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "_tokenizer", None)  # a fast tokenizer's own: the same text, each step
+        if backend is not None and hasattr(backend, "decode"):  # without transformers' per-call conversions
+            return backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def text(self, ids: list[int]) -> str:

@@ -24,11 +24,13 @@ times, the next step can only end the sequence, and its finish reason is "repeti
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cbgen.control.bad_words import BadWord, BadWords
@@ -175,23 +177,31 @@ def apply_history(scores: torch.Tensor, rows: list[tuple[int, History]], eos: tu
         if (c.presence_penalty or c.frequency_penalty) and h.counts:
             penalties.add(i, list(h.counts), list(h.counts.values()), c.frequency_penalty, c.presence_penalty)
     penalties.update(scores, lambda s, v: s - v[0] * v[1] - v[2])
-    banned_rows: list[torch.Tensor] = []
-    banned_ids: list[torch.Tensor] = []
+    rows_of: list[int] = []  # (row, token) pairs to remove, as plain ints, and the bad words' index tensors
+    banned: list[int] = []
+    bad_rows: list[torch.Tensor] = []
+    bad_ids: list[torch.Tensor] = []
     for i, h in live:
-        ids = [torch.tensor(sorted(h.banned_ngram_tokens()), dtype=torch.long)]
-        if h.bad is not None:
-            ids += h.bad.banned(h.tokens)
+        found = list(h.banned_ngram_tokens())
         if eos and (h.controls.ignore_eos or h.generated < h.controls.min_tokens):
-            ids.append(torch.tensor(eos, dtype=torch.long))
-        ids = [x for x in ids if x.numel()]
-        if ids:
-            row_ids = torch.cat(ids)
-            banned_ids.append(row_ids)
-            banned_rows.append(torch.full_like(row_ids, i))
-    if banned_ids:
-        r, t = torch.cat(banned_rows).to(scores.device), torch.cat(banned_ids).to(scores.device)
+            found += eos
+        banned += found
+        rows_of += [i] * len(found)
+        for ids in h.bad.banned(h.tokens) if h.bad is not None else ():
+            if ids.numel():
+                bad_ids.append(ids)
+                bad_rows.append(torch.full_like(ids, i))
+    if banned or bad_ids:
+        r = torch.cat([_tensor(rows_of, np.int64), *bad_rows]).to(scores.device)
+        t = torch.cat([_tensor(banned, np.int64), *bad_ids]).to(scores.device)
         keep = t < vocab
         scores[r[keep], t[keep]] = float("-inf")
+
+
+def _tensor(values: list, dtype: Any) -> torch.Tensor:
+    """A CPU tensor of a list of numbers, through numpy: torch.tensor reads a list of 12,800 ints in 1.3 ms, this
+    in 0.15 (each step builds several, for every row's history)."""
+    return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values)))
 
 
 class _Pairs:
@@ -225,10 +235,10 @@ class _Pairs:
         if not self.ids:
             return
         device, vocab = scores.device, scores.size(1)
-        lengths = torch.tensor(self.lengths, device=device)
-        ids = torch.tensor(self.ids, device=device)
-        flat = torch.repeat_interleave(torch.tensor(self.rows, device=device) * vocab, lengths) + ids
-        values = [torch.tensor(v, dtype=torch.float32, device=device) for v in self.values]
+        lengths = _tensor(self.lengths, np.int64).to(device)
+        ids = _tensor(self.ids, np.int64).to(device)
+        flat = torch.repeat_interleave(_tensor(self.rows, np.int64).to(device) * vocab, lengths) + ids
+        values = [_tensor(v, np.float32).to(device) for v in self.values]
         values = [(v if per_pair else torch.repeat_interleave(v, lengths)).to(dtype)
                   for v, per_pair in zip(values, self.per_pair)]
         if max(self.ids) >= vocab:  # an id the logits do not have (a prompt's, past the model's head)
@@ -244,17 +254,19 @@ class _Pairs:
 
 def apply_min_p(scores: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     """Step 7's filter, in place: in each named row, the tokens whose probability is below min_p times the most
-    likely token's are removed (transformers' MinPLogitsWarper, in the logits' dtype; the most likely token always
-    stays). One softmax over all the named rows."""
+    likely token's are removed (the most likely token always stays). A probability ratio is a difference of logits,
+    so the test is score < best score + ln(min_p), in float32: one pass for the maximum and one for the mask, where
+    transformers' MinPLogitsWarper computes a softmax first (its decisions are these but for tokens within float
+    rounding of the threshold; 6 ms of a 64-sequence step on a 2-core Xeon, this 1.5)."""
     if not rows:
         return
     positions = [i for i, _ in rows]
-    min_p = torch.tensor([[p] for _, p in rows], dtype=torch.float32, device=scores.device)
+    floor = torch.tensor([[math.log(p) if p > 0 else -math.inf] for _, p in rows], dtype=torch.float32,
+                         device=scores.device)
     whole = positions == list(range(len(rows)))  # the usual case: every row, a view to change in place
     index = torch.tensor(positions, device=scores.device)
     picked = scores[: len(rows)] if whole else scores[index]
-    probs = torch.softmax(picked, dim=-1)
-    scaled = (min_p * probs.amax(dim=-1, keepdim=True)).to(probs.dtype)
-    picked.masked_fill_(probs < scaled, float("-inf"))
+    threshold = picked.amax(dim=-1, keepdim=True).float() + floor
+    picked.masked_fill_(picked < threshold, float("-inf"))
     if not whole:
         scores[index] = picked
