@@ -76,6 +76,30 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return make_tool_model(tiny_model_dir, tmp_path_factory.mktemp("tool-model"))
 
 
+@pytest.fixture(autouse=True)
+def _cores_alone_when_quiet(request):
+    """A test marked `quiet` reads the machine's load, so under pytest-xdist it runs alone: it waits for the other
+    workers' tests to end, and they start no other test until it has (a gate lock taken before the cores' lock keeps
+    a waiting quiet test ahead of the next tests). Outside xdist there is no one else to wait for."""
+    if not _RUN:
+        yield
+        return
+    import fcntl
+
+    alone = request.node.get_closest_marker("quiet") is not None
+    base = Path(tempfile.gettempdir()) / f"cbgen-test-cores-{_RUN}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as cores:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(cores, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist the files go out longest first (tests.durations), so that the workers finish together."""
     if os.environ.get("PYTEST_XDIST_WORKER"):

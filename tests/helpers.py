@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cbgen.config.cpu import HOLDS
+
 
 def write_jsonl(path: Path, rows: list) -> Path:
     """Writes rows (dicts, or raw strings written as they are) as JSONL."""
@@ -53,15 +55,11 @@ def torchrun_cbgen(*args, processes: int = 2) -> subprocess.CompletedProcess:
     )
 
 
-# Instruction sets other CPU kinds have, imposed on this one: torch's own kernels (ATEN_CPU_CAPABILITY), oneDNN's
-# (ONEDNN_MAX_CPU_ISA), MKL's (MKL_ENABLE_INSTRUCTIONS) and cbgen's CPU-kind row (CBGEN_CPU_KIND). A machine cannot
-# go above what it has: where it lacks one, the kernels run on what it does have.
-OTHER_ISAS = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "CBGEN_CPU_KIND": "avx2"},
-    "avx512-no-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-                       "MKL_ENABLE_INSTRUCTIONS": "AVX512", "CBGEN_CPU_KIND": "avx512"},
-}
+# Instruction sets other CPU kinds have, imposed on this one (cbgen.config.cpu.HOLDS: torch's own kernels, oneDNN's,
+# MKL's and cbgen's CPU-kind row). A machine cannot go above what it has: where it lacks one, the kernels run on what
+# it does have.
+OTHER_ISAS = {"avx2": HOLDS["avx2"], "avx512-no-bf16": HOLDS["avx512"]}
+NO_AMX = HOLDS["avx512-bf16"]  # the AVX-512 BF16 machine without AMX (a Zen 4's instructions)
 
 
 def pytest_under_isa(isa: str, test_file: str, selection: str, examples: int = 60) -> None:

@@ -88,12 +88,16 @@ class LlamaCpp:
     """One llama.cpp model and context, sized for `parallel` sequences of up to `max_len` tokens each."""
 
     def __init__(self, lib, gguf: Path, threads: int, parallel: int, max_len: int, n_batch: int = 2048,
-                 n_ubatch: int = 512) -> None:
+                 n_ubatch: int = 512, repack: bool | None = None) -> None:
+        """`repack`: load the weights into llama.cpp's repacked layouts (its extra buffer types; None: unless
+        LLAMA_ARG_REPACK says no)."""
         self.lib, self.parallel, self.n_batch = lib, parallel, n_batch
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        if os.environ.get("LLAMA_ARG_REPACK", "").lower() in ("0", "false", "off", "no"):
+        if repack is None:
+            repack = os.environ.get("LLAMA_ARG_REPACK", "").lower() not in ("0", "false", "off", "no")
+        if not repack:
             model_params.use_extra_bufts = False
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
@@ -160,3 +164,31 @@ class LlamaCpp:
                     del running[slot]
                     free.append(slot)
         return Run(time.perf_counter() - start, done)
+
+
+_PROBE = """
+import sys
+from pathlib import Path
+from cbgen.bench.llamacpp import LlamaCpp, bindings
+lib, _ = bindings()
+engine = LlamaCpp(lib, Path(sys.argv[1]), 2, 2, 256, repack=True)
+engine.run([[1, 2, 3, 4, 5] * 8, [6, 7, 8] * 8], [4, 4], frozenset())
+engine.close()
+"""
+
+
+def repack_works(gguf: Path) -> tuple[bool, str]:
+    """Whether llama.cpp runs `gguf` with its repacked weight layouts on this machine, tried in a child process
+    (on a 2-core Sapphire Rapids VM its repacked Q8_0 kernels stopped the process: SIGILL on one machine, SIGSEGV on
+    another), and what was seen."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False, "llama.cpp with repacked weights did not finish two short requests in 120 s"
+    if done.returncode == 0:
+        return True, "repacked weights (llama.cpp's default)"
+    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+    return False, f"repacked weights off: llama.cpp with them stopped on {how} here (LLAMA_ARG_REPACK=0's layout)"

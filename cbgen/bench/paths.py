@@ -54,7 +54,8 @@ SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0
 def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool = True,
          invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
          model: ModelSection | None = None, onednn: bool = False, compiled: bool | None = None,
-         ops: bool | None = None, linear_kernel: bool | None = None) -> JobConfig:
+         ops: bool | None = None, linear_kernel: bool | None = None, generation: dict[str, Any] | None = None
+         ) -> JobConfig:
     job = JobConfig()
     if model is not None:
         job.model = dataclasses.replace(model)
@@ -70,6 +71,8 @@ def _job(workload: BenchWorkload, batching: dict[str, Any], prefix_gating: bool 
     job.batching = dict(batching)
     job.run.prefix_gating = prefix_gating
     job.model.batch_invariant = invariant
+    for key, value in (generation or {}).items():  # other generation settings (the history controls)
+        setattr(job.generation, key, value)
     return job
 
 
@@ -107,13 +110,14 @@ class Bench:
     def _plan(self, workload: BenchWorkload, prefix_gating: bool = True, constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
               onednn: bool = False, compiled: bool | None = None, ops: bool | None = None,
-              linear_kernel: bool | None = None) -> tuple[JobConfig, Planned]:
+              linear_kernel: bool | None = None, generation: dict[str, Any] | None = None
+              ) -> tuple[JobConfig, Planned]:
         """The plan `cbgen run` would make for these prompts (cbgen.job.sequence.plan_input), under the workload's
         schema when `constrained`, with the requests rendered as it renders them."""
         from cbgen.job.plan import used_settings
 
         job = _job(workload, self.batching, prefix_gating, invariant, sampling, self.model, onednn, compiled, ops,
-                   linear_kernel)
+                   linear_kernel, generation)
         if constrained:
             job.generation.json_schema = json.dumps(workload.schema)
         records = _records(workload)
@@ -127,15 +131,15 @@ class Bench:
     def cbgen(self, workload: BenchWorkload, order: str = "gated", constrained: bool = False,
               invariant: bool | None = None, sampling: tuple[float | None, int | None] = (None, None),
               onednn: bool = False, compiled: bool | None = None, ops: bool | None = None,
-              linear_kernel: bool | None = None) -> Measurement:
+              linear_kernel: bool | None = None, generation: dict[str, Any] | None = None) -> Measurement:
         """`constrained`: every request follows the workload's schema, compiled once before the clock starts (as
         `cbgen run` does it while reading). `invariant`: --batch-invariant or --no-batch-invariant (None: the
         default); `sampling`: the temperature and seed (default: greedy); `onednn`: --onednn-linear; `compiled`:
         --compiled-attention or --no-compiled-attention; `ops`: --compiled-ops or --no-compiled-ops; `linear_kernel`:
-        --compiled-linear or --no-compiled-linear."""
+        --compiled-linear or --no-compiled-linear; `generation`: other generation settings by name."""
         job, planned = self._plan(workload, prefix_gating=order == "gated", constrained=constrained,
                                   invariant=invariant, sampling=sampling, onednn=onednn, compiled=compiled, ops=ops,
-                                  linear_kernel=linear_kernel)
+                                  linear_kernel=linear_kernel, generation=generation)
         plan, grammars = planned.plan, planned.grammars
         engine = make_engine(job, planned, self.loaded)
         requests = list(prepared(job, planned, ordered=order != "input"))
@@ -239,7 +243,7 @@ class Bench:
                            sum(map(len, workload.prompts)), generated)
 
     def llamacpp(self, workload: BenchWorkload, gguf: Path, parallel: int, reference: Measurement | None = None,
-                 path: str = "llamacpp") -> Measurement:
+                 path: str = "llamacpp", repack: bool | None = None) -> Measurement:
         """The workload's token ids through llama.cpp (`gguf`), at most `parallel` sequences at a time, each stopping
         at its cap or end of sequence; `reference` (cbgen's measurement of the same workload) adds the share of
         requests whose greedy tokens are the same in both."""
@@ -252,7 +256,8 @@ class Bench:
         caps = [workload.cap(i) for i in range(n)]
         eos = self._plan(workload)[1].plan.engine.eos_token_ids
         longest = max(len(p) + c for p, c in zip(workload.prompts, caps))
-        engine = LlamaCpp(lib, gguf, torch.get_num_threads(), min(parallel, n), -(-longest // 256) * 256)
+        engine = LlamaCpp(lib, gguf, torch.get_num_threads(), min(parallel, n), -(-longest // 256) * 256,
+                          repack=repack)
         try:
             engine.run(workload.prompts[:2], [2] * min(2, n), eos)  # first-call costs, off the clock
             run = engine.run(workload.prompts, caps, eos)
@@ -289,30 +294,6 @@ def same_share(tokens: Sequence[list[int]], reference: Sequence[list[int]]) -> f
     """The share of requests whose generated tokens are the same in both runs (request by request, in workload
     order)."""
     return round(sum(a == b for a, b in zip(tokens, reference)) / max(len(reference), 1), 3)
-
-
-def matmul_flops(dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0, largest: int = 2048) -> float:
-    """The machine's measured dense matmul rate (FLOP/s) in `dtype`, the denominator of model FLOP utilisation.
-    Square sizes grow from 256 while one product takes under 0.1 s, so a dtype the CPU has no units for (bf16 on
-    AVX2: about 1 GFLOP/s) is measured in seconds, not minutes."""
-    n, rate = 256, 0.0
-    while True:
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
-        a @ b
-        count, start = 0, time.perf_counter()
-        while count < 2 or time.perf_counter() - start < seconds / 4:
-            a @ b
-            count += 1
-        elapsed = time.perf_counter() - start
-        rate = max(rate, 2 * n**3 * count / elapsed)
-        if n >= largest or elapsed / count > 0.1:
-            return rate
-        n *= 2
-
-
-def parameter_count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def run_suite(

@@ -58,6 +58,29 @@ def bench(
     llamacpp_parallel: Annotated[int, typer.Option(min=1, max=256, help="Sequences llama.cpp keeps in flight.")] = 64,
     output_dir: Annotated[str, typer.Option("--output-dir", "-o", metavar="DIR",
                                             help="Where bench.json and bench.png go.")] = "cbgen-bench",
+    suite: Annotated[bool, typer.Option(
+        "--suite", help="Run every headline comparison side by side instead (against generate_batch and llama.cpp, "
+        "batch invariance's cost, sampling and the history controls, embeddings against sentence-transformers, "
+        "dedup, warm start, --help), each against its goal, on the embedded models: one table, bench.json, "
+        "bench.png. About 25 minutes on 2 cores; --quick under 5. The options above but --model, --size and -o do "
+        "not apply.", rich_help_panel="Suite")] = False,
+    quick: Annotated[bool, typer.Option(help="With --suite: every comparison, smaller and once.",
+                                        rich_help_panel="Suite")] = False,
+    allow_busy: Annotated[bool, typer.Option(
+        "--allow-busy", help="With --suite: measure even when other processes use the cores (refused otherwise, "
+        "exit code 75); every figure taken under load is marked void.", rich_help_panel="Suite")] = False,
+    check: Annotated[bool, typer.Option(help="With --suite: exit with code 1 when a goal that applies here is "
+                                        "missed or void.", rich_help_panel="Suite")] = False,
+    sections: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        metavar="NAMES", help="With --suite: only these sections, comma-separated, from: generation, invariance, "
+        "sampling, embedding, dedup, start.", rich_help_panel="Suite")] = None,
+    hold: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        metavar="KIND", help="With --suite: run it held to a smaller CPU kind's instructions (avx512-bf16, avx512, "
+        "avx2: torch, oneDNN, MKL and cbgen's own choices; llama.cpp is not held), to time that kind's paths on "
+        "this machine. The figures say they were held.", rich_help_panel="Suite")] = None,
+    embed_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        metavar="MODEL", help="With --suite: the embedding model (default: the embedded all-MiniLM-L6-v2).",
+        rich_help_panel="Suite")] = None,
 ):
     """Measure cbgen's engine path against plain generate_batch and static batching (model.generate) on named
     workloads, in one process with the same model and ContinuousBatchingConfig; print a table and write
@@ -74,7 +97,13 @@ def bench(
     Example: cbgen bench --workloads fixed,mixed --paths cbgen,cbgen-variant,cbgen-eager
 
     Example: cbgen bench --workloads scoring --paths cbgen,static --static-batch-sizes 8,16
+
+    Example: cbgen bench --suite --quick
+
+    Example: cbgen bench --suite --hold avx512-bf16 -o held/
     """
+    if suite:
+        return _suite(quick, size, model, embed_model, allow_busy, check, sections, hold, Path(output_dir))
     from cbgen.bench import (
         Bench,
         build_workloads,
@@ -135,6 +164,40 @@ def bench(
     _print_table(rows, meta, size)
     console.print(f"{meta['matmul_dtype']} matmul rate {peak / 1e9:.0f} GFLOP/s; wrote {json_path} and {png_path}",
                   markup=False)
+
+
+def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, allow_busy: bool, check: bool,
+           sections: str | None, hold: str | None, output_dir: Path) -> None:
+    from cbgen.config.cpu import HOLDS
+
+    if hold is not None:
+        if hold not in HOLDS:
+            raise CbgenError(f"--hold: not a smaller CPU kind; use one of {', '.join(HOLDS)}")
+        import os
+        import subprocess
+        import sys
+
+        args = [a for a in sys.argv[1:] if a != "--hold" and a != hold and not a.startswith("--hold=")]
+        code = subprocess.run([sys.executable, "-m", "cbgen", *args], env=os.environ | HOLDS[hold]).returncode
+        raise typer.Exit(code)
+    from cbgen.bench.report import print_suite, write_suite
+    from cbgen.bench.sections import SECTIONS
+    from cbgen.bench.suite import Plan
+    from cbgen.bench.suite_runner import run
+
+    only = tuple(_split(sections or ""))
+    unknown = [name for name in only if name not in SECTIONS]
+    if unknown:
+        raise CbgenError(f"--sections: unknown section '{unknown[0]}'; choose from: {', '.join(SECTIONS)}")
+    _checked_paths("cbgen", size)
+    console = Console(stderr=True, log_path=False)
+    rows, meta = run(Plan.of(quick, size), model, embed_model, allow_busy,
+                     lambda line: console.log(line, markup=False), only)
+    json_path, png_path = write_suite(rows, meta, output_dir)
+    print_suite(rows, meta)
+    console.print(f"wrote {json_path} and {png_path}", markup=False)
+    if check and (meta["goals"]["missed"] or meta["goals"]["void"]):
+        raise typer.Exit(1)
 
 
 def _llamacpp_ready(explicit: str | None, loaded, quantized: bool = False):

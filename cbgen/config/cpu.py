@@ -67,6 +67,19 @@ CPU_ROWS: dict[str, CpuRow] = {
 }
 
 
+# The variables that hold torch (ATEN_CPU_CAPABILITY), oneDNN (ONEDNN_MAX_CPU_ISA), MKL (MKL_ENABLE_INSTRUCTIONS) and
+# cbgen's own choices (CBGEN_CPU_KIND) to a smaller kind's instructions: set before torch loads, they make a larger
+# machine run what that kind would run (its dtype, its kernels), for tests and for figures said to be held so.
+HOLDS: dict[str, dict[str, str]] = {
+    "avx512-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512", "CBGEN_CPU_KIND": "avx512-bf16"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "CBGEN_CPU_KIND": "avx512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "CBGEN_CPU_KIND": "avx2"},
+}
+
+
 def kind_from_flags(flags: AbstractSet[str]) -> str:
     if "amx_bf16" in flags:
         return "amx-bf16"

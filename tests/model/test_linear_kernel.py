@@ -14,11 +14,7 @@ from hypothesis import strategies as st
 
 from cbgen.model import tiles_kernel
 from cbgen.model.invariant import batch_invariant_linear, probe_rows
-from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
-
-# the AVX-512 BF16 machine without AMX (a Zen 4's instructions): bfloat16 through the kernel's own packing
-NO_AMX = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-          "MKL_ENABLE_INSTRUCTIONS": "AVX512", "CBGEN_CPU_KIND": "avx512-bf16"}
+from tests.helpers import NO_AMX, OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 
 def served() -> list[torch.dtype]:

@@ -1,0 +1,221 @@
+"""`cbgen bench --suite`: every headline comparison, side by side in one run on this machine, as one table (each row
+naming the machine, its figure, its goal and whether the machine was quiet while it was measured), bench.json and
+bench.png.
+
+Each comparison times its paths alternately, round after round (so a slow minute of the machine falls on all of
+them), and its figure is a ratio of the paths' medians. Every timed path is watched (cbgen.bench.load): a figure taken
+while other processes used the cores is marked void, and a machine busy before the suite starts is refused unless
+asked to measure anyway. The sections are cbgen.bench.sections'; `--quick` runs them all, smaller and once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cbgen.bench import load
+from cbgen.bench.machine import Machine
+from cbgen.errors import CbgenError, ExitCode
+
+BF16_KINDS = frozenset({"amx-bf16", "avx512-bf16"})  # CPUs with bfloat16 units
+
+
+class MachineBusy(CbgenError):
+    """Other processes use the cores: figures measured now would mean nothing."""
+
+    exit_code = ExitCode.STOPPED  # a temporary failure: run it again when the machine is quiet
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A figure's goal: `op` (">=" or "<=") `value`, on the CPU kinds `kinds` (None: every kind)."""
+
+    op: str
+    value: float
+    kinds: frozenset[str] | None = None
+
+    def applies(self, kind: str) -> bool:
+        return self.kinds is None or kind in self.kinds
+
+    def met(self, figure: float) -> bool:
+        return figure >= self.value if self.op == ">=" else figure <= self.value
+
+    def text(self) -> str:
+        where = "" if self.kinds is None else f" ({', '.join(sorted(self.kinds))})"
+        return f"{'≥' if self.op == '>=' else '≤'} {self.value:g}{where}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much the suite measures: rounds per comparison and the sizes of its inputs."""
+
+    mode: str  # full | quick
+    size: str  # the generation workloads' size (cbgen.bench.workloads.SIZES)
+    rounds: int  # rounds of the fast comparisons
+    generation_rounds: int  # rounds against llama.cpp and generate_batch (the slow paths)
+    invariance_workloads: tuple[str, ...]
+    embed_texts: tuple[int, ...]  # texts per encode-alone comparison
+    command_texts: tuple[int, ...]  # texts per whole-command comparison
+    dedup_rows: int
+
+    @classmethod
+    def of(cls, quick: bool, size: str) -> Plan:
+        tiny = size == "tiny"
+        if quick:
+            return cls("quick", size, 1, 1, ("fixed",), (32,) if tiny else (300,), (32,) if tiny else (300,),
+                       2_000 if tiny else 20_000)
+        return cls("full", size, 3, 2, ("fixed", "mixed", "shared-prefix"), (32,) if tiny else (300, 10_000),
+                   (32,) if tiny else (300, 10_000), 2_000 if tiny else 100_000)
+
+
+@dataclass
+class Sample:
+    value: float  # seconds, or seconds per generated token
+    watch: dict[str, Any]
+    busy: bool
+
+
+class Timings:
+    """The samples of one comparison's paths, each timed inside a load watch."""
+
+    def __init__(self, show: Callable[[str], None] = lambda line: None) -> None:
+        self.samples: dict[str, list[Sample]] = defaultdict(list)
+        self.show = show
+
+    def record(self, path: str, call: Callable[[], Any], per_token: bool = False) -> Any:
+        """Runs `call` once as `path`. Its result's own seconds count where it has them (a bench Measurement,
+        model set-up excluded) or are a number of seconds (a whole command); else the wall time of the call.
+        `per_token`: the value is seconds per generated token."""
+        with load.watched() as watch:
+            started = time.perf_counter()
+            result = call()
+            wall = time.perf_counter() - started
+        seconds = getattr(result, "seconds", result if isinstance(result, float) else wall)
+        value = seconds / max(result.generated_tokens, 1) if per_token else seconds
+        self.samples[path].append(Sample(value, watch.to_dict(), watch.busy))
+        self.show(f"{path:<44} {seconds:8.2f} s{'  (busy: void)' if watch.busy else ''}")
+        return result
+
+    def median(self, path: str) -> float:
+        return statistics.median(s.value for s in self.samples[path])
+
+
+@dataclass
+class Row:
+    section: str
+    name: str
+    figure: float | None  # None: not measured (`note` says why)
+    unit: str  # "x" (a ratio) or "s"
+    meaning: str  # how to read the figure
+    goal: Goal | None = None
+    applies: bool = False  # the goal applies to this run (this machine's kind, the workloads' size)
+    why_not: str = ""  # why a goal does not apply to this run
+    paths: dict[str, list[float]] = field(default_factory=dict)
+    busy: bool = False
+    note: str = ""
+    machine: str = ""
+    dtype: str | None = None  # the model's, where a model ran ("" where none did; None: the generator's)
+
+    @property
+    def met(self) -> bool | None:
+        if self.goal is None or not self.applies or self.figure is None:
+            return None
+        return self.goal.met(self.figure)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self) | {"met": self.met}
+        data["goal"] = None if self.goal is None else {"op": self.goal.op, "value": self.goal.value,
+                                                       "kinds": sorted(self.goal.kinds) if self.goal.kinds else None,
+                                                       "text": self.goal.text()}
+        return data
+
+
+def ratio(section: str, name: str, timings: Timings, top: str, bottom: str, meaning: str,
+          goal: Goal | None = None, note: str = "") -> Row:
+    """median(top) / median(bottom), from the samples of both paths."""
+    figure = round(timings.median(top) / timings.median(bottom), 3)
+    return _row(section, name, figure, "x", meaning, timings, (top, bottom), goal, note)
+
+
+def seconds(section: str, name: str, timings: Timings, path: str, meaning: str, goal: Goal | None = None,
+            note: str = "") -> Row:
+    return _row(section, name, round(timings.median(path), 3), "s", meaning, timings, (path,), goal, note)
+
+
+def _row(section: str, name: str, figure: float, unit: str, meaning: str, timings: Timings, paths: tuple[str, ...],
+         goal: Goal | None, note: str) -> Row:
+    return Row(section, name, figure, unit, meaning, goal, paths={p: [round(s.value, 6) for s in timings.samples[p]]
+                                                                   for p in paths},
+               busy=any(s.busy for p in paths for s in timings.samples[p]), note=note)
+
+
+def skipped(section: str, name: str, why: str, goal: Goal | None = None) -> Row:
+    return Row(section, name, None, "x", "", goal, note=f"not measured: {why}")
+
+
+@dataclass
+class Context:
+    """What the sections share: the plan, this machine, the model settings, a scratch folder, the log."""
+
+    plan: Plan
+    machine: Machine
+    model: str | None  # --model for the generator (None: the embedded SmolLM2)
+    embed_model: str | None
+    folder: Any  # a pathlib.Path, removed after the run
+    log: Callable[[str], None]
+    loaded: dict[str, Any] = field(default_factory=dict)  # dtype -> LoadedModel, loaded once each
+
+    def generator(self, dtype: str = "auto") -> Any:
+        """The generation model in `dtype`, loaded once for the whole suite."""
+        if dtype not in self.loaded:
+            from cbgen.config import ModelSection
+            from cbgen.model.load import load_model
+
+            self.log(f"loading the generation model ({dtype})")
+            self.loaded[dtype] = load_model(ModelSection(model=self.model, dtype=dtype))  # type: ignore[arg-type]
+        return self.loaded[dtype]
+
+
+def check_quiet(allow_busy: bool, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """The machine's load over a second before anything runs: refused when busy, unless `allow_busy` (then every
+    figure is watched and marked as it goes)."""
+    reading, busiest = load.busiest_others(1.0)
+    if reading is None:
+        log("the machine's load cannot be read here (no /proc/stat): figures are not checked for it")
+        return None
+    if reading.busy:
+        who = f" ({'; '.join(busiest)})" if busiest else ""
+        if not allow_busy:
+            raise MachineBusy(f"the machine is busy: {reading.describe().removeprefix('busy: ')}{who}. Figures "
+                              "measured now would mean nothing: run it again when the machine is quiet, or pass "
+                              "--allow-busy to measure anyway (the figures are then marked void)")
+        log(f"measuring on a busy machine, as asked: {reading.describe()}{who}")
+    return reading.to_dict() | {"busiest": busiest}
+
+
+@contextmanager
+def section(name: str, rows: list[Row], log: Callable[[str], None]) -> Iterator[None]:
+    """A section's rows are kept if it fails: the failure becomes a row of its own, and the suite goes on."""
+    started = time.perf_counter()
+    log(f"— {name}")
+    try:
+        yield
+    except (CbgenError, RuntimeError, OSError, ValueError, ImportError) as e:
+        from cbgen.errors import first_line
+
+        rows.append(Row(name, f"{name} (failed)", None, "x", "", note=f"failed: {first_line(e)}"))
+        log(f"{name} failed: {first_line(e)}")
+    log(f"{name}: {time.perf_counter() - started:.0f} s")
+
+
+def summary(rows: list[Row]) -> dict[str, int]:
+    """Goals met, missed, and void (measured under load), over the rows whose goal applies here."""
+    counted = [r for r in rows if r.met is not None]
+    return {"met": sum(bool(r.met) and not r.busy for r in counted), "missed": sum(not r.met and not r.busy
+                                                                                  for r in counted),
+            "void": sum(r.busy for r in counted), "not_measured": sum(r.figure is None for r in rows)}

@@ -1,0 +1,97 @@
+"""`cbgen bench --suite`: its goals and rows read right, `--quick` runs end to end on the tiny model with the machine
+named in the table, in bench.json and in every row, a busy machine is refused in one line, and a held run says it
+was held."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cbgen.bench.suite import Goal, Row, Timings, ratio, summary
+from cbgen.cli import run_cli
+
+MACHINE_FIELDS = {"cpu", "kind", "runs_as", "held", "cores", "threads", "torch", "transformers", "bf16_gflops",
+                  "fp32_gflops", "label"}
+
+
+def test_goals_and_ratios_read_as_they_say():
+    assert Goal(">=", 1.5).met(1.5) and not Goal(">=", 1.5).met(1.49)
+    assert Goal("<=", 1.05).met(1.0) and not Goal("<=", 1.05).met(1.06)
+    bf16 = Goal(">=", 1.3, frozenset({"avx512-bf16"}))
+    assert bf16.applies("avx512-bf16") and not bf16.applies("avx2") and bf16.text() == "≥ 1.3 (avx512-bf16)"
+    t = Timings()
+    for slow, fast in ((3.0, 1.0), (2.0, 1.0), (9.0, 2.0)):  # medians 3.0 and 1.0
+        t.record("other", lambda s=slow: s)
+        t.record("cbgen", lambda f=fast: f)
+    row = ratio("s", "cbgen vs other", t, "other", "cbgen", "", Goal(">=", 2.0))
+    assert row.figure == 3.0 and row.paths == {"other": [3.0, 2.0, 9.0], "cbgen": [1.0, 1.0, 2.0]}
+    row.applies = True
+    assert row.met is True and not row.busy
+    missed = Row("s", "m", 1.2, "x", "", Goal("<=", 1.05), applies=True)
+    busy = Row("s", "b", 1.0, "x", "", Goal("<=", 1.05), applies=True, busy=True)
+    elsewhere = Row("s", "e", 0.5, "x", "", Goal(">=", 1.3), applies=False)
+    assert summary([row, missed, busy, elsewhere, Row("s", "n", None, "x", "")]) == {
+        "met": 1, "missed": 1, "void": 1, "not_measured": 1}
+
+
+@pytest.mark.slow
+def test_quick_suite_runs_end_to_end_and_names_the_machine_everywhere(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "suite"
+    started = time.perf_counter()
+    code = run_cli(["bench", "--suite", "--quick", "--size", "tiny", "--model", str(tiny_model_dir), "--allow-busy",
+                    "-o", str(out)])
+    assert code == 0
+    data = json.loads((out / "bench.json").read_text())
+    machine = data["meta"]["machine"]
+    assert MACHINE_FIELDS <= set(machine) and machine["bf16_gflops"] > 0 and machine["fp32_gflops"] > 0
+    assert machine["cores"] >= 1 and machine["held"] is False and data["meta"]["dtype"] in ("bfloat16", "float32")
+    sections = {row["section"] for row in data["rows"]}
+    assert sections == {"generation", "invariance", "sampling", "embedding", "dedup", "start"}
+    for row in data["rows"]:
+        assert row["machine"] == machine["label"]
+        assert "busy" in row and (row["figure"] is not None or row["note"].startswith("not measured"))
+        if row["section"] not in ("dedup", "start"):
+            assert row["dtype"] in ("bfloat16", "float32")
+        if row["goal"] is not None:  # tiny workloads: the goals are for the standard sizes
+            assert row["applies"] is False and row["why_not"]
+    measured = [row for row in data["rows"] if row["figure"] is not None]
+    for key in ("cbgen vs generate_batch", "seeded / greedy", "invariant / stock", "sentence-transformers",
+                "dedup of", "warm start"):
+        assert any(key in row["name"] for row in measured), key
+    assert all(all(v > 0 for v in row["paths"][p]) for row in measured for p in row["paths"])
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert machine["label"] in printed and "verdict" in printed and "goals:" in printed
+    assert time.perf_counter() - started < 600
+
+
+@pytest.mark.quiet
+def test_a_busy_machine_is_refused_in_one_line(tmp_path):
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        done = subprocess.run([sys.executable, "-m", "cbgen", "bench", "--suite", "--quick", "--sections", "dedup",
+                               "-o", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    assert done.returncode == 75, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "the machine is busy: other processes kept" in done.stderr
+    assert f"{neighbour.pid} python" in done.stderr and "--allow-busy" in done.stderr
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+@pytest.mark.slow
+def test_a_held_run_says_it_was_held(tmp_path):
+    out = tmp_path / "held"
+    done = subprocess.run([sys.executable, "-m", "cbgen", "bench", "--suite", "--quick", "--size", "tiny",
+                           "--sections", "dedup", "--hold", "avx2", "--allow-busy", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    machine = json.loads((out / "bench.json").read_text())["meta"]["machine"]
+    assert machine["held"] is True and machine["runs_as"] == "avx2" and "held to avx2" in machine["label"]
+    assert [row["section"] for row in json.loads((out / "bench.json").read_text())["rows"]] == ["dedup"]
