@@ -14,7 +14,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,15 +83,17 @@ class Sample:
 class Timings:
     """The samples of one comparison's paths, each timed inside a load watch."""
 
-    def __init__(self, show: Callable[[str], None] = lambda line: None) -> None:
+    def __init__(self, show: Callable[[str], None] = lambda line: None,
+                 watch: Callable[[], AbstractContextManager[load.Watch]] = load.watched) -> None:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
         self.show = show
+        self.watch = watch  # what reads the machine's load around each timed call
 
     def record(self, path: str, call: Callable[[], Any], per_token: bool = False) -> Any:
         """Runs `call` once as `path`. Its result's own seconds count where it has them (a bench Measurement,
         model set-up excluded) or are a number of seconds (a whole command); else the wall time of the call.
         `per_token`: the value is seconds per generated token."""
-        with load.watched() as watch:
+        with self.watch() as watch:
             started = time.perf_counter()
             result = call()
             wall = time.perf_counter() - started

@@ -8,9 +8,11 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import pytest
 
+from cbgen.bench.load import Load, Watch
 from cbgen.bench.suite import Goal, Row, Timings, ratio, summary
 from cbgen.cli import run_cli
 
@@ -23,19 +25,32 @@ def test_goals_and_ratios_read_as_they_say():
     assert Goal("<=", 1.05).met(1.0) and not Goal("<=", 1.05).met(1.06)
     bf16 = Goal(">=", 1.3, frozenset({"avx512-bf16"}))
     assert bf16.applies("avx512-bf16") and not bf16.applies("avx2") and bf16.text() == "≥ 1.3 (avx512-bf16)"
-    t = Timings()
+    # the machine's load as a watch reads it: quiet, and busy for one call (tests/bench/test_load.py reads a real one)
+    quiet = Load(1.0, 2, other=0.0, steal=0.0)
+    loud = Load(1.0, 2, other=0.6, steal=0.0)
+    readings = iter([quiet] * 5 + [loud])
+
+    def watch():
+        seen = Watch(0)
+        seen.during = next(readings)
+        return nullcontext(seen)
+
+    t = Timings(watch=watch)
     for slow, fast in ((3.0, 1.0), (2.0, 1.0), (9.0, 2.0)):  # medians 3.0 and 1.0
         t.record("other", lambda s=slow: s)
         t.record("cbgen", lambda f=fast: f)
     row = ratio("s", "cbgen vs other", t, "other", "cbgen", "", Goal(">=", 2.0))
     assert row.figure == 3.0 and row.paths == {"other": [3.0, 2.0, 9.0], "cbgen": [1.0, 1.0, 2.0]}
     row.applies = True
-    assert row.met is True and not row.busy
+    assert row.met is True and row.busy  # the last cbgen call was timed under load: the figure is void
+    assert not ratio("s", "other alone", t, "other", "other", "").busy
+    assert [s.busy for s in t.samples["cbgen"]] == [False, False, True]
     missed = Row("s", "m", 1.2, "x", "", Goal("<=", 1.05), applies=True)
     busy = Row("s", "b", 1.0, "x", "", Goal("<=", 1.05), applies=True, busy=True)
     elsewhere = Row("s", "e", 0.5, "x", "", Goal(">=", 1.3), applies=False)
-    assert summary([row, missed, busy, elsewhere, Row("s", "n", None, "x", "")]) == {
-        "met": 1, "missed": 1, "void": 1, "not_measured": 1}
+    met = Row("s", "q", 2.5, "x", "", Goal(">=", 2.0), applies=True)
+    assert summary([met, row, missed, busy, elsewhere, Row("s", "n", None, "x", "")]) == {
+        "met": 1, "missed": 1, "void": 2, "not_measured": 1}
 
 
 @pytest.mark.slow
