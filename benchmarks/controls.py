@@ -16,10 +16,8 @@ import statistics
 import time
 
 import cbgen
+from cbgen.bench.sections import CONTROLS  # the suite's set: every history control
 
-CONTROLS = {"repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.2, "no_repeat_ngram_size": 6,
-            "min_p": 0.05, "min_tokens": 8, "logit_bias": {"28": -5}, "bad_words": ["delve", "tapestry"],
-            "loop_stop": 4}
 TOPICS = ["rivers", "volcanoes", "bread", "chess", "owls", "trains", "glass", "tides"]
 
 

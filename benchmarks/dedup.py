@@ -16,21 +16,7 @@ import argparse
 import resource
 import time
 
-import numpy as np
 import pyarrow as pa
-
-
-def planted_set(rows: int, dim: int, seed: int = 0) -> tuple[np.ndarray, set[int]]:
-    rng = np.random.default_rng(seed)
-    copies = rows // 20
-    centres = rng.standard_normal((2000, dim)).astype(np.float32)
-    base = centres[rng.integers(0, 2000, rows - copies)] + 0.9 * rng.standard_normal((rows - copies, dim),
-                                                                                     dtype=np.float32)
-    base /= np.linalg.norm(base, axis=1, keepdims=True)
-    sources = np.sort(rng.choice(rows - copies, copies, replace=False))
-    near = base[sources] + 0.01 * rng.standard_normal((copies, dim), dtype=np.float32)
-    near /= np.linalg.norm(near, axis=1, keepdims=True)
-    return np.concatenate([base, near]), set(range(rows - copies, rows))  # each copy after its original
 
 
 def main() -> None:
@@ -39,6 +25,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--graph", action="store_true", help="the HNSW graph instead of the exact search")
     args = parser.parse_args()
+    from cbgen.bench.embedding import planted_set
     from cbgen.pipelines import dedup, neighbours
 
     if args.graph:

@@ -1,6 +1,7 @@
 """cbgen's embeddings against sentence-transformers' encode: the embedded all-MiniLM-L6-v2, the same real texts
-(the standard library's docstrings, 20 to 2,000 characters), the same threads, each model loaded once, runs
-interleaved; prints each run's seconds, the speed ratio (goal >= 1.5) and the smallest cosine between the two.
+(the standard library's docstrings, 20 to 2,000 characters: cbgen.bench.embedding's, as `cbgen bench --suite`'s),
+the same threads, each model loaded once, runs interleaved; prints each run's seconds, the speed ratio (goal >= 1.5)
+and the smallest cosine between the two.
 
     python benchmarks/embed.py                  # 2,000 texts, 3 rounds, float32 and the machine's dtype
     python benchmarks/embed.py --texts 200 --rounds 1   # a quick check that it runs
@@ -12,30 +13,11 @@ the dtype it picks for the machine (bfloat16 where the CPU has bf16 units). Name
 from __future__ import annotations
 
 import argparse
-import inspect
 import statistics
 import time
 
 import numpy as np
 import torch
-
-
-def real_texts(limit: int) -> list[str]:
-    import importlib
-
-    found: dict[str, None] = {}
-    for name in ("json", "os", "re", "collections", "itertools", "functools", "pathlib", "subprocess", "threading",
-                 "asyncio", "argparse", "logging", "email", "http.client", "urllib.request", "unittest", "typing",
-                 "dataclasses", "inspect", "pickle", "shutil", "tarfile", "zipfile", "csv", "sqlite3", "decimal",
-                 "statistics", "random", "datetime", "calendar", "string", "textwrap", "difflib", "socket", "ssl",
-                 "io", "tempfile", "configparser", "hashlib", "struct", "enum", "math", "contextlib", "traceback",
-                 "ast", "doctest", "multiprocessing", "concurrent.futures", "queue", "smtplib", "mailbox",
-                 "html.parser", "xmlrpc.client", "ipaddress", "locale", "platform", "importlib"):
-        for _, member in inspect.getmembers(importlib.import_module(name)):
-            doc = inspect.getdoc(member)
-            if doc and len(doc) > 20:
-                found[doc[:2000]] = None
-    return list(found)[:limit]
 
 
 def main() -> None:
@@ -46,6 +28,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     import cbgen
+    from cbgen.bench.embedding import real_texts
     from cbgen.model.source import embedded_embedder_path
 
     texts = real_texts(args.texts)

@@ -59,6 +59,7 @@ class Plan:
     rounds: int  # rounds of the fast comparisons
     generation_rounds: int  # rounds against llama.cpp and generate_batch (the slow paths)
     invariance_workloads: tuple[str, ...]
+    invariance_float32: bool  # invariance in float32 too, where the machine's dtype is another
     embed_texts: tuple[int, ...]  # texts per encode-alone comparison
     command_texts: tuple[int, ...]  # texts per whole-command comparison
     dedup_rows: int
@@ -67,9 +68,9 @@ class Plan:
     def of(cls, quick: bool, size: str) -> Plan:
         tiny = size == "tiny"
         if quick:
-            return cls("quick", size, 1, 1, ("fixed",), (32,) if tiny else (300,), (32,) if tiny else (300,),
+            return cls("quick", size, 1, 1, ("fixed",), False, (32,) if tiny else (300,), (32,) if tiny else (300,),
                        2_000 if tiny else 20_000)
-        return cls("full", size, 3, 2, ("fixed", "mixed", "shared-prefix"), (32,) if tiny else (300, 10_000),
+        return cls("full", size, 3, 2, ("fixed", "mixed", "shared-prefix"), True, (32,) if tiny else (300, 10_000),
                    (32,) if tiny else (300, 10_000), 2_000 if tiny else 100_000)
 
 
