@@ -13,8 +13,9 @@ BIN := $(VENV)/bin
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# constraints.txt pins our own set-up (the CPU torch wheel) without binding users of the package
-	# the test extra, and the eval extra (lm-evaluation-harness) whose backend the tests run against lm-eval's own
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,eval]'
+	# the test extra, the eval extra (lm-evaluation-harness) whose backend the tests run against lm-eval's own, and
+	# the adapters extra (PEFT), whose adapters the tests make and merge
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,eval,adapters]'
 	# Ray, for --executor ray and its tests: a failed install fails make (and CI), so that its tests are never
 	# skipped by accident; CBGEN_NO_RAY=1 leaves it out on purpose (its tests then skip, saying so). The marker makes
 	# the Ray tests required where it was installed

@@ -76,6 +76,7 @@ class Request:
     cache_keys: list[str] | None = None
     answered: list[Completion] | None = None
     uncut_length: int | None = None  # an encoding model's row: its tokens before the cut to the max length
+    adapter: str | None = None  # the job's LoRA adapter its row names (cbgen.model.adapters); None: the job's own
 
     @property
     def ids(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -106,3 +107,32 @@ def pytest_collection_modifyitems(config, items):
         from tests.durations import longest_first
 
         items[:] = longest_first(items)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """LoRA adapters made by PEFT over the tiny model, with random (not zero) updates so that each changes the
+    answers: `a` (attention, rank 4), `b` (MLP and output projections, rank 8, rsLoRA scaling), `a2` (a's settings,
+    other weights), `dora` (a DoRA variant of a), and misfits: `wide` (made over a model twice as wide), `deep`
+    (adapts a third layer the tiny model lacks), `rank` (its config's rank is not its factors')."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.adapters import make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    attention = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    mlp = dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"], use_rslora=True)
+    made = {name: make_adapter(tiny_model_dir, root / name, seed, **settings)
+            for name, seed, settings in (("a", 1, attention), ("b", 2, mlp), ("a2", 3, attention),
+                                         ("dora", 4, attention | {"use_dora": True}))}
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    for name, change in (("wide", {"hidden_size": 128, "intermediate_size": 256}), ("deep", {"num_hidden_layers": 3})):
+        other = root / f"{name}-base"
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**(config.to_dict() | change))).save_pretrained(other)
+        made[name] = make_adapter(other, root / name, 5, **attention)
+    made["rank"] = make_adapter(tiny_model_dir, root / "rank", 6, **attention)
+    settings = json.loads((made["rank"] / "adapter_config.json").read_text())
+    (made["rank"] / "adapter_config.json").write_text(json.dumps(settings | {"r": 16}))
+    return made

@@ -22,6 +22,12 @@ class ModelSettings(TypedDict, total=False):
     # attends only to its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports:
     # on CPU per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.
     attn_implementation: str | None
+    # model.adapter: LoRA adapters (PEFT folders or hub ids; the adapters extra installs PEFT). PATH: the job's
+    # adapter, for every row that names none. NAME=PATH (repeatable): an adapter a row picks by its 'adapter' field,
+    # or an OpenAI batch line by its body's 'model'. Each runs merged into the base weights, which load once: rows of
+    # one adapter run together, and give what PEFT's merge_and_unload() model gives. Part of the job's identity by
+    # content: a resume with other adapter weights refuses.
+    adapter: str | list[str] | None
     # model.trust_remote_code: Allow the model folder's own Python code to run. Off unless you trust its author.
     trust_remote_code: bool
     # model.cache_dir: Where GGUF models converted to safetensors are cached, so only the first run dequantizes them.

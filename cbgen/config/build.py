@@ -101,6 +101,7 @@ def check_combinations(job: JobConfig) -> None:
                          f"{spelled('generation', 'do_sample', 'true')}, or give a temperature above 0")
     if job.model.onednn_linear and job.model.linear_row_buckets:
         raise CbgenError("--onednn-linear and --linear-row-buckets are two ways to run the linear layers: use one")
+    _check_adapters(job)
     r = job.run
     if r.redo and job.output.overwrite:
         raise CbgenError("--redo regenerates part of an earlier run, and --overwrite deletes it: give one")
@@ -121,6 +122,25 @@ def check_combinations(job: JobConfig) -> None:
             f"{g.num_return_sequences} times): give {spelled('generation', 'temperature')} above 0, or "
             f"{spelled('generation', 'num_return_sequences', '1')}"
         )
+
+
+def _check_adapters(job: JobConfig) -> None:
+    """Adapters where the job's kind and processes can run them (their folders are read with the job's plan)."""
+    from cbgen.model.adapters import specs_of, split_spec
+
+    specs = specs_of(job.model.adapter)
+    if not specs:
+        return
+    kind = kind_of(job.kind)
+    what = kind.command or f"a {job.kind} stage"
+    if not kind.adapters:
+        raise CbgenError(f"--adapter: {what} runs a model that cbgen does not merge LoRA adapters into; drop it")
+    if kind.adapters == "job" and any(split_spec(s)[0] is not None for s in specs):
+        raise CbgenError(f"--adapter NAME=PATH: in {what} every row runs with the job's one adapter (--adapter PATH); "
+                         "rows pick adapters by name in cbgen run")
+    if job.model.tp_size > 1 or job.run.data_parallel > 1:
+        raise CbgenError("--adapter merges adapters into the one process's weights: drop --tp and --data-parallel, "
+                         "and split a large input with --num-shards instead")
 
 
 def _check_scoring(job: JobConfig) -> None:

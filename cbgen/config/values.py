@@ -21,6 +21,12 @@ def _bias_ok(value: dict) -> bool:
         return False
 
 
+def _adapters_ok(value: str | list[str]) -> bool:
+    from cbgen.model.adapters import check_specs
+
+    return check_specs(value)
+
+
 def _regex_ok(value: str) -> bool:
     import re
 
@@ -34,6 +40,8 @@ def _regex_ok(value: str) -> bool:
 # Range checks beyond the type: (predicate, what the value must be).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.cache_dir": (lambda v: v.strip() != "", "a directory path"),
+    "model.adapter": (lambda v: _adapters_ok(v), "an adapter folder or hub id (PATH), or NAME=PATH; at most one "
+                      "without a name, and each name once"),
     "model.tp_size": (lambda v: v >= 1, "a positive integer (the number of processes torchrun starts)"),
     "batching.page_size": (lambda v: v >= 4, "an integer of at least 4"),
     "batching.num_blocks": (lambda v: v >= 1, "a positive integer"),

@@ -36,7 +36,7 @@ NO_EFFECT = {"stream": "streaming does not apply to a batch", "user": "kept by O
              "prompt_cache_key": "cbgen shares prefixes on its own", "safety_identifier": "not used",
              "prediction": "a latency hint: the answer is the same without it"}
 NOT_HONOURED = {
-    "model": "cbgen answers with its --model",
+    "model": "cbgen answers with its --model (or the job's adapter of that name: --adapter NAME=PATH)",
 }
 # Body fields that change the answer and that cbgen cannot honour: a line asking for one is refused (its error record
 # says why) rather than answered as another request. Each with the values that ask for nothing (accepted).
@@ -207,7 +207,7 @@ class OpenAIBatchReader(JsonlReader):
                 continue
             raise RowError(f"body field {key!r} cannot be honoured ({why or 'cbgen does not know it'}); the line "
                            "is refused rather than answered as another request: remove the field")
-        taken = ("temperature", "top_p", "top_k", "n", "stop", "seed", "response_format", *CONTROL_SETTINGS)
+        taken = ("temperature", "top_p", "top_k", "n", "stop", "seed", "response_format", "model", *CONTROL_SETTINGS)
         values: dict[str, Any] = {k: body.get(k) for k in taken}
         names = {k: f"body.{k}" for k in taken}
         cap_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -2,9 +2,11 @@
 
 A row may set `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `seed`, `top_logprobs`, `response_format`
 and the history controls (`repetition_penalty`, `presence_penalty`, `frequency_penalty`, `no_repeat_ngram_size`,
-`min_p`, `min_tokens`, `logit_bias`, `bad_words`, `ignore_eos`; an OpenAI batch line's body also `n` and
-`logprobs`); each is checked here, before the engine sees it, so a bad value becomes that row's error record instead
-of a failure inside the generation loop (transformers checks only types, and raises or drops the rest).
+`min_p`, `min_tokens`, `logit_bias`, `bad_words`, `ignore_eos`), the LoRA adapter that answers it (`adapter`: a
+name the job gives with --adapter NAME=PATH; an OpenAI batch line's body names it as its `model`), and an OpenAI
+batch line's body also `n` and `logprobs`; each is checked here, before the engine sees it, so a bad value becomes
+that row's error record instead of a failure inside the generation loop (transformers checks only types, and raises
+or drops the rest).
 """
 
 from __future__ import annotations
@@ -163,6 +165,14 @@ def _bad_words(value: Any, field: str) -> list[str | list[int]]:
     return [item if isinstance(item, str) else [int(t) for t in item] for item in items]
 
 
+def _name(value: Any, field: str) -> str:
+    """An adapter's name (cbgen.model.adapters): which of the job's adapters runs the row. Whether the job has one
+    of that name is checked when the row is prepared (cbgen.job.request_settings)."""
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(field, value, "the name of one of the job's adapters (--adapter NAME=PATH)")
+    return value
+
+
 def _response_format(value: Any, field: str) -> Any:
     """A ResponseFormat, or None for text; its own message names the part that is wrong."""
     from cbgen.chat.formats import FormatError, parse_response_format
@@ -195,6 +205,8 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "logit_bias": _logit_bias,
     "bad_words": _bad_words,
     "ignore_eos": _boolean,
+    "adapter": _name,
+    "model": _name,  # an OpenAI batch body's: an adapter of the job's by that name, else the job's own model
 }
 # What a row of a plain file may set, by these field names. `n` and `logprobs` come only from OpenAI batch bodies,
 # where their meaning is fixed: in a plain file they are too likely to be some other column of the user's.
@@ -202,7 +214,7 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
 CONTROL_SETTINGS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "min_p",
                     "min_tokens", "logit_bias", "bad_words", "ignore_eos")
 ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "top_logprobs", "response_format",
-                *CONTROL_SETTINGS)
+                *CONTROL_SETTINGS, "adapter")
 SAMPLING_SETTINGS = ("temperature", "top_p", "top_k")  # these need the engine's samplers to exist up front
 
 

@@ -34,8 +34,27 @@ class RequestSettings:
             request.error = str(e)
         return request
 
+    def _adapter(self, settings: dict) -> str | None:
+        """The adapter the row names by its `adapter` field (one of the job's, else the row is refused), or an
+        OpenAI batch line by its body's `model` (when the job has an adapter of that name; else its own model)."""
+        adapters = self.plan.adapters
+        named = settings.get("adapter")
+        if named is not None:
+            if adapters is None:
+                raise RowError(f"the row names adapter {named!r}, and the job has none: give it with --adapter "
+                               f"{named}=PATH")
+            try:
+                adapters.pick(named)
+            except KeyError:
+                raise RowError(f"the row names adapter {named!r}, not one of the job's ({', '.join(adapters.names())})"
+                               f": give it with --adapter {named}=PATH") from None
+            return str(named)
+        model = settings.get("model")
+        return model if adapters is not None and model in adapters.names() else None
+
     def _apply(self, request: Request) -> None:
         settings = request.record.settings
+        request.adapter = self._adapter(settings)
         g = self.job.generation
         n = settings.get("n")
         if n is not None and n != g.num_return_sequences and g.num_return_sequences > 1:

@@ -127,7 +127,7 @@ def make_engine(job: JobConfig, planned: Planned, loaded: LoadedModel, *, restar
     from cbgen.engine.engine import Engine
 
     return Engine.for_tokenizer(loaded.model, loaded.tokenizer, planned.plan.engine.settings,
-                                grammars=planned.grammars, restartable=restartable)
+                                grammars=planned.grammars, restartable=restartable, adapters=planned.plan.adapters)
 
 
 def output_rows(job: JobConfig, plan: JobPlan, loaded: LoadedModel, model_name: str) -> OutputRows:
@@ -164,9 +164,12 @@ def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRec
 def make_scorer(job: JobConfig, loaded: LoadedModel, scope: ScopePlan, top_logprobs: int) -> Scorer:
     """The scorer `scope` plans (its rows packed end to end through cbgen's compiled attention, in padded batches, or
     each alone: cbgen.score.scorer)."""
+    from cbgen.model.adapters import job_adapters
     from cbgen.score.scorer import Scorer
 
-    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=top_logprobs, scope=scope)
+    adapters = job_adapters(job)
+    return Scorer(loaded.model, batch_tokens=job.score.batch_tokens, top_logprobs=top_logprobs, scope=scope,
+                  adapter=adapters.default if adapters is not None else None)
 
 
 def score_rows(columns: OutputColumns, loaded: LoadedModel | None) -> ScoreRows:

@@ -50,6 +50,9 @@ class Kind:
     command: ClassVar[str | None] = None  # the command that runs a job of this kind alone, if one does
     # what the progress display counts when a row is not one sequence (or one row of a kind that generates nothing)
     unit: ClassVar[str | None] = None
+    # LoRA adapters (cbgen.model.adapters) its stages take: "rows" (the job's, and others its rows pick by name),
+    # "job" (the job's only: every row runs with it), or "" (none: its model is not one PEFT adapts for it here)
+    adapters: ClassVar[str] = "job"
 
     def check(self, job: Any) -> None:
         """Raises cbgen.errors.CbgenError for settings of `job` that are each valid but do not go together for this
@@ -142,6 +145,7 @@ class EncoderKind(Kind):
 
     generates = False
     runner = "encoder"
+    adapters = ""
     work: ClassVar[str] = ""  # the summary's name of the work: "embedding", "rating"
     pooled: ClassVar[bool] = False  # its model's token vectors pooled into one (embed); else a classifier's outputs
 

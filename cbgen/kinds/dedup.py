@@ -15,6 +15,7 @@ class Dedup(Kind):
     name = "dedup"
     over_rows = False
     generates = False
+    adapters = ""
     runner = "query"  # its query reads its input stage's table
     drops_duplicates = True
 

@@ -15,6 +15,7 @@ REPLY_FIELDS = ("reasoning", "tool_calls")
 class Generate(Kind):
     name = "generate"
     command = "cbgen run"
+    adapters = "rows"
     several_samples = True
     card_title = "Generations by cbgen"
     card_verb = "answered"

@@ -12,6 +12,7 @@ class Sql(Kind):
     name = "sql"
     over_rows = False
     generates = False
+    adapters = ""
     runner = "query"
 
     def setting_error(self, section: str, key: str, own_sections: frozenset[str]) -> str | None:

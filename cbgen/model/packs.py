@@ -4,8 +4,10 @@ after a dead loop, a bench's paths) starts without packing again. Packing took 0
 of each engine start for the embedded SmolLM2-135M on a 2-core Intel Xeon, about 2 s for a 1B float32 model.
 
 A pack is keyed by the weight tensor itself (held weakly) and checked against the weight's storage, shape, dtype and
-version counter, which every in-place change (a merged adapter, a fused layer's new storage) moves: a weight that
-changed is packed again. The packs are a second copy of the packed weights while the model is loaded.
+version counter, which an in-place change through the tensor itself moves: a weight that changed is packed again.
+A change made through `.data` (PEFT merges adapters so) moves no counter, and a merged projection's weight is another
+tensor than the views its parts' changes go through: whoever changes weights so calls `clear()` (cbgen.model.adapters
+does). The packs are a second copy of the packed weights while the model is loaded.
 """
 
 from __future__ import annotations
@@ -44,3 +46,10 @@ def count() -> int:
     """How many weights hold packs now (for tests and for run.json)."""
     with _lock:
         return len(_packs)
+
+
+def clear() -> None:
+    """Forgets every pack: for a change of weights that the version counter does not see (an adapter merged through
+    `.data`, cbgen.model.adapters), so that the next engine packs the values the weights hold now."""
+    with _lock:
+        _packs.clear()

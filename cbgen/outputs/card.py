@@ -77,6 +77,7 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
         "cbgen": {
             "version": __version__,
             "model": model,
+            **({"adapters": adapters} if (adapters := _adapters(job)) else {}),
             "command": shlex.join(command),
             kind.card_settings: job.get(kind.card_settings, {}),
             "templates": {k: job.get("input", {}).get(k) for k in ("template", "system", "messages")},
@@ -91,6 +92,7 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
     lines = [f"---\n{header}---", "", f"# {kind.card_title}", "",
              f"{rows} rows {kind.card_verb} by {model or 'a model'} with cbgen {__version__}"
              + ("" if in_order else " (in the order requests finished: the run is not complete)") + ".", "",
+             *_adapter_lines(adapters),
              *_cache_lines(counts),
              "## Load", "", "```python", "import datasets", "",
              'rows = datasets.load_from_disk("THIS_FOLDER")' if saved_to_disk else
@@ -101,6 +103,25 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
     for name in columns.names if columns is not None else ():
         lines.append(f"- `{name}`: {meanings.get(name, 'an input column kept with --keep-columns')}")
     return "\n".join(lines) + "\n"
+
+
+def _adapters(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's LoRA adapters as its stored settings name them: each one's name and source, the job's own first."""
+    from cbgen.model.adapters import default_name, specs_of, split_spec
+
+    found = []
+    for spec in specs_of((job.get("model") or {}).get("adapter")):
+        name, source = split_spec(spec)
+        found.append({"name": name or default_name(source), "source": source, "default": name is None})
+    return sorted(found, key=lambda a: not a["default"])
+
+
+def _adapter_lines(adapters: list[dict[str, Any]]) -> list[str]:
+    """What the card says of the adapters the rows were generated with (run.json has their digests)."""
+    if not adapters:
+        return []
+    named = [f"`{a['name']}` ({a['source']}{', the rows that name none' if a['default'] else ''})" for a in adapters]
+    return [f"With LoRA adapters merged into the model: {', '.join(named)}.", ""]
 
 
 def _cache_lines(counts: dict[str, Any]) -> list[str]:

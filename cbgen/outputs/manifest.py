@@ -72,6 +72,7 @@ def cut_identity(path: str, size: int | None = None) -> dict[str, Any]:
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
     resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""
+    from cbgen.model.adapters import job_adapters
     from cbgen.model.gguf import default_cache_dir
     from cbgen.render.templates import PromptTemplate
 
@@ -96,6 +97,9 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
         "output_format": job.output.format,
         "shard": list(sharding) if sharding else None,
     }
+    adapters = job_adapters(job)
+    if adapters is not None:  # by content: other weights under the same path are another job
+        fingerprint["adapters"] = adapters.identity(memo)
     return kind_of(job.kind).fingerprint(job, fingerprint)
 
 
@@ -126,6 +130,9 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         model |= {"device": loaded.device, "dtype": dtype_name(loaded.dtype),
                   "attn_implementation": loaded.attn_implementation, "cache": loaded.cache,
                   "random_weights": loaded.random_weights, "linear": summary.engine_scope.get("linear")}
+    adapters = adapters_record(job)
+    if adapters:
+        model["adapters"] = adapters
     manifest = {
         "format": FORMAT,
         "cbgen_version": __version__,
@@ -160,6 +167,19 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
     path = summary.output_dir / MANIFEST_FILE
     write_json_atomic(path, manifest)
     return path
+
+
+def adapters_record(job: JobConfig) -> list[dict[str, Any]]:
+    """run.json's and the dataset card's account of the job's LoRA adapters: each one's name, source, rank, targets
+    and digests, the job's own (the rows that name none run with it) marked `default`."""
+    from cbgen.model.adapters import job_adapters
+    from cbgen.model.gguf import default_cache_dir
+
+    adapters = job_adapters(job)
+    if adapters is None:
+        return []
+    memo = default_cache_dir(job.model) / "digests.json"
+    return [a.describe() | a.identity(memo) | {"default": a is adapters.default} for a in adapters.all]
 
 
 def stored_job(job: JobConfig) -> dict:

@@ -85,6 +85,19 @@ def for_scoring(job: JobConfig, loaded: LoadedModel, scope: ScopePlan) -> Result
                  top_logprobs=job.generation.top_logprobs or 0)
 
 
+def adapter_identities(job: JobConfig, memo: Path) -> dict[str | None, dict[str, Any]]:
+    """Each name a request may give its adapter by (None: the job's own) -> that adapter's identity by content."""
+    from cbgen.model.adapters import job_adapters
+
+    adapters = job_adapters(job)
+    if adapters is None:
+        return {}
+    found: dict[str | None, dict[str, Any]] = {a.name: a.identity(memo) for a in adapters.all}
+    if adapters.default is not None:
+        found[None] = found[adapters.default.name]
+    return found
+
+
 def _open(job: JobConfig, loaded: LoadedModel, scope: ScopePlan, *, eos: frozenset[int], sampling: dict[str, Any],
           capture: bool, top_logprobs: int = 0) -> ResultCache | None:
     if not enabled(job):
@@ -98,7 +111,8 @@ def _open(job: JobConfig, loaded: LoadedModel, scope: ScopePlan, *, eos: frozens
     model = weights_identity(loaded, store.root / "digests.json")
     if model is None:
         return None
-    keyer = Keyer(model, dtype_name(loaded.dtype), sorted(eos), dict(sampling), bool(sampling.get("do_sample")))
+    keyer = Keyer(model, dtype_name(loaded.dtype), sorted(eos), dict(sampling), bool(sampling.get("do_sample")),
+                  adapter_identities(job, store.root / "digests.json"))
     return ResultCache(store, keyer, Numerics.of(loaded, scope, job.model.tp_size), near=job.run.cache_near_hits,
                        max_bytes=int(job.run.cache_max_size * GB),
                        num_return_sequences=job.generation.num_return_sequences,

@@ -98,11 +98,18 @@ class Keyer:
     the same for every request (dtype, end-of-sequence ids, the job's sampling)."""
 
     def __init__(self, model: dict[str, Any], dtype: str, eos: list[int], sampling: dict[str, Any],
-                 do_sample: bool) -> None:
+                 do_sample: bool, adapters: dict[str | None, dict[str, Any]] | None = None) -> None:
         self.base = {"v": KEY_VERSION, "model": model, "dtype": dtype}
         self.eos = sorted(eos)
         self.sampling = sampling
         self.do_sample = do_sample
+        # the LoRA adapters merged into the weights: the identity (by content) of each name a request may give, None
+        # for the job's own; a request without one has no "adapter" field in its key (as before adapters existed)
+        self.adapters = adapters or {}
+
+    def _adapter(self, name: str | None) -> dict[str, Any]:
+        identity = self.adapters.get(name)
+        return {"adapter": identity} if identity is not None else {}
 
     def sequence_keys(self, request: Request, n: int) -> list[str] | None:
         """The key of each of the request's `n` sequences, or None when they cannot be cached (unseeded sampling)."""
@@ -113,7 +120,8 @@ class Keyer:
         own.pop(GRAMMAR_KWARG, None)
         if self.do_sample and seed is None:
             return None
-        fields = {**self.base, "kind": "generate", "prompt": request.ids, "eos": self.eos, "stop": list(request.stop),
+        fields = {**self.base, **self._adapter(request.adapter), "kind": "generate", "prompt": request.ids,
+                  "eos": self.eos, "stop": list(request.stop),
                   "format": request.response_format.key if request.response_format is not None else None,
                   "sampling": {**self.sampling, **own}, "seed": seed if self.do_sample else None}
         if not self.do_sample:
@@ -122,5 +130,5 @@ class Keyer:
 
     def score_key(self, context: list[int], continuations: list[list[int]], text: bool) -> str:
         """The key of a scoring row: its context and what is scored after it (or the text itself)."""
-        return digest({**self.base, "kind": "score", "context": context, "continuations": continuations,
-                       "text": text})
+        return digest({**self.base, **self._adapter(None), "kind": "score", "context": context,
+                       "continuations": continuations, "text": text})

@@ -19,6 +19,7 @@ import torch
 
 from cbgen.engine.scope import PACKED_ROWS, EngineScope, ScopePlan
 from cbgen.errors import first_line
+from cbgen.model.adapters import Adapter, applied
 from cbgen.records import Completion, Score
 from cbgen.render.prompts import LOOKAHEAD
 from cbgen.score.batches import Batch, MaskShape, Piece, make_batch, pieces_of, plan_batches
@@ -53,8 +54,9 @@ class Scorer:
     without the packed attention (then a batch has a row's own shapes only)."""
 
     def __init__(self, model: Any, *, batch_tokens: int, top_logprobs: int = 0, window: int = LOOKAHEAD,
-                 scope: ScopePlan | None = None) -> None:
+                 scope: ScopePlan | None = None, adapter: Adapter | None = None) -> None:
         self.model = model
+        self.adapter = adapter  # the job's LoRA adapter, merged into the weights while it scores
         self.scope = scope or ScopePlan()
         self.decoder = decoder_of(model)
         self.head = output_head(model)
@@ -73,7 +75,8 @@ class Scorer:
     def run(self, requests: Iterator[ScoreRequest], stop: threading.Event) -> Iterator[list[Completion]]:
         """Each request's result (a one-item list, as the engine yields groups), as its forward pass finishes;
         refused requests at once. Stops between passes once `stop` is set."""
-        with EngineScope(self.model, self.scope):  # quiets transformers too (cbgen.engine.changes)
+        # quiets transformers too (cbgen.engine.changes)
+        with applied(self.model, self.adapter), EngineScope(self.model, self.scope):
             window: list[ScoreRequest] = []
             for request in requests:
                 if stop.is_set():

@@ -1,0 +1,57 @@
+"""Rows of several LoRA adapters through one loaded model: each adapter's requests run together, its update merged
+into the base weights while they do (cbgen.model.adapters), then the next adapter's.
+
+A request names its adapter (`Request.adapter`; None: the job's own). A job with one adapter runs all its requests
+with it merged. A job whose rows pick among several takes its requests a window at a time (WINDOW, in their order:
+prefix-aware, cbgen.render.prompts), and runs each window's requests adapter by adapter, in the order the adapters
+first appear, each group through a fresh run of the engine (or scorer) over the merged weights.
+
+Why merged and grouped, not each row's low-rank product added to the base layers in one batch (vLLM's way): the
+merged weights run every kernel cbgen has (fused layers, compiled linear blocks, batch invariance) unchanged and give
+exactly what PEFT's merged model gives, and a row's bits depend on no other row's adapter. The price is an engine
+start and a merge per group of a window, and smaller batches than one engine over all rows would have (measured in
+docs/adapters.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from cbgen.model.adapters import Adapters, applied
+from cbgen.records import Request
+
+WINDOW = 4096  # requests grouped by adapter at a time: each group one engine run (a start, a merge)
+
+T = TypeVar("T")
+_PASS: Any = object()  # requests that run nothing (answered by the result cache, or refused): no merge for them
+
+
+def by_adapter(model: Any, adapters: Adapters, requests: Iterable[Request | None],
+               run: Callable[[Iterable[Request | None]], Iterator[T]], stop: threading.Event | None = None,
+               window: int = WINDOW) -> Iterator[T]:
+    """What `run` yields for `requests`, each run with its adapter merged into `model` (see the module); once `stop`
+    is set no further group starts (the one running stops as `run` does)."""
+    if not adapters.named:  # one adapter for every row: merged once for the whole run
+        with applied(model, adapters.default):
+            yield from run(requests)
+        return
+    source = iter(requests)
+    while chunk := list(itertools.islice(source, window)):
+        groups: dict[Any, list[Request | None]] = {}
+        for request in chunk:
+            groups.setdefault(_key(adapters, request), []).append(request)
+        for key, group in groups.items():
+            if stop is not None and stop.is_set():
+                return
+            with applied(model, None if key is _PASS else adapters.pick(key)):
+                yield from run(group)
+
+
+def _key(adapters: Adapters, request: Request | None) -> Any:
+    if request is None or request.answered is not None or request.error is not None:
+        return _PASS
+    picked = adapters.pick(request.adapter)
+    return picked.name if picked is not None else None

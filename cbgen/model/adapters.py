@@ -1,0 +1,345 @@
+"""LoRA adapters over the loaded base model: which a job names, what makes each the same adapter, whether it fits
+the model, and its low-rank update merged into the base weights while its rows run.
+
+A job names adapters as `--adapter PATH|HUB_ID` (the job's own: every row that names none runs with it) and
+`--adapter NAME=PATH|HUB_ID` (one a row may pick by its `adapter` field, or an OpenAI batch line by its body's
+`model`). An adapter is a folder as PEFT saves it: `adapter_config.json` and `adapter_model.safetensors` (or `.bin`).
+
+**How an adapter runs: merged, one at a time, over the one copy of the base weights.** While a group of rows runs,
+their adapter's update (scale * B @ A, PEFT's own arithmetic) is added into the base layers' weights in place, and
+taken out after by writing back the values it replaced (an exact copy of the targeted layers, not a subtraction,
+which would not give the same bits back). So the engine computes exactly what PEFT's `merge_and_unload()` model
+computes, with every one of cbgen's kernels (fused layers, compiled linear blocks, batch invariance) unchanged, and
+the base weights are loaded once whatever the number of adapters. The cost is a second copy of the targeted layers
+while an adapter is merged, and an engine start per group of rows (cbgen.engine.adapters groups them). Weights
+packed for a kernel (cbgen.model.packs) are dropped at each change, so the next engine packs the new values.
+
+Everything here but `applied` is torch-free (it reads JSON and safetensors headers), so a job's adapters are resolved,
+hashed and checked against the model's structure before any weight loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cbgen.errors import CbgenError, first_line
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")  # a name rows may give (OpenAI model names included)
+INSTALL_PEFT = "pip install 'cbgen[adapters]'"
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter: the name rows know it by, what was given, its local folder and its adapter_config.json."""
+
+    name: str
+    spec: str  # the path or hub id as given
+    folder: Path
+    config: dict[str, Any] = field(hash=False, compare=False)
+
+    @property
+    def weights(self) -> Path:
+        return next(self.folder / name for name in WEIGHT_FILES if (self.folder / name).is_file())
+
+    def identity(self, memo: Path | None = None) -> dict[str, Any]:
+        """What makes it the same adapter for a resume and the result cache: its weights and config by content
+        (the weights hashed once and remembered by size and mtime in `memo`)."""
+        from cbgen.files import file_digest
+
+        return {"config_sha256": hashlib.sha256((self.folder / CONFIG_FILE).read_bytes()).hexdigest(),
+                "weights_sha256": file_digest(self.weights, memo)}
+
+    def describe(self) -> dict[str, Any]:
+        """run.json's and the dataset card's account of it."""
+        c = self.config
+        targets = c.get("target_modules")
+        return {"name": self.name, "source": self.spec, "peft_type": c.get("peft_type"), "r": c.get("r"),
+                "lora_alpha": c.get("lora_alpha"), "target_modules": sorted(targets) if isinstance(targets, list)
+                else targets, "base_model": c.get("base_model_name_or_path")}
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A job's adapters: `default` runs the rows that name none (None: the base model), `named` those rows pick."""
+
+    default: Adapter | None
+    named: dict[str, Adapter] = field(hash=False)
+
+    @property
+    def all(self) -> list[Adapter]:
+        """Each distinct adapter once: the default first."""
+        found = {a.name: a for a in ([self.default] if self.default else []) + list(self.named.values())}
+        return list(found.values())
+
+    def pick(self, name: str | None) -> Adapter | None:
+        """The adapter a row's `adapter` field names (None: the job's default). Raises KeyError for another name."""
+        if name is None:
+            return self.default
+        if name in self.named:
+            return self.named[name]
+        if self.default is not None and name == self.default.name:
+            return self.default
+        raise KeyError(name)
+
+    def names(self) -> list[str]:
+        return [a.name for a in self.all]
+
+    def identity(self, memo: Path | None = None) -> dict[str, Any]:
+        """Which runs the rows that name none, and each adapter's identity by its name."""
+        return {"default": self.default.name if self.default else None,
+                "by_name": {a.name: a.identity(memo) for a in self.all}}
+
+
+def specs_of(value: str | list[str] | None) -> list[str]:
+    """The setting `model.adapter` as a list: a string is one adapter; a list gives several."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def split_spec(spec: str) -> tuple[str | None, str]:
+    """`NAME=PATH` -> (NAME, PATH); a PATH (or hub id) alone -> (None, PATH). An existing path is never split."""
+    name, sep, rest = spec.partition("=")
+    if sep and NAME.match(name) and rest and not Path(spec).expanduser().exists():
+        return name, rest
+    return None, spec
+
+
+def check_specs(value: str | list[str]) -> bool:
+    """The setting's form: non-empty entries, at most one without a name, no name twice."""
+    specs = specs_of(value)
+    parts = [split_spec(s) for s in specs]
+    names = [n for n, _ in parts if n is not None]
+    return all(p.strip() for _, p in parts) and sum(n is None for n, _ in parts) <= 1 and len(names) == len(set(names))
+
+
+def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:
+    """The job's adapters, each found on disk (a folder, or a hub id from the hub or its local cache) and its config
+    read; None when it names none. Raises CbgenError naming the adapter and the way out."""
+    if not specs:
+        return None
+    default = None
+    named: dict[str, Adapter] = {}
+    for spec in specs:
+        name, location = split_spec(spec)
+        folder = _folder(location, where)
+        adapter = Adapter(name or default_name(location), location, folder, _read_config(folder, where, location))
+        if name is None:
+            default = adapter
+        else:
+            named[name] = adapter
+    return Adapters(default, named)
+
+
+def job_adapters(job: Any) -> Adapters | None:
+    """The adapters a job (cbgen.config.JobConfig) names in its `model.adapter` setting, resolved; None: none."""
+    return resolve(specs_of(job.model.adapter))
+
+
+def default_name(location: str) -> str:
+    """The job's own adapter is named by its folder (or hub id)'s last part, as run.json and the rows show it."""
+    return Path(location.rstrip("/")).name or location
+
+
+def _folder(location: str, where: str) -> Path:
+    path = Path(location).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CbgenError(f"{where} {location}: not a folder; give the folder PEFT saved the adapter in (it holds "
+                         f"{CONFIG_FILE})")
+    looks_local = location.startswith((".", "/", "~")) or location.count("/") != 1
+    if not looks_local:
+        try:
+            from huggingface_hub import snapshot_download
+
+            offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+            return Path(snapshot_download(location, local_files_only=offline))
+        except Exception as e:  # noqa: BLE001 - unknown repo, no network, offline and not cached: one line
+            raise CbgenError(f"{where} {location}: no such folder, and not a hub adapter found ({first_line(e)}); "
+                             "give the folder PEFT saved the adapter in") from None
+    raise CbgenError(f"{where} {location}: no such folder; give the folder PEFT saved the adapter in (it holds "
+                     f"{CONFIG_FILE} and {WEIGHT_FILES[0]})")
+
+
+def _read_config(folder: Path, where: str, location: str) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except OSError:
+        raise CbgenError(f"{where} {location}: no {CONFIG_FILE} in {folder}; is it a PEFT adapter folder?") from None
+    except ValueError as e:
+        raise CbgenError(f"{where} {location}: {CONFIG_FILE} is not JSON ({first_line(e)})") from None
+    if not isinstance(config, dict):
+        raise CbgenError(f"{where} {location}: {CONFIG_FILE} is not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise CbgenError(f"{where} {location}: a {config.get('peft_type')!r} adapter; cbgen runs LoRA adapters "
+                         "(peft_type LORA)")
+    saved = config.get("modules_to_save") or config.get("trainable_token_indices")
+    if saved:
+        raise CbgenError(f"{where} {location}: the adapter also replaces whole modules or token rows ({saved}); cbgen "
+                         "merges low-rank updates only: merge it into the model with PEFT's merge_and_unload(), save "
+                         "that, and run it with --model")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise CbgenError(f"{where} {location}: no {' or '.join(WEIGHT_FILES)} in {folder}")
+    return config
+
+
+# -- fit ------------------------------------------------------------------------------------------------------------
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from a safetensors file's header alone (no tensor is read)."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+    return {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
+
+
+def _layers(shapes: dict[str, list[int]]) -> dict[str, dict[str, list[int]]]:
+    """Module path -> {"A": shape, "B": shape} from PEFT's weight names (base_model.model.<path>.lora_A.weight)."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for name, shape in shapes.items():
+        match = re.match(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$", name)
+        if match:
+            found.setdefault(match.group(1), {})[match.group(2)] = shape
+    return found
+
+
+def misfit(adapter: Adapter, model: Any) -> str | None:
+    """Why `adapter` cannot be merged into `model` (its structure is enough: a model on torch's meta device does),
+    or None. Checks what PEFT would otherwise fail on mid-job: each adapted layer exists, is a linear layer, and the
+    low-rank factors' shapes fit its inputs and outputs and each other (the rank)."""
+    weights = adapter.weights
+    if weights.suffix != ".safetensors":
+        return None  # a pickled file cannot be read without torch; PEFT checks it when it merges
+    try:
+        layers = _layers(safetensors_shapes(weights))
+    except (OSError, ValueError, struct.error) as e:
+        return f"its weights file {weights.name} cannot be read ({first_line(e)})"
+    if not layers:
+        return f"its weights file {weights.name} holds no LoRA factors (lora_A / lora_B)"
+    modules = dict(model.named_modules())
+    for path, factors in sorted(layers.items()):
+        layer = modules.get(path)
+        if layer is None:
+            return (f"it adapts {path}, which the model does not have (an adapter for another architecture or size? "
+                    f"its base model: {adapter.config.get('base_model_name_or_path')})")
+        inputs, outputs = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
+        if inputs is None or outputs is None:
+            return f"it adapts {path}, a {type(layer).__name__}: cbgen merges adapters of linear layers only"
+        a, b = factors.get("A"), factors.get("B")
+        if a is None or b is None:
+            return f"{path} has only one of its two LoRA factors"
+        if a[1] != inputs or b[0] != outputs:
+            return (f"its update of {path} maps {a[1]} inputs to {b[0]} outputs, the model's layer {inputs} to "
+                    f"{outputs} (an adapter trained on another model?)")
+        if a[0] != b[1]:
+            return f"the two factors of {path} have different ranks ({a[0]} and {b[1]})"
+        rank = adapter.config.get("r")
+        if not adapter.config.get("rank_pattern") and isinstance(rank, int) and a[0] != rank:
+            return f"its {CONFIG_FILE} says rank {rank}, and its factors of {path} have rank {a[0]}"
+    return None
+
+
+def check_fits(adapters: Adapters, model: Any, where: str = "--adapter") -> None:
+    """Raises CbgenError, naming the adapter and the first layer that does not fit, unless every adapter fits."""
+    for adapter in adapters.all:
+        reason = misfit(adapter, model)
+        if reason is not None:
+            raise CbgenError(f"{where} {adapter.spec}: does not fit the model: {reason}")
+
+
+# -- merged ---------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def applied(model: Any, adapter: Adapter | None) -> Iterator[None]:
+    """`adapter`'s update merged into `model`'s weights while the block runs, by PEFT's own merge (so its bits are
+    `merge_and_unload()`'s), in place: the model keeps its modules and every tensor its storage (a fused layer's views
+    included). On exit each targeted layer's weights are written back as they were, bit for bit. None: the block runs
+    on the base model."""
+    if adapter is None:
+        yield
+        return
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        raise CbgenError(f"--adapter {adapter.spec}: adapters need PEFT, which is not installed: run "
+                         f"`{INSTALL_PEFT}`") from None
+    import torch
+
+    from cbgen.model import packs
+
+    saved: list[_Saved] = []
+    try:
+        with torch.no_grad():
+            wrapped = PeftModel.from_pretrained(model, str(adapter.folder), is_trainable=False)
+            for module in wrapped.modules():
+                if isinstance(module, LoraLayer):
+                    base = module.get_base_layer()
+                    saved += [_Saved(base, name, tensor.data, tensor.detach().clone())
+                              for name in ("weight", "bias") if (tensor := getattr(base, name, None)) is not None]
+            wrapped.merge_and_unload()
+            for entry in saved:
+                entry.keep_storage()
+    except (ValueError, RuntimeError, KeyError, OSError, AttributeError) as e:
+        _restore(saved)
+        _strip(model, LoraLayer)
+        raise CbgenError(f"--adapter {adapter.spec}: cannot be merged into the model: {first_line(e)}") from None
+    packs.clear()  # packed for the values before: the next engine packs the merged ones
+    try:
+        yield
+    finally:
+        _restore(saved)
+        packs.clear()
+
+
+@dataclass
+class _Saved:
+    """One targeted tensor of a base layer: the storage it had (which views, a fused layer's, share) and its values
+    before the merge."""
+
+    module: Any
+    name: str
+    storage: Any  # the tensor's `.data` before the merge
+    before: Any  # a copy of its values
+
+    def keep_storage(self) -> None:
+        """PEFT's plain merge adds in place (`weight.data += delta`); where a merge gave the layer a new tensor (its
+        safe path, some variants), the merged values go into the old storage, and the layer takes it back."""
+        current = getattr(self.module, self.name).data
+        if current.data_ptr() != self.storage.data_ptr():
+            self.storage.copy_(current)
+            getattr(self.module, self.name).data = self.storage
+
+
+def _strip(model: Any, lora_layer: Any) -> None:
+    """Each layer PEFT wrapped before it failed is the model's own layer again."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, lora_layer) and name:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    for attribute in ("peft_config", "_hf_peft_config_loaded"):
+        if attribute in vars(model):
+            delattr(model, attribute)
+
+
+def _restore(saved: list[_Saved]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for entry in saved:
+            entry.keep_storage()
+            entry.storage.copy_(entry.before)

@@ -1,0 +1,99 @@
+"""cbgen.model.adapters on its own: how a job names adapters, what fits a model (read from the structure and the
+safetensors header, before any weight loads), and a merge that is PEFT's and is taken back bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbgen.errors import CbgenError
+from cbgen.model import packs
+from cbgen.model.adapters import applied, check_fits, check_specs, misfit, resolve, split_spec
+from tests.adapters import merged_model
+
+
+def test_specs_name_adapters_or_give_the_jobs_own(tmp_path):
+    assert split_spec("a=./x") == ("a", "./x") and split_spec("./x") == (None, "./x")
+    assert split_spec("org/lora") == (None, "org/lora") and split_spec("gpt-4o=org/lora") == ("gpt-4o", "org/lora")
+    odd = tmp_path / "x=y"
+    odd.mkdir()
+    assert split_spec(str(odd)) == (None, str(odd))  # an existing path is never split
+    assert check_specs("./x") and check_specs(["./x", "a=./y", "b=./z"])
+    assert not check_specs(["./x", "./y"])  # two without a name: which runs the rows that name none?
+    assert not check_specs(["a=./x", "a=./y"]) and not check_specs([""])
+
+
+def test_resolve_reads_each_adapter_and_names_the_jobs_own_by_its_folder(lora_adapters):
+    adapters = resolve([str(lora_adapters["a"]), f"other={lora_adapters['b']}"])
+    assert adapters is not None and adapters.default is not None
+    assert adapters.default.name == "a" and adapters.names() == ["a", "other"]
+    assert adapters.pick(None) is adapters.default and adapters.pick("other").folder == lora_adapters["b"]
+    with pytest.raises(KeyError):
+        adapters.pick("nope")
+    assert adapters.named["other"].describe()["r"] == 8
+    first, again = adapters.identity(), resolve([str(lora_adapters["a"]), f"other={lora_adapters['b']}"]).identity()
+    assert first == again and first["by_name"]["a"] != first["by_name"]["other"]
+    same_settings = resolve([str(lora_adapters["a2"])]).identity()["by_name"]["a2"]
+    assert same_settings["config_sha256"] == first["by_name"]["a"]["config_sha256"]  # same settings,
+    assert same_settings["weights_sha256"] != first["by_name"]["a"]["weights_sha256"]  # other weights
+
+
+def test_what_is_not_an_adapter_is_one_line_before_any_model(tmp_path, lora_adapters):
+    with pytest.raises(CbgenError, match="no such folder"):
+        resolve([str(tmp_path / "missing")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CbgenError, match="no adapter_config.json"):
+        resolve([str(tmp_path / "empty")])
+    prefix = tmp_path / "prefix"
+    prefix.mkdir()
+    (prefix / "adapter_config.json").write_text('{"peft_type": "PREFIX_TUNING"}')
+    with pytest.raises(CbgenError, match="cbgen runs LoRA adapters"):
+        resolve([str(prefix)])
+
+
+def test_misfits_are_found_from_the_structure_alone(tiny_model_dir, lora_adapters):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # no weights: what a job checks before its model loads
+        structure = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    adapters = resolve([str(lora_adapters[name]) for name in ("a",)] + [f"b={lora_adapters['b']}"])
+    check_fits(adapters, structure)  # fits: no error
+    assert misfit(resolve([str(lora_adapters["dora"])]).default, structure) is None
+    wide = misfit(resolve([str(lora_adapters["wide"])]).default, structure)
+    assert wide is not None and "maps 128 inputs" in wide and "64" in wide
+    deep = misfit(resolve([str(lora_adapters["deep"])]).default, structure)
+    assert deep is not None and "model.layers.2.self_attn" in deep and "does not have" in deep
+    rank = misfit(resolve([str(lora_adapters["rank"])]).default, structure)
+    assert rank is not None and "rank 16" in rank and "rank 4" in rank
+    with pytest.raises(CbgenError, match=r"^--adapter .*wide: does not fit the model: "):
+        check_fits(resolve([str(lora_adapters["wide"])]), structure)
+
+
+@pytest.mark.parametrize("name", ["a", "b", "dora"])
+def test_the_merge_is_peft_merge_and_unload_and_is_taken_back_bit_for_bit(tiny_model_dir, lora_adapters, name):
+    model = merged_model(tiny_model_dir, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    reference = merged_model(tiny_model_dir, lora_adapters[name]).state_dict()
+    adapter = resolve([str(lora_adapters[name])]).default
+    packs.kept(model.model.layers[0].self_attn.q_proj.weight, "test", lambda w: w.clone())
+    with applied(model, adapter):
+        assert packs.count() == 0  # packed for the old values: dropped
+        state = model.state_dict()
+        assert state.keys() == reference.keys()
+        assert all(torch.equal(state[k], reference[k]) for k in state), "bitwise PEFT's merged model"
+        assert {k: v.data_ptr() for k, v in state.items()} == storage  # in place: views of them see it
+        changed = [k for k in state if not torch.equal(state[k], before[k])]
+        assert changed and all(k.endswith("weight") for k in changed)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in after)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear and not hasattr(model, "peft_config")
+
+
+def test_a_merge_that_fails_leaves_the_model_as_it_was(tiny_model_dir, lora_adapters):
+    model = merged_model(tiny_model_dir, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CbgenError, match="cannot be merged into the model"):
+        with applied(model, resolve([str(lora_adapters["wide"])]).default):
+            pass
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
