@@ -55,6 +55,7 @@ class PromptRecord:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own chat-template variables
     target: ScoreTarget | None = None  # what a scoring job scores (then a text-only row has no prompt)
     row: dict[str, Any] | None = None  # the row as read, for a kind that reads all of it (chat); else None
+    model: str | None = None  # an OpenAI batch line's body.model: the job's adapter of that name answers it, if any
 
 
 @dataclass(slots=True)

@@ -150,12 +150,12 @@ def test_an_adapter_that_cannot_run_is_one_line_before_the_model_loads(tiny_mode
                                                                        capsys, monkeypatch, make, expected):
     from cbgen.model import load as model_load
 
-    def no_weights(*args, **kwargs):  # the structure may load (weights=False), the weights must not
-        assert kwargs.get("weights") is False, "the weights loaded before the adapter was checked"
-        return loaded(*args, **kwargs)
+    def no_weights(source, settings, tp, weights, *args):  # the structure may load, the weights must not
+        assert not weights, "the weights loaded before the adapter was checked"
+        return loading(source, settings, tp, weights, *args)
 
-    loaded = model_load.load_model
-    monkeypatch.setattr(model_load, "load_model", no_weights)
+    loading = model_load._load
+    monkeypatch.setattr(model_load, "_load", no_weights)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])
     code = cbgen(tiny_model_dir, prompts, "-o", tmp_path / "out", "--adapter", make(lora_adapters, tmp_path))
     err = capsys.readouterr().err
@@ -174,6 +174,12 @@ def test_a_row_naming_an_unknown_adapter_is_its_error_record_and_the_rest_run(ti
     assert found["q0"]["token_ids"] == references["a"][0] and found["q1"]["token_ids"] == references[None][1]
     assert found["q2"]["finish_reason"] == "error"
     assert "names adapter 'c', not one of the job's (a): give it with --adapter c=PATH" in found["q2"]["error"]
+    plain = tmp_path / "plain"  # a job without adapters: a row that names one is not answered by the base model
+    assert cbgen(tiny_model_dir, prompts, "-o", plain, "--max-new-tokens", NEW) == 1
+    found = {r["id"]: r for r in read_shards(plain)}
+    assert found["q1"]["token_ids"] == references[None][1]
+    assert [found[k]["finish_reason"] for k in ("q0", "q2")] == ["error", "error"]
+    assert "names adapter 'a', and the job has none: give it with --adapter a=PATH" in found["q0"]["error"]
 
 
 def test_adapters_where_they_cannot_run_are_refused_in_one_line(tiny_model_dir, lora_adapters, tmp_path, capsys):
@@ -247,3 +253,25 @@ def test_cbgen_eval_moves_adapter_into_the_model_args():
         "--model_args", "dtype=float32,adapter=./lora", "--limit", "2"]
     assert with_adapter(["--model_args=model=m", "--adapter", "x"]) == ["--model_args=model=m,adapter=x"]
     assert with_adapter(["--tasks", "t"]) == ["--tasks", "t"]
+
+
+def test_a_pipeline_stage_takes_its_adapter_and_the_next_stage_runs_on_the_base_model(tiny_model_dir, lora_adapters,
+                                                                                       references, tmp_path):
+    import yaml
+
+    from cbgen.pipelines import load_pipeline
+    from cbgen.pipelines.runner import PipelineRun
+
+    shutil.copytree(lora_adapters["a"], tmp_path / "lora")
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS[:3])])
+    stage = {"kind": "generate", "input": "p.jsonl", "max_new_tokens": NEW}
+    spec = {"defaults": {"model": str(tiny_model_dir), "dtype": "float32"},
+            "stages": [stage | {"name": "tuned", "adapter": "lora"}, stage | {"name": "plain"}]}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(spec))
+    run = PipelineRun(load_pipeline(tmp_path / "pipeline.yaml"), tmp_path / "out")
+    assert run.run().exit_code == 0
+    assert run.models.loads == 1  # one load of the base weights for both stages
+    tuned = {r["id"]: r["token_ids"] for r in read_shards(tmp_path / "out" / "tuned")}
+    plain = {r["id"]: r["token_ids"] for r in read_shards(tmp_path / "out" / "plain")}
+    assert [tuned[f"q{i}"] for i in range(3)] == references["a"][:3]  # the folder found beside the pipeline file
+    assert [plain[f"q{i}"] for i in range(3)] == references[None][:3]  # the adapter left the weights with its stage

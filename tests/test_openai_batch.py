@@ -73,7 +73,8 @@ def test_batch_file_is_detected_and_read(tmp_path):
     assert records["bad-temp"].error == "'body.temperature' must be a number >= 0 (0 = greedy), got -1"
     assert "non-text content parts" in records["image"].error
     assert reader.notices == {
-        "body field 'model' does not apply: cbgen answers with its --model": 5,  # lines rejected earlier: not seen
+        "body field 'model' does not apply: cbgen answers with its --model (or the job's adapter of that name: "
+                                     "--adapter NAME=PATH)": 5,  # lines rejected earlier: not seen
     }
 
 

@@ -92,16 +92,13 @@ class Generator:
     @property
     def loaded(self) -> LoadedModel:
         if self._loaded is None:
-            from cbgen.model.adapters import check_fits, job_adapters
+            from cbgen.model.adapters import job_adapters
             from cbgen.model.load import load_model
             from cbgen.model.source import resolve_source
 
             resolve_source(self._job.model.model)  # a model that cannot be found says so before torch loads
-            adapters = job_adapters(self._job)  # an adapter that cannot be found too
-            loaded = load_model(self._job.model)
-            if adapters is not None:
-                check_fits(adapters, loaded.model)
-            self._loaded = loaded
+            job_adapters(self._job)  # an adapter that cannot be found too (load_model checks that each fits)
+            self._loaded = load_model(self._job.model)
         return self._loaded
 
     def generate(self, prompts: Sequence[Any] | datasets.Dataset, *, progress: bool | None = None,

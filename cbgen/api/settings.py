@@ -19,14 +19,12 @@ class ModelSettings(TypedDict, total=False):
     # model.device: Where the model runs. auto: CUDA when visible.
     device: Literal['auto', 'cpu', 'cuda']
     # model.attn_implementation: Attention: per-sequence (cbgen's CPU attention for continuous batching: each request
-    # attends only to its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports:
-    # on CPU per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.
+    # attends only to its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on
+    # CPU per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.
     attn_implementation: str | None
-    # model.adapter: LoRA adapters (PEFT folders or hub ids; the adapters extra installs PEFT). PATH: the job's
-    # adapter, for every row that names none. NAME=PATH (repeatable): an adapter a row picks by its 'adapter' field,
-    # or an OpenAI batch line by its body's 'model'. Each runs merged into the base weights, which load once: rows of
-    # one adapter run together, and give what PEFT's merge_and_unload() model gives. Part of the job's identity by
-    # content: a resume with other adapter weights refuses.
+    # model.adapter: LoRA adapters (PEFT folders or hub ids). PATH: for every row that names none. NAME=PATH
+    # (repeatable): one a row picks by its 'adapter' field (an OpenAI line by its body's 'model'). Merged into the base
+    # weights while its rows run: the answers of PEFT's merged model.
     adapter: str | list[str] | None
     # model.trust_remote_code: Allow the model folder's own Python code to run. Off unless you trust its author.
     trust_remote_code: bool
@@ -35,33 +33,33 @@ class ModelSettings(TypedDict, total=False):
     cache_dir: str | None
     # model.use_cache: Use (and fill) the converted-GGUF cache; off dequantizes the GGUF file on every run.
     use_cache: bool
-    # model.onednn_linear: On CPU, run the float32 or bfloat16 linear layers through oneDNN with weights prepacked
-    # once at load, instead of torch's default matmul. float32 on AVX2: 1.06-1.22x a whole job. bfloat16 with bf16
-    # units: each decode-sized matmul 1.3-2.2x as fast, whole jobs within noise (0.81-1.04x). Costs a second copy of
-    # the weights; results can differ from the stock path in the last bit, so a greedy token can differ at a near-tie.
+    # model.onednn_linear: On CPU, run the float32 or bfloat16 linear layers through oneDNN with weights prepacked once
+    # at load, instead of torch's default matmul. float32 on AVX2: 1.06-1.22x a whole job. bfloat16 with bf16 units:
+    # each decode-sized matmul 1.3-2.2x as fast, whole jobs within noise (0.81-1.04x). Costs a second copy of the
+    # weights; results can differ from the stock path in the last bit, so a greedy token can differ at a near-tie.
     onednn_linear: bool
     # model.linear_row_buckets: On CPU in bfloat16 or float16, run each linear layer at one of a few row counts
-    # (multiples of 8 up to 64, then four per doubling), the extra rows zero. oneDNN keeps a compiled kernel (about
-    # 0.7 MB) for every row count it meets, so a long job of varied batches would hold hundreds: this keeps about 100,
-    # some 150 MB less for the embedded model, at the same speed within measurement noise. Default: on where it
-    # applies (bfloat16 or float16 on CPU in one process, without --onednn-linear).
+    # (multiples of 8 up to 64, then four per doubling), the extra rows zero. oneDNN keeps a compiled kernel (about 0.7
+    # MB) for every row count it meets, so a long job of varied batches would hold hundreds: this keeps about 100, some
+    # 150 MB less for the embedded model, at the same speed within measurement noise. Default: on where it applies
+    # (bfloat16 or float16 on CPU in one process, without --onednn-linear).
     linear_row_buckets: bool | None
     # model.fused_layers: On CPU, compute each decoder layer of the architectures cbgen knows (Llama, Mistral, Qwen2,
-    # Qwen3) with fewer, larger operators: query/key/value and gate/up projections as one matmul each, rotary, norms
-    # and residuals in place. The same operators as transformers', so greedy tokens match it; the merged matmuls may
-    # round differently in the last bit. Default: on where the model fits (run.json says why not).
+    # Qwen3) with fewer, larger operators: query/key/value and gate/up projections as one matmul each, rotary, norms and
+    # residuals in place. The same operators as transformers', so greedy tokens match it; the merged matmuls may round
+    # differently in the last bit. Default: on where the model fits (run.json says why not).
     fused_layers: bool | None
-    # model.compiled_ops: On CPU, run the fused decoder layers' RMSNorms (with the residual addition before the
-    # second), rotary embedding and SiLU * up as cbgen's compiled operators: one pass over the rows each, instead of
-    # some 25 small eager operators a layer. The elementwise ones are bitwise transformers'; RMSNorm sums a row's
-    # squares in its own order (float32 may differ in the last bit). Built from C++ on first use, as the compiled
-    # attention. Default: on where they build and fit the model (run.json says why not).
+    # model.compiled_ops: On CPU, run the fused decoder layers' RMSNorms (with the residual addition before the second),
+    # rotary embedding and SiLU * up as cbgen's compiled operators: one pass over the rows each, instead of some 25
+    # small eager operators a layer. The elementwise ones are bitwise transformers'; RMSNorm sums a row's squares in its
+    # own order (float32 may differ in the last bit). Built from C++ on first use, as the compiled attention. Default:
+    # on where they build and fit the model (run.json says why not).
     compiled_ops: bool | None
     # model.compiled_linear: On CPU, in a batch-invariant job, run the linear layers as cbgen's compiled kernel: every
     # block of 64 rows x 64 output columns one call of oneDNN's micro-kernel over the whole sum, by one thread, so a
-    # row's bits are its own with no padded tiles (the fixed tiles' way: --no-compiled-linear). float32 on AVX2 and
-    # up, bfloat16 on CPUs with bfloat16 units. Built from C++ on first use, as the compiled attention. Default: on
-    # where it builds and fits the model (run.json says why not).
+    # row's bits are its own with no padded tiles (the fixed tiles' way: --no-compiled-linear). float32 on AVX2 and up,
+    # bfloat16 on CPUs with bfloat16 units. Built from C++ on first use, as the compiled attention. Default: on where it
+    # builds and fits the model (run.json says why not).
     compiled_linear: bool | None
     # model.compiled_attention: On CPU, attend with cbgen's compiled kernel: every query row of a step in one call per
     # layer, keys and values read where they lie in the paged cache, each row's result depending on its own keys only
@@ -70,29 +68,29 @@ class ModelSettings(TypedDict, total=False):
     # does not fit, cbgen's eager CPU attention runs and run.json says why.
     compiled_attention: bool | None
     # model.batch_invariant: Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's
-    # attention in a call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same
-    # whatever shares its batches (batch limits, input order, resume, shards, --data-parallel). Default: on for every
-    # job where cbgen's compiled attention runs (it is invariant by construction, so only the linear tiles cost); else
-    # on for seeded jobs (--seed) where cbgen's eager CPU attention runs, off otherwise (docs/performance.md: the
-    # cost). Not with --tp. For cbgen score: on by default where the compiled attention runs (rows packed end to end,
-    # each attending its own tokens: no padding, each row's scores its own bits); elsewhere --batch-invariant scores
-    # every row in a forward pass of its own.
+    # attention in a call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same whatever
+    # shares its batches (batch limits, input order, resume, shards, --data-parallel). Default: on for every job where
+    # cbgen's compiled attention runs (it is invariant by construction, so only the linear tiles cost); else on for
+    # seeded jobs (--seed) where cbgen's eager CPU attention runs, off otherwise (docs/performance.md: the cost). Not
+    # with --tp. For cbgen score: on by default where the compiled attention runs (rows packed end to end, each
+    # attending its own tokens: no padding, each row's scores its own bits); elsewhere --batch-invariant scores every
+    # row in a forward pass of its own.
     batch_invariant: bool | None
     # model.tp_size: Tensor parallel: shard the model over N processes, started with `torchrun --nproc-per-node N -m
-    # cbgen run ... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress.
-    # A model whose attention heads do not split N ways shards only its MLP and embeddings.
+    # cbgen run ... --tp N` (gloo on CPU, NCCL on GPUs). Rank 0 reads the input, writes the output and shows progress. A
+    # model whose attention heads do not split N ways shards only its MLP and embeddings.
     tp_size: int
 
 
 class CallSettings(TypedDict, total=False):
     """Every other job setting: a Generator's calls take them too."""
 
-    # input.format: What the input is. auto: from the path: .jsonl/.json/.ndjson (OpenAI Batch API lines are
-    # recognised by their custom_id and body), .parquet, a folder of them, a dataset saved with save_to_disk, or a
-    # Hugging Face hub dataset id.
+    # input.format: What the input is. auto: from the path: .jsonl/.json/.ndjson (OpenAI Batch API lines are recognised
+    # by their custom_id and body), .parquet, a folder of them, a dataset saved with save_to_disk, or a Hugging Face hub
+    # dataset id.
     input_format: Literal['auto', 'jsonl', 'parquet', 'openai', 'dataset']
-    # output.format: Shard format: jsonl or parquet (a row per sequence, readable with datasets.load_dataset), or
-    # openai (a line per request, as OpenAI's Batch API output file has it).
+    # output.format: Shard format: jsonl or parquet (a row per sequence, readable with datasets.load_dataset), or openai
+    # (a line per request, as OpenAI's Batch API output file has it).
     output_format: Literal['jsonl', 'parquet', 'openai']
     # input.same_input: Resume a job that reads stdin: you say the feed is the one the earlier run read (cbgen cannot
     # tell a stream's identity; without this a stdin job does not resume). Rows already written are skipped by id.
@@ -101,8 +99,8 @@ class CallSettings(TypedDict, total=False):
     # nested value (talks.messages: a chat stage's conversations, in a pipeline). Default: each row's 'prompt',
     # 'messages' or 'input_ids'.
     prompt_column: str | None
-    # input.id_column: Field holding a unique id per row, copied to the output. Default: the rows' 'id' field when
-    # they have one (custom_id for OpenAI batch files), else the row number from 0.
+    # input.id_column: Field holding a unique id per row, copied to the output. Default: the rows' 'id' field when they
+    # have one (custom_id for OpenAI batch files), else the row number from 0.
     id_column: str | None
     # input.keep_columns: Input fields copied into every output row; comma-separated or repeated.
     keep_columns: list[str]
@@ -117,8 +115,8 @@ class CallSettings(TypedDict, total=False):
     # being read into memory. The default holds a prompt for a million-token context.
     max_line_bytes: int
     # input.template: Make each row's prompt from its columns: a Jinja2 template (TEXT, or @FILE) rendered with the
-    # row's fields as variables ({{ topic }}, {{ doc.title }}, loops); its result is the user turn, or the whole
-    # prompt with --raw-prompts. Rows then need no prompt field. A row lacking a variable becomes an error record.
+    # row's fields as variables ({{ topic }}, {{ doc.title }}, loops); its result is the user turn, or the whole prompt
+    # with --raw-prompts. Rows then need no prompt field. A row lacking a variable becomes an error record.
     template: str | None
     # input.system: A system turn before the prompt, itself a template over the row's columns (TEXT, or @FILE).
     system: str | None
@@ -126,16 +124,16 @@ class CallSettings(TypedDict, total=False):
     # template over the row's columns: few-shot examples (YAML only).
     messages: list[dict]
     # input.max_render_chars: Largest prompt (and largest value inside it) a template may build for one row, in
-    # characters; a row whose template would go past it becomes an error record. Default: 16 characters per token of
-    # the model's context (131,072 for the embedded model), or 1,000,000 when the context cannot be read.
+    # characters; a row whose template would go past it becomes an error record. Default: 16 characters per token of the
+    # model's context (131,072 for the embedded model), or 1,000,000 when the context cannot be read.
     max_render_chars: int | None
-    # input.render_timeout: Most seconds a template may take to render one row; a row that takes longer becomes an
-    # error record.
+    # input.render_timeout: Most seconds a template may take to render one row; a row that takes longer becomes an error
+    # record.
     render_timeout: float
     # generation.max_new_tokens: Most tokens generated per sequence.
     max_new_tokens: int
-    # generation.do_sample: Sample the next token, or always take the most likely one. Default: sample when
-    # temperature (above 0), top_p or top_k is given, else greedy.
+    # generation.do_sample: Sample the next token, or always take the most likely one. Default: sample when temperature
+    # (above 0), top_p or top_k is given, else greedy.
     do_sample: bool | None
     # generation.temperature: Sampling temperature; lower is more deterministic. 0 is greedy decoding (as in OpenAI's
     # API and vLLM): top_p and top_k are then ignored.
@@ -162,18 +160,18 @@ class CallSettings(TypedDict, total=False):
     # generation.top_logprobs: Also write, for every generated token, this many (1-20) of the most likely tokens with
     # their logprobs, from the model's own distribution.
     top_logprobs: int | None
-    # generation.repetition_penalty: Divide the logit of every token already in the prompt or the generated text by
-    # this (multiply it when negative), as transformers and vLLM define it: 1 is off, 1.1-1.3 discourages repeats.
-    # Rows may carry their own.
+    # generation.repetition_penalty: Divide the logit of every token already in the prompt or the generated text by this
+    # (multiply it when negative), as transformers and vLLM define it: 1 is off, 1.1-1.3 discourages repeats. Rows may
+    # carry their own.
     repetition_penalty: float | None
-    # generation.presence_penalty: Subtract this from the logit of every token the sequence has generated at least
-    # once (OpenAI's definition, -2 to 2; positive favours new tokens). Rows may carry their own.
+    # generation.presence_penalty: Subtract this from the logit of every token the sequence has generated at least once
+    # (OpenAI's definition, -2 to 2; positive favours new tokens). Rows may carry their own.
     presence_penalty: float | None
     # generation.frequency_penalty: Subtract this times the number of times a token was generated from its logit
     # (OpenAI's definition, -2 to 2). Rows may carry their own.
     frequency_penalty: float | None
-    # generation.no_repeat_ngram_size: Never let an n-gram of this many tokens occur twice in prompt and generated
-    # text together (transformers' definition). Rows may carry their own.
+    # generation.no_repeat_ngram_size: Never let an n-gram of this many tokens occur twice in prompt and generated text
+    # together (transformers' definition). Rows may carry their own.
     no_repeat_ngram_size: int | None
     # generation.min_p: When sampling, drop the tokens whose probability is below this fraction of the most likely
     # token's (after temperature, top-k and top-p). Rows may carry their own.
@@ -185,11 +183,11 @@ class CallSettings(TypedDict, total=False):
     # logit_bias; -100 bans a token, 100 all but forces it). Rows may carry their own.
     logit_bias: dict
     # generation.bad_words: Text the model must never write: a token that would complete a bad word in the text so far
-    # is banned, whatever tokens would spell it (not only the word's own tokenization). Rows may add their own, also
-    # as token-id lists (transformers' bad_words_ids).
+    # is banned, whatever tokens would spell it (not only the word's own tokenization). Rows may add their own, also as
+    # token-id lists (transformers' bad_words_ids).
     bad_words: list[str]
-    # generation.ignore_eos: Never choose an end-of-sequence token (as llama.cpp's --ignore-eos): every sequence runs
-    # to max_new_tokens, for benchmarks and fixed-length jobs.
+    # generation.ignore_eos: Never choose an end-of-sequence token (as llama.cpp's --ignore-eos): every sequence runs to
+    # max_new_tokens, for benchmarks and fixed-length jobs.
     ignore_eos: bool
     # generation.loop_stop: End a sequence once its generated tokens end with one span (up to loop_stop_span tokens)
     # repeated this many times in a row: finish_reason 'repetition', counted in the summary and run.json, instead of
@@ -210,22 +208,21 @@ class CallSettings(TypedDict, total=False):
     # generation.grammar: Make every output follow this grammar: a file in Lark (llguidance's dialect) or GBNF.
     grammar: str | None
     # generation.chat_template_kwargs: Variables for the chat template, as a JSON object: a reasoning model's switches
-    # such as {"enable_thinking": false}. OpenAI lines may add their own (body.chat_template_kwargs,
-    # reasoning_effort).
+    # such as {"enable_thinking": false}. OpenAI lines may add their own (body.chat_template_kwargs, reasoning_effort).
     chat_template_kwargs: dict
-    # generation.response_template: How to split a chat reply into reasoning, tool calls and content when the
-    # tokenizer carries no response template of its own (transformers' format, a JSON file), or 'think' for
-    # <think>...</think> reasoning.
+    # generation.response_template: How to split a chat reply into reasoning, tool calls and content when the tokenizer
+    # carries no response template of its own (transformers' format, a JSON file), or 'think' for <think>...</think>
+    # reasoning.
     response_template: str | None
     # generation.response_format: The same as the flags above, in OpenAI's shape: {type: json_schema, json_schema:
-    # {name, schema}}, {type: json_object}, or cbgen's {type: regex, pattern}, {type: choice, choices}, {type:
-    # grammar, grammar}.
+    # {name, schema}}, {type: json_object}, or cbgen's {type: regex, pattern}, {type: choice, choices}, {type: grammar,
+    # grammar}.
     response_format: dict | None
     # batching.page_size: Tokens per KV-cache page (at least 4). Smaller pages waste less memory on short requests;
     # larger ones mean less bookkeeping.
     page_size: int
-    # batching.num_blocks: KV-cache size in blocks of page_size tokens. Default: on CPU, sized by cbgen for the
-    # requests it keeps in flight; on GPU, from free memory.
+    # batching.num_blocks: KV-cache size in blocks of page_size tokens. Default: on CPU, sized by cbgen for the requests
+    # it keeps in flight; on GPU, from free memory.
     num_blocks: int | None
     # batching.max_batch_tokens: Token budget of one forward pass; longer prompts are prefilled in chunks. Default: on
     # CPU, from the CPU-kind table (docs/model.md, 'Defaults by CPU'); on GPU, from free memory.
@@ -242,8 +239,8 @@ class CallSettings(TypedDict, total=False):
     # batching.allow_block_sharing: Reuse the KV blocks of shared prompt prefixes. It can only be allowed: models with
     # sliding-window layers turn it off.
     allow_block_sharing: bool
-    # batching.use_async_batching: Prepare the next batch on the CPU while the GPU computes this one (needs CUDA
-    # graphs, doubles the cache memory). Default: decided by transformers.
+    # batching.use_async_batching: Prepare the next batch on the CPU while the GPU computes this one (needs CUDA graphs,
+    # doubles the cache memory). Default: decided by transformers.
     use_async_batching: bool | None
     # batching.use_cuda_graph: Record and replay CUDA graphs (GPU only): true, false, or a pair [prefill path, decode
     # path]. Default: decided by transformers.
@@ -251,17 +248,16 @@ class CallSettings(TypedDict, total=False):
     # batching.q_padding_interval_size: CUDA-graph padding step for query lengths, in tokens; 0 takes transformers'
     # preset.
     q_padding_interval_size: int
-    # batching.kv_padding_interval_size: CUDA-graph padding step for key/value lengths, in tokens; 0 takes
-    # transformers' preset.
+    # batching.kv_padding_interval_size: CUDA-graph padding step for key/value lengths, in tokens; 0 takes transformers'
+    # preset.
     kv_padding_interval_size: int
     # batching.varlen_compile_config: torch.compile settings for the prefill (varying-length) path, as a mapping of
     # CompileConfig fields, e.g. {mode: default, dynamic: true}.
     varlen_compile_config: dict | None
-    # batching.decode_compile_config: torch.compile settings for the decode path, as a mapping of CompileConfig
-    # fields.
+    # batching.decode_compile_config: torch.compile settings for the decode path, as a mapping of CompileConfig fields.
     decode_compile_config: dict | None
-    # batching.default_compile_level: torch.compile level 0-3 for the paths without compile settings: higher runs
-    # faster after a longer warm-up. 0 compiles nothing.
+    # batching.default_compile_level: torch.compile level 0-3 for the paths without compile settings: higher runs faster
+    # after a longer warm-up. 0 compiles nothing.
     default_compile_level: int
     # batching.scheduler_type: fifo admits requests in order and keeps a safety margin of free cache; prefill_first
     # favours starting new requests.
@@ -298,16 +294,16 @@ class CallSettings(TypedDict, total=False):
     max_in_flight: int | None
     # run.quiet: No progress display and no summary; errors are still printed.
     quiet: bool
-    # run.request_timeout: Seconds a request may take once handed to the engine; a slower one is cancelled and
-    # recorded as failed. Default: no limit.
+    # run.request_timeout: Seconds a request may take once handed to the engine; a slower one is cancelled and recorded
+    # as failed. Default: no limit.
     request_timeout: float | None
     # run.max_errors: Stop the job (resumable) once more than this many requests have failed. Default: never.
     max_errors: int | None
     # run.commit_interval: Commit the open shard at least every this many seconds, so a killed job loses little work.
     commit_interval: float
-    # run.data_parallel: Engine processes on this node, each with its own copy of the model: on CPU each gets its
-    # share of the cores (threads split and pinned), on GPUs its own device. One process reads and writes; work goes
-    # to whichever replica has room.
+    # run.data_parallel: Engine processes on this node, each with its own copy of the model: on CPU each gets its share
+    # of the cores (threads split and pinned), on GPUs its own device. One process reads and writes; work goes to
+    # whichever replica has room.
     data_parallel: int
     # run.executor: Where the shards run: here (local), or each as a task on a Ray cluster (ray: needs --num-shards;
     # RAY_ADDRESS names the cluster, else a local one starts; pip install 'cbgen[ray]').
@@ -319,8 +315,8 @@ class CallSettings(TypedDict, total=False):
     # run.num_shards: Split the input into this many parts by a stable hash of the id, one per job; each writes to
     # DIR/shard-IIIII-of-NNNNN. Default: CBGEN_NUM_SHARDS, else the Slurm array size (SLURM_ARRAY_TASK_COUNT).
     num_shards: int | None
-    # run.shard_index: Which part this job runs, from 0. Default: JOB_COMPLETION_INDEX (a Kubernetes Indexed Job),
-    # else the Slurm array task (SLURM_ARRAY_TASK_ID minus SLURM_ARRAY_TASK_MIN).
+    # run.shard_index: Which part this job runs, from 0. Default: JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else
+    # the Slurm array task (SLURM_ARRAY_TASK_ID minus SLURM_ARRAY_TASK_MIN).
     shard_index: int | None
     # run.redo: In an existing output directory, generate again only the requests whose record is an error (failed) or
     # was cut by the token cap (length), with the job's current generation settings (which may differ from the first
@@ -342,26 +338,24 @@ class CallSettings(TypedDict, total=False):
     # run.cache_max_size: Most gigabytes (10^9 bytes) the result cache keeps: after a run that added to it, the least
     # recently used answers go first.
     cache_max_size: float
-    # run.cache_near_hits: Also take cached answers computed with other numerics (not batch-invariant, another
-    # attention or linear kind, another machine or version): close to a fresh run's, not always bitwise the same.
-    # run.json counts them apart. Scores are exact hits only from batch-invariant scoring (cbgen score --batch-
-    # invariant).
+    # run.cache_near_hits: Also take cached answers computed with other numerics (not batch-invariant, another attention
+    # or linear kind, another machine or version): close to a fresh run's, not always bitwise the same. run.json counts
+    # them apart. Scores are exact hits only from batch-invariant scoring (cbgen score --batch-invariant).
     cache_near_hits: bool
     # score.choices: Score each of these strings as a continuation of every row's prompt (rows may carry their own
     # 'choices' list instead): each one's summed and mean logprob, the probabilities among them, and the best. The
-    # prompt is computed once per row, whatever the number of choices. A label set such as 1,2,3,4,5 is the LLM-as-
-    # judge case. Comma-separated or repeated; spaces are kept, as they are part of the text scored (' yes, no' is '
-    # yes' and ' no'). YAML: a list.
+    # prompt is computed once per row, whatever the number of choices. A label set such as 1,2,3,4,5 is the LLM-as-judge
+    # case. Comma-separated or repeated; spaces are kept, as they are part of the text scored (' yes, no' is ' yes' and
+    # ' no'). YAML: a list.
     choices: list[str]
     # reward.completion_column: Field holding the answer to rate after each row's prompt (or messages), as the
     # conversation's last assistant turn. A row with messages and no such field is rated as its messages stand. Dots
     # reach into a nested value.
     completion_column: str
-    # reward.text_column: Field holding a text rated as it is (no chat template), for rows without a prompt or
-    # messages.
+    # reward.text_column: Field holding a text rated as it is (no chat template), for rows without a prompt or messages.
     text_column: str
-    # reward.batch_tokens: Tokens per forward pass: conversations of similar length are batched up to this many
-    # (padded tokens included). Changes speed and memory; outputs only by float rounding.
+    # reward.batch_tokens: Tokens per forward pass: conversations of similar length are batched up to this many (padded
+    # tokens included). Changes speed and memory; outputs only by float rounding.
     batch_tokens: int
     # embed.pooling: How token vectors become one: auto takes the model's sentence-transformers pooling
     # (1_Pooling/config.json), else the last token for a decoder model and the mean for an encoder. mean: over the
@@ -378,22 +372,22 @@ class CallSettings(TypedDict, total=False):
     # attention), where the model is a BERT encoder on CPU; elsewhere, or with --padded, batches are padded and run
     # transformers' own attention. run.json says which ran, and why. Changes speed; embeddings only by float rounding.
     packed: bool
-    # chat.max_turns: Assistant replies per conversation: it ends after this many (or sooner, when its listed user
-    # turns run out or the simulated user's message matches user_stop).
+    # chat.max_turns: Assistant replies per conversation: it ends after this many (or sooner, when its listed user turns
+    # run out or the simulated user's message matches user_stop).
     max_turns: int
-    # chat.user_turns_column: Field holding a list of user messages, answered one after the other with the
-    # conversation so far (an MT-bench-style `turns` list). A row with a prompt or messages opens with them and the
-    # list follows; a row without opens with the list's first. Dots reach into a nested value.
+    # chat.user_turns_column: Field holding a list of user messages, answered one after the other with the conversation
+    # so far (an MT-bench-style `turns` list). A row with a prompt or messages opens with them and the list follows; a
+    # row without opens with the list's first. Dots reach into a nested value.
     user_turns_column: str | None
     # chat.user_template: The simulated user: a template (Jinja, TEXT or @FILE) over the row's fields and `messages`,
-    # the conversation so far, that the model is prompted with to write the next user message. A row without a prompt
-    # or messages has the simulated user open the conversation too (with `messages` empty).
+    # the conversation so far, that the model is prompted with to write the next user message. A row without a prompt or
+    # messages has the simulated user open the conversation too (with `messages` empty).
     user_template: str | None
     # chat.user_system: System prompt of the simulated user (a template over the row's fields and `messages`, as
     # user_template); unset: none.
     user_system: str | None
-    # chat.user_stop: Regular expression: a simulated user's message in which it is found ends the conversation, and
-    # the message is left out (prompt the simulated user to write, say, <END> when it is done).
+    # chat.user_stop: Regular expression: a simulated user's message in which it is found ends the conversation, and the
+    # message is left out (prompt the simulated user to write, say, <END> when it is done).
     user_stop: str | None
     # chat.user_temperature: Sampling temperature of the simulated user; unset: the job's temperature. 0 is greedy.
     user_temperature: float | None

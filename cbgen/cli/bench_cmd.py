@@ -62,10 +62,10 @@ def bench(
         "--suite", help="Run every headline comparison side by side instead (against generate_batch and llama.cpp, "
         "batch invariance's cost, sampling and the history controls, embeddings against sentence-transformers, "
         "dedup, warm start, --help), each against its goal, on the embedded models: one table, bench.json, "
-        "bench.png. About 25 minutes on 2 cores; --quick under 5. The options above but --model, --size and -o do "
+        "bench.png. Under 30 minutes on 2 cores; --quick about 5. The options above but --model, --size and -o do "
         "not apply.", rich_help_panel="Suite")] = False,
-    quick: Annotated[bool, typer.Option(help="With --suite: every comparison, smaller and once (batch invariance in the "
-                                        "machine's dtype only, on the fixed workload).",
+    quick: Annotated[bool, typer.Option(help="With --suite: every comparison, smaller and once (batch invariance "
+                                        "in the machine's dtype only, on the fixed workload).",
                                         rich_help_panel="Suite")] = False,
     allow_busy: Annotated[bool, typer.Option(
         "--allow-busy", help="With --suite: measure even when other processes use the cores (refused otherwise, "

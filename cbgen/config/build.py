@@ -126,7 +126,7 @@ def check_combinations(job: JobConfig) -> None:
 
 def _check_adapters(job: JobConfig) -> None:
     """Adapters where the job's kind and processes can run them (their folders are read with the job's plan)."""
-    from cbgen.model.adapters import specs_of, split_spec
+    from cbgen.config.adapters import specs_of, split_spec
 
     specs = specs_of(job.model.adapter)
     if not specs:

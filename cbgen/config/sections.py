@@ -47,11 +47,9 @@ class ModelSection:
         "its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on CPU "
         "per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.")
     adapter: str | list[str] | None = setting(
-        None, "LoRA adapters (PEFT folders or hub ids; the adapters extra installs PEFT). PATH: the job's adapter, "
-        "for every row that names none. NAME=PATH (repeatable): an adapter a row picks by its 'adapter' field, or an "
-        "OpenAI batch line by its body's 'model'. Each runs merged into the base weights, which load once: rows of "
-        "one adapter run together, and give what PEFT's merge_and_unload() model gives. Part of the job's identity "
-        "by content: a resume with other adapter weights refuses.")
+        None, "LoRA adapters (PEFT folders or hub ids). PATH: for every row that names none. NAME=PATH (repeatable): "
+        "one a row picks by its 'adapter' field (an OpenAI line by its body's 'model'). Merged into the base weights "
+        "while its rows run: the answers of PEFT's merged model.")
     trust_remote_code: bool = setting(
         False, "Allow the model folder's own Python code to run. Off unless you trust its author.")
     cache_dir: str | None = setting(

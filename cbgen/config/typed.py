@@ -61,7 +61,7 @@ def _fields(names: list[str]) -> str:
     lines = []
     for name in names:
         section, key = keys[name]
-        comment = textwrap.wrap(f"{section}.{key}: {_help(section, key)}", 112)
+        comment = textwrap.wrap(f"{section}.{key}: {_help(section, key)}", 114)
         lines += [f"    # {line}" for line in comment] + [f"    {name}: {_annotation(section, key)}"]
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ def _bias_ok(value: dict) -> bool:
 
 
 def _adapters_ok(value: str | list[str]) -> bool:
-    from cbgen.model.adapters import check_specs
+    from cbgen.config.adapters import check_specs
 
     return check_specs(value)
 

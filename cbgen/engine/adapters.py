@@ -29,11 +29,14 @@ T = TypeVar("T")
 _PASS: Any = object()  # requests that run nothing (answered by the result cache, or refused): no merge for them
 
 
-def by_adapter(model: Any, adapters: Adapters, requests: Iterable[Request | None],
+def by_adapter(model: Any, adapters: Adapters | None, requests: Iterable[Request | None],
                run: Callable[[Iterable[Request | None]], Iterator[T]], stop: threading.Event | None = None,
                window: int = WINDOW) -> Iterator[T]:
     """What `run` yields for `requests`, each run with its adapter merged into `model` (see the module); once `stop`
-    is set no further group starts (the one running stops as `run` does)."""
+    is set no further group starts (the one running stops as `run` does). No adapters: `run(requests)`."""
+    if adapters is None:
+        yield from run(requests)
+        return
     if not adapters.named:  # one adapter for every row: merged once for the whole run
         with applied(model, adapters.default):
             yield from run(requests)

@@ -53,6 +53,7 @@ class EngineSettings:
     max_positions: int | None  # the model's context
     request_timeout: float | None = None
     prefix_gating: bool = True
+    adapters: Adapters | None = None  # the LoRA adapters its requests run with, each merged for its group of them
 
 
 @dataclass
@@ -104,10 +105,8 @@ class Engine:
     parallelism, whose other ranks cannot follow suit)."""
 
     def __init__(self, model: Any, settings: EngineSettings, *, control: StepControl | None = None,
-                 decode: Callable[[list[int]], str] | None = None, restartable: bool = True,
-                 adapters: Adapters | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, restartable: bool = True) -> None:
         self.model = model
-        self.adapters = adapters  # the LoRA adapters its requests run with (cbgen.engine.adapters)
         self.settings = settings
         self.limits = Limits(settings.max_new_tokens, settings.max_positions)
         self.stats = EngineStats()
@@ -130,12 +129,12 @@ class Engine:
 
     @classmethod
     def for_tokenizer(cls, model: Any, tokenizer: Any, settings: EngineSettings, *, grammars: Grammars | None = None,
-                      restartable: bool = True, adapters: Adapters | None = None) -> Engine:
+                      restartable: bool = True) -> Engine:
         """The engine `settings` describe, its step control (if its plan has one) and stop strings working with
         `tokenizer`; `grammars`: the job's compiled formats, when this process has them already."""
         steps = settings.spec.control
         control = steps.control(tokenizer, grammars) if steps is not None else None
-        return cls(model, settings, control=control, restartable=restartable, adapters=adapters,
+        return cls(model, settings, control=control, restartable=restartable,
                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def run(self, requests: Iterable[Request | None], stop: threading.Event | None = None
@@ -151,15 +150,11 @@ class Engine:
         A request that comes with its sequences (`answered`, from the result cache) is yielded as it is, in turn.
         Everything the plan installs into transformers and torch, and every process-wide change of the run (logging,
         gc, OpenMP: cbgen.engine.scope), is in place while the engine runs, and gone when it ends. The manager (and
-        its KV cache) starts only once a request that can run arrives. With adapters, each adapter's requests run
-        together, with it merged into the weights (cbgen.engine.adapters): one run as this describes per group.
-        """
-        if self.adapters is not None:
-            from cbgen.engine.adapters import by_adapter
+        its KV cache) starts only once a request that can run arrives; with adapters, a run per adapter's group of
+        requests, it merged (cbgen.engine.adapters)."""
+        from cbgen.engine.adapters import by_adapter
 
-            yield from by_adapter(self.model, self.adapters, requests, lambda group: self._run(group, stop), stop)
-        else:
-            yield from self._run(requests, stop)
+        yield from by_adapter(self.model, self.settings.adapters, requests, lambda rs: self._run(rs, stop), stop)
 
     def _run(self, requests: Iterable[Request | None], stop: threading.Event | None) -> Iterator[list[Completion]]:
         source = iter(requests)

@@ -31,6 +31,7 @@ from cbgen.engine.scope import (
 from cbgen.engine.scope import PER_SEQUENCE as PER_SEQUENCE_ATTENTION
 from cbgen.errors import CbgenError
 from cbgen.model import dtype_name
+from cbgen.model.adapters import job_adapters
 from cbgen.model.load import PER_SEQUENCE, LoadedModel
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
         spec=ManagerSpec(generation_config, cb_config, hints, scope, steps),
         max_in_flight=window,
         max_new_tokens=g.max_new_tokens, num_return_sequences=g.num_return_sequences, eos_token_ids=eos,
-        max_positions=max_positions, request_timeout=job.run.request_timeout, prefix_gating=job.run.prefix_gating)
+        max_positions=max_positions, request_timeout=job.run.request_timeout, prefix_gating=job.run.prefix_gating,
+        adapters=job_adapters(job))
     return EnginePlan(generation_config, eos, batching, kv_cache, settings)
 
 

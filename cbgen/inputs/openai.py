@@ -136,6 +136,8 @@ class OpenAIBatchReader(JsonlReader):
             else:
                 self._completion_prompt(record, line.body)
             record.settings = self._body_settings(line.body, line.url)
+            model = line.body.get("model")
+            record.model = model if isinstance(model, str) else None
             if record.tool_choice not in ("none", "auto"):  # a required call: generation follows its grammar
                 if "response_format" in record.settings:
                     raise RowError("'body.response_format' and a required tool call ('body.tool_choice') each set "
@@ -207,7 +209,7 @@ class OpenAIBatchReader(JsonlReader):
                 continue
             raise RowError(f"body field {key!r} cannot be honoured ({why or 'cbgen does not know it'}); the line "
                            "is refused rather than answered as another request: remove the field")
-        taken = ("temperature", "top_p", "top_k", "n", "stop", "seed", "response_format", "model", *CONTROL_SETTINGS)
+        taken = ("temperature", "top_p", "top_k", "n", "stop", "seed", "response_format", *CONTROL_SETTINGS)
         values: dict[str, Any] = {k: body.get(k) for k in taken}
         names = {k: f"body.{k}" for k in taken}
         cap_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -206,7 +206,6 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "bad_words": _bad_words,
     "ignore_eos": _boolean,
     "adapter": _name,
-    "model": _name,  # an OpenAI batch body's: an adapter of the job's by that name, else the job's own model
 }
 # What a row of a plain file may set, by these field names. `n` and `logprobs` come only from OpenAI batch bodies,
 # where their meaning is fixed: in a plain file they are too likely to be some other column of the user's.

@@ -20,7 +20,6 @@ from cbgen.config import JobConfig
 from cbgen.control.needs import StepPlan
 from cbgen.control.sampling import SamplingPlan
 from cbgen.inputs.base import IdChoice
-from cbgen.model.adapters import Adapters, job_adapters
 from cbgen.outputs.columns import OutputColumns
 from cbgen.records import PromptRecord, Request
 from cbgen.render.prompts import RenderPlan
@@ -64,7 +63,6 @@ class JobPlan:
     engine: EnginePlan  # the engine's configuration, KV cache and settings
     columns: OutputColumns  # which columns the rows have
     ids: IdChoice  # where request ids come from
-    adapters: Adapters | None = None  # the LoRA adapters its rows run with (cbgen.model.adapters)
 
 
 def response_template(job: JobConfig, tokenizer: Any, config: Any) -> ResponseTemplate | None:
@@ -106,7 +104,7 @@ def plan_job(job: JobConfig, facts: InputFacts, loaded: LoadedModel, rendering: 
     workload = WorkloadShape.of(job, facts.head, facts.total, whole=facts.whole, grows_by=facts.grows_by)
     engine = plan_engine(job, loaded, workload, sampling, steps, job.run.data_parallel)
     return JobPlan(rendering.template, rendering.render, sampling, engine.settings.spec.control, workload, engine,
-                   columns, facts.ids, job_adapters(job))
+                   columns, facts.ids)
 
 
 def used_settings(present: Set[str] | None, head: Iterable[PromptRecord]) -> frozenset[str]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from cbgen.config import JobConfig
 from cbgen.errors import RowError
 from cbgen.outputs.columns import top_logprobs_of
-from cbgen.records import Request
+from cbgen.records import PromptRecord, Request
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
@@ -26,35 +26,36 @@ class RequestSettings:
 
     def __call__(self, request: Request) -> Request:
         g = self.job.generation
-        if request.error is not None or not request.record.settings and not g.stop and self.plan.steps is None:
+        if request.error is not None:
             return request
         try:
-            self._apply(request)
+            if self.plan.engine.settings.adapters is not None or "adapter" in request.record.settings:
+                request.adapter = self._adapter(request.record)
+            if request.record.settings or g.stop or self.plan.steps is not None:
+                self._apply(request)
         except RowError as e:
             request.error = str(e)
         return request
 
-    def _adapter(self, settings: dict) -> str | None:
+    def _adapter(self, record: PromptRecord) -> str | None:
         """The adapter the row names by its `adapter` field (one of the job's, else the row is refused), or an
         OpenAI batch line by its body's `model` (when the job has an adapter of that name; else its own model)."""
-        adapters = self.plan.adapters
-        named = settings.get("adapter")
+        adapters = self.plan.engine.settings.adapters
+        named = record.settings.get("adapter")
+        if adapters is None:
+            raise RowError(f"the row names adapter {named!r}, and the job has none: give it with --adapter "
+                           f"{named}=PATH")
         if named is not None:
-            if adapters is None:
-                raise RowError(f"the row names adapter {named!r}, and the job has none: give it with --adapter "
-                               f"{named}=PATH")
             try:
                 adapters.pick(named)
             except KeyError:
                 raise RowError(f"the row names adapter {named!r}, not one of the job's ({', '.join(adapters.names())})"
                                f": give it with --adapter {named}=PATH") from None
             return str(named)
-        model = settings.get("model")
-        return model if adapters is not None and model in adapters.names() else None
+        return record.model if record.model in adapters.names() else None
 
     def _apply(self, request: Request) -> None:
         settings = request.record.settings
-        request.adapter = self._adapter(settings)
         g = self.job.generation
         n = settings.get("n")
         if n is not None and n != g.num_return_sequences and g.num_return_sequences > 1:

@@ -326,7 +326,6 @@ class _Run:
         self.progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
         from cbgen.model.load import gguf_unconverted, load_model
 
-        self._check_adapters(load_model)
         if tp is not None:
             from cbgen.parallel.tensor import LOAD
 
@@ -340,15 +339,6 @@ class _Run:
         release_gc()  # the libraries and the model exist now: later collections skip them
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
         return loaded
-
-    def _check_adapters(self, load_model: Callable[..., LoadedModel]) -> None:
-        """The job's adapters against the model's structure (its layers on torch's meta device: no weight is read),
-        so that one that does not fit stops the job before the weights load."""
-        from cbgen.model.adapters import check_fits, job_adapters
-
-        adapters = job_adapters(self.job)
-        if adapters is not None:
-            check_fits(adapters, load_model(self.job.model, weights=False).model)
 
     def _open_writer(self, rows: Rows) -> ShardWriter:
         from cbgen.outputs.writers import open_writer

@@ -127,7 +127,7 @@ def make_engine(job: JobConfig, planned: Planned, loaded: LoadedModel, *, restar
     from cbgen.engine.engine import Engine
 
     return Engine.for_tokenizer(loaded.model, loaded.tokenizer, planned.plan.engine.settings,
-                                grammars=planned.grammars, restartable=restartable, adapters=planned.plan.adapters)
+                                grammars=planned.grammars, restartable=restartable)
 
 
 def output_rows(job: JobConfig, plan: JobPlan, loaded: LoadedModel, model_name: str) -> OutputRows:

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cbgen.config.adapters import specs_of, split_spec  # noqa: F401 - specs_of is this module's too
 from cbgen.errors import CbgenError, first_line
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")  # a name rows may give (OpenAI model names included)
 INSTALL_PEFT = "pip install 'cbgen[adapters]'"
 
 
@@ -99,29 +99,6 @@ class Adapters:
         """Which runs the rows that name none, and each adapter's identity by its name."""
         return {"default": self.default.name if self.default else None,
                 "by_name": {a.name: a.identity(memo) for a in self.all}}
-
-
-def specs_of(value: str | list[str] | None) -> list[str]:
-    """The setting `model.adapter` as a list: a string is one adapter; a list gives several."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
-
-def split_spec(spec: str) -> tuple[str | None, str]:
-    """`NAME=PATH` -> (NAME, PATH); a PATH (or hub id) alone -> (None, PATH). An existing path is never split."""
-    name, sep, rest = spec.partition("=")
-    if sep and NAME.match(name) and rest and not Path(spec).expanduser().exists():
-        return name, rest
-    return None, spec
-
-
-def check_specs(value: str | list[str]) -> bool:
-    """The setting's form: non-empty entries, at most one without a name, no name twice."""
-    specs = specs_of(value)
-    parts = [split_spec(s) for s in specs]
-    names = [n for n, _ in parts if n is not None]
-    return all(p.strip() for _, p in parts) and sum(n is None for n, _ in parts) <= 1 and len(names) == len(set(names))
 
 
 def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:

@@ -242,9 +242,16 @@ def _load(source: ModelSource, settings: ModelSection, tp, weights: bool, cache_
 
 def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> LoadedModel:
     """Loads model and tokenizer as `settings` say; sharded over `tp` (cbgen.parallel.tensor.TensorParallel) when given;
-    without `weights`, the model's structure only (see `_structure`). Raises CbgenError for anything the user can
-    fix."""
+    without `weights`, the model's structure only (see `_structure`). The LoRA adapters `settings` name are checked
+    against the structure first (they are merged while their rows run: cbgen.model.adapters). Raises CbgenError for
+    anything the user can fix."""
     source = resolve_source(settings.model)
+    if weights and settings.adapter is not None:  # an adapter that does not fit stops before the weights load
+        from cbgen.model.adapters import check_fits, resolve, specs_of
+
+        adapters = resolve(specs_of(settings.adapter))
+        if adapters is not None:  # against the structure: its layers on torch's meta device, no weight read
+            check_fits(adapters, load_model(settings, weights=False).model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     attn = resolve_attn_implementation(settings.attn_implementation, device,

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 
 class ModelPool:
-    """Keeps each model loaded under its `model` settings: a job asking for the same settings gets the same one."""
+    """Keeps each model loaded under its `model` settings: a job asking for the same settings gets the same one. The
+    LoRA adapters a job names are not the model's: they are merged while its rows run, over whichever job's model."""
 
     def __init__(self) -> None:
         self._loaded: dict[str, LoadedModel] = {}
@@ -21,8 +22,14 @@ class ModelPool:
     def load(self, settings: ModelSection) -> LoadedModel:
         from cbgen.model.load import load_model
 
-        key = json.dumps(dataclasses.asdict(settings), sort_keys=True)
+        key = json.dumps(dataclasses.asdict(settings) | {"adapter": None}, sort_keys=True)
         if key not in self._loaded:
-            self._loaded[key] = load_model(settings)
+            self._loaded[key] = load_model(settings)  # checks the adapters it names fit the model
             self.loads += 1
+        elif settings.adapter is not None:
+            from cbgen.model.adapters import check_fits, resolve, specs_of
+
+            adapters = resolve(specs_of(settings.adapter))
+            if adapters is not None:
+                check_fits(adapters, self._loaded[key].model)
         return self._loaded[key]

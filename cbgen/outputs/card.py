@@ -107,7 +107,8 @@ def card_text(*, shards: Sequence[str], columns: OutputColumns | None, job: dict
 
 def _adapters(job: dict[str, Any]) -> list[dict[str, Any]]:
     """The job's LoRA adapters as its stored settings name them: each one's name and source, the job's own first."""
-    from cbgen.model.adapters import default_name, specs_of, split_spec
+    from cbgen.config.adapters import specs_of, split_spec
+    from cbgen.model.adapters import default_name
 
     found = []
     for spec in specs_of((job.get("model") or {}).get("adapter")):

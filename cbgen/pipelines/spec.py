@@ -230,6 +230,8 @@ def _applies(key: str, kind: Kind) -> bool:
 
 def _resolve(key: str, value: Any, base: Path) -> Any:
     """A value naming a file relative to the pipeline file, made absolute; anything else as it is."""
+    if key == "adapter" and isinstance(value, (str, list)):
+        return _adapter_folders(value, base)
     if not isinstance(value, str):
         return value
     if key in TEMPLATE_KEYS and value.startswith("@"):
@@ -239,6 +241,21 @@ def _resolve(key: str, value: Any, base: Path) -> Any:
         target = base / Path(value).expanduser()
         return str(target.resolve()) if target.exists() else value
     return value
+
+
+def _adapter_folders(value: str | list[Any], base: Path) -> str | list[Any]:
+    """A stage's adapters (PATH or NAME=PATH, one or a list) with each folder found relative to the pipeline file."""
+    from cbgen.config.adapters import split_spec
+
+    def resolved(spec: Any) -> Any:
+        if not isinstance(spec, str):
+            return spec  # the setting's own check says what it must be
+        name, location = split_spec(spec)
+        target = base / Path(location).expanduser()
+        location = str(target.resolve()) if target.exists() else location
+        return f"{name}={location}" if name else location
+
+    return resolved(value) if isinstance(value, str) else [resolved(spec) for spec in value]
 
 
 def _tables(query: str, here: str) -> tuple[str, ...]:

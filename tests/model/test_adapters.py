@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cbgen.config.adapters import check_specs, split_spec
 from cbgen.errors import CbgenError
 from cbgen.model import packs
-from cbgen.model.adapters import applied, check_fits, check_specs, misfit, resolve, split_spec
+from cbgen.model.adapters import applied, check_fits, misfit, resolve
 from tests.adapters import merged_model
 
 
