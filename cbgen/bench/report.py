@@ -85,56 +85,43 @@ def meta_for(loaded: LoadedModel, size: str, peak_flops: float, batching: dict[s
 # the suite (cbgen.bench.suite) --------------------------------------------------------------------------------------
 
 
-def verdict(row: Any) -> str:
-    """A suite row's standing against its goal, in a word or three."""
-    if row.figure is None:
-        return "not measured"
-    if row.busy:
-        return "void (busy)"
-    if row.goal is None:
-        return ""
-    if not row.applies:
-        return row.why_not or "n/a"
-    return "met" if row.met else "MISSED"
-
-
-def figure_text(row: Any) -> str:
-    if row.figure is None:
-        return "—"
-    return f"{row.figure:.2f}x" if row.unit == "x" else f"{row.figure:.2f} s"
-
-
 def write_suite(rows: list[Any], meta: dict[str, Any], directory: Path) -> tuple[Path, Path]:
     """bench.json (the machine, the run, every row with its samples and load) and bench.png (each ratio against
     its goal)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise CbgenError("cbgen bench draws its chart with matplotlib: pip install 'cbgen[bench]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:  # checked before a file is written
+        raise CbgenError("cbgen bench draws its chart with matplotlib: pip install 'cbgen[bench]'")
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "bench.json"
+    data = [r.to_dict() for r in rows]
+    json_path.write_text(json.dumps({"meta": meta, "rows": data}, indent=2) + "\n")
+    png_path = directory / "bench.png"
+    plot_suite(data, meta, png_path)
+    return json_path, png_path
+
+
+def plot_suite(rows: list[dict[str, Any]], meta: dict[str, Any], png_path: Path) -> None:
+    """Each ratio of a suite run (its bench.json's rows and meta) against its goal, as a PNG."""
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    directory.mkdir(parents=True, exist_ok=True)
-    json_path = directory / "bench.json"
-    json_path.write_text(json.dumps({"meta": meta, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
-    shown = [r for r in rows if r.figure is not None and r.unit == "x"]
+    shown = [r for r in rows if r["figure"] is not None and r["unit"] == "x"]
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(shown) + 1.6))
     for i, row in enumerate(shown):
-        colour = "grey" if row.busy else ("tab:green" if row.met is not False else "tab:red")
-        ax.barh(i, row.figure, color=colour)
-        if row.goal is not None and row.applies:
-            ax.plot([row.goal.value, row.goal.value], [i - 0.4, i + 0.4], color="black", linewidth=2)
-    ax.set_yticks(range(len(shown)), [r.name for r in shown], fontsize=7)
+        colour = "grey" if row["busy"] else ("tab:green" if row["met"] is not False else "tab:red")
+        ax.barh(i, row["figure"], color=colour)
+        if row["goal"] is not None and row["applies"]:
+            ax.plot([row["goal"]["value"]] * 2, [i - 0.4, i + 0.4], color="black", linewidth=2)
+    ax.set_yticks(range(len(shown)), [r["name"] for r in shown], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("ratio (black bar: the goal; grey: measured under load, void)")
     ax.set_title(f"cbgen bench --suite ({meta['suite']['mode']}): {meta['machine']['label']}", fontsize=9)
-    fig.tight_layout()
-    png_path = directory / "bench.png"
-    fig.savefig(png_path, dpi=110)
+    fig.savefig(png_path, dpi=110, bbox_inches="tight")  # the longest names whole
     plt.close(fig)
-    return json_path, png_path
 
 
 def print_suite(rows: list[Any], meta: dict[str, Any]) -> None:
@@ -147,9 +134,12 @@ def print_suite(rows: list[Any], meta: dict[str, Any]) -> None:
                   f"float32 {m['fp32_gflops']:,.0f} GFLOP/s", title_justify="left")
     for column in ("section", "comparison", "figure", "goal", "verdict", "runs", "note"):
         table.add_column(column, justify="right" if column in ("figure", "runs") else "left", overflow="fold")
+    from cbgen.bench.tables import figure_text, verdict
+
     for row in rows:
+        data = row.to_dict()
         runs = min((len(v) for v in row.paths.values()), default=0)
-        table.add_row(row.section, row.name, figure_text(row), row.goal.text() if row.goal else "", verdict(row),
+        table.add_row(row.section, row.name, figure_text(data), row.goal.text() if row.goal else "", verdict(data),
                       str(runs), row.note)
     out = Console()
     if not out.is_terminal:
