@@ -134,13 +134,12 @@ def print_suite(rows: list[Any], meta: dict[str, Any]) -> None:
                   f"float32 {m['fp32_gflops']:,.0f} GFLOP/s", title_justify="left")
     for column in ("section", "comparison", "figure", "goal", "verdict", "runs", "note"):
         table.add_column(column, justify="right" if column in ("figure", "runs") else "left", overflow="fold")
-    from cbgen.bench.tables import figure_text, verdict
+    from cbgen.bench.tables import figure_text, runs_of, verdict
 
     for row in rows:
         data = row.to_dict()
-        runs = min((len(v) for v in row.paths.values()), default=0)
         table.add_row(row.section, row.name, figure_text(data), row.goal.text() if row.goal else "", verdict(data),
-                      str(runs), row.note)
+                      str(runs_of(data)), row.note)
     out = Console()
     if not out.is_terminal:
         out.width = 200  # a log file: do not wrap the table at 80 columns

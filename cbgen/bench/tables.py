@@ -41,7 +41,8 @@ def figure_text(row: dict[str, Any]) -> str:
     return f"{row['figure']:.2f}x" if row["unit"] == "x" else f"{row['figure']:.2f} s"
 
 
-def _runs(row: dict[str, Any]) -> int:
+def runs_of(row: dict[str, Any]) -> int:
+    """How many times a row's paths were each timed (the fewest of them)."""
     return min((len(v) for v in row["paths"].values()), default=0)
 
 
@@ -70,6 +71,15 @@ def comparison(name: str) -> str:
     return name
 
 
+def by_comparison(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """A run's rows with a goal, grouped by their comparison (cbgen.bench.tables.comparison), in the run's order."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["goal"] is not None:
+            grouped.setdefault(comparison(row["name"]), []).append(row)
+    return grouped
+
+
 def _group_cell(rows: list[dict[str, Any]]) -> str:
     """The figures of one comparison's rows in one run (their range), and how many met their goal."""
     figures = sorted(row["figure"] for row in rows if row["figure"] is not None)
@@ -81,7 +91,7 @@ def _group_cell(rows: list[dict[str, Any]]) -> str:
     if len(rows) == 1:
         said = verdicts[0]
     elif all(v == "met" for v in verdicts):
-        said = "met" if len(rows) == 1 else f"met ({len(rows)} of {len(rows)})"
+        said = f"met ({len(rows)} of {len(rows)})"
     else:
         counts = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
         said = ", ".join(f"{v} {n}" for v, n in counts.items())
@@ -92,14 +102,11 @@ def summary_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     """Every comparison with a goal, its rows of one run taken together (the workloads, dtypes and sizes it was
     measured on), a column per run: the figures' range and how many met the goal."""
     names: dict[str, str] = {}
-    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    cells: dict[tuple[str, str], str] = {}
     for stem, data in runs:
-        for row in data["rows"]:
-            if row["goal"] is not None:
-                name = comparison(row["name"])
-                names.setdefault(name, row["goal"]["text"])
-                grouped.setdefault((name, stem), []).append(row)
-    cells = {key: _group_cell(rows) for key, rows in grouped.items()}
+        for name, rows in by_comparison(data["rows"]).items():
+            names.setdefault(name, rows[0]["goal"]["text"])
+            cells[name, stem] = _group_cell(rows)
     stems = [stem for stem, _ in runs]
     lines = ["| comparison | goal | " + " | ".join(s.removeprefix("suite-") for s in stems) + " |",
              "|---|---|" + "---:|" * len(stems)]
@@ -116,12 +123,8 @@ def headline(runs: list[tuple[str, dict[str, Any]]]) -> str:
     lines = []
     for stem, data in runs:
         meta = data["meta"]
-        grouped: dict[str, list[dict[str, Any]]] = {}
-        for row in data["rows"]:
-            if row["goal"] is not None:
-                grouped.setdefault(comparison(row["name"]), []).append(row)
         items = "; ".join(f"{_cell(name)} {_group_cell(rows)}, goal {rows[0]['goal']['text']}"
-                          for name, rows in grouped.items())
+                          for name, rows in by_comparison(data["rows"]).items())
         g = meta["goals"]
         lines.append(f"- **{_cell(meta['machine']['label'])}**, {meta.get('dtype') or 'float32'}, "
                      f"{meta['suite']['mode']} run of {meta['suite']['measured_at'][:10]} "
@@ -149,7 +152,7 @@ def full_table(stem: str, data: dict[str, Any]) -> str:
              "|---|---|---|---:|---|---|---:|---|"]
     for row in data["rows"]:
         lines.append(f"| {row['section']} | {_cell(row['name'])} | {row.get('dtype') or ''} | {figure_text(row)} | "
-                     f"{row['goal']['text'] if row['goal'] else ''} | {verdict(row)} | {_runs(row)} | "
+                     f"{row['goal']['text'] if row['goal'] else ''} | {verdict(row)} | {runs_of(row)} | "
                      f"{_cell(row['note'])} |")
     return "\n".join(lines) + "\n"
 
