@@ -20,13 +20,12 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from cbgen.model.adapters import Adapters, applied
+from cbgen.model.adapters import Adapter, Adapters, applied
 from cbgen.records import Request
 
 WINDOW = 4096  # requests grouped by adapter at a time: each group one engine run (a start, a merge)
 
 T = TypeVar("T")
-_PASS: Any = object()  # requests that run nothing (answered by the result cache, or refused): no merge for them
 
 
 def by_adapter(model: Any, adapters: Adapters | None, requests: Iterable[Request | None],
@@ -43,18 +42,19 @@ def by_adapter(model: Any, adapters: Adapters | None, requests: Iterable[Request
         return
     source = iter(requests)
     while chunk := list(itertools.islice(source, window)):
-        groups: dict[Any, list[Request | None]] = {}
+        groups: dict[Adapter | None, list[Request | None]] = {}
         for request in chunk:
-            groups.setdefault(_key(adapters, request), []).append(request)
-        for key, group in groups.items():
+            groups.setdefault(_adapter_of(adapters, request), []).append(request)
+        for adapter, group in groups.items():
             if stop is not None and stop.is_set():
                 return
-            with applied(model, None if key is _PASS else adapters.pick(key)):
+            with applied(model, adapter):
                 yield from run(group)
 
 
-def _key(adapters: Adapters, request: Request | None) -> Any:
+def _adapter_of(adapters: Adapters, request: Request | None) -> Adapter | None:
+    """The adapter a request runs with; None (no merge) for the base model's rows and for requests that run nothing
+    (answered by the result cache, or refused), which go with them."""
     if request is None or request.answered is not None or request.error is not None:
-        return _PASS
-    picked = adapters.pick(request.adapter)
-    return picked.name if picked is not None else None
+        return None
+    return adapters.pick(request.adapter)

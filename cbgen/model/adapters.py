@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cbgen.config.adapters import specs_of, split_spec  # noqa: F401 - specs_of is this module's too
+from cbgen.config.adapters import specs_of, split_spec
 from cbgen.errors import CbgenError, first_line
 
 CONFIG_FILE = "adapter_config.json"
@@ -119,9 +119,14 @@ def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:
     return Adapters(default, named)
 
 
+def section_adapters(settings: Any) -> Adapters | None:
+    """The adapters model settings (cbgen.config.ModelSection) name in `adapter`, resolved; None: none."""
+    return resolve(specs_of(settings.adapter))
+
+
 def job_adapters(job: Any) -> Adapters | None:
     """The adapters a job (cbgen.config.JobConfig) names in its `model.adapter` setting, resolved; None: none."""
-    return resolve(specs_of(job.model.adapter))
+    return section_adapters(job.model)
 
 
 def default_name(location: str) -> str:

@@ -247,9 +247,9 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     anything the user can fix."""
     source = resolve_source(settings.model)
     if weights and settings.adapter is not None:  # an adapter that does not fit stops before the weights load
-        from cbgen.model.adapters import check_fits, resolve, specs_of
+        from cbgen.model.adapters import check_fits, section_adapters
 
-        adapters = resolve(specs_of(settings.adapter))
+        adapters = section_adapters(settings)
         if adapters is not None:  # against the structure: its layers on torch's meta device, no weight read
             check_fits(adapters, load_model(settings, weights=False).model)
     device = resolve_device(settings.device)

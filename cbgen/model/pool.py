@@ -27,9 +27,9 @@ class ModelPool:
             self._loaded[key] = load_model(settings)  # checks the adapters it names fit the model
             self.loads += 1
         elif settings.adapter is not None:
-            from cbgen.model.adapters import check_fits, resolve, specs_of
+            from cbgen.model.adapters import check_fits, section_adapters
 
-            adapters = resolve(specs_of(settings.adapter))
+            adapters = section_adapters(settings)
             if adapters is not None:
                 check_fits(adapters, self._loaded[key].model)
         return self._loaded[key]
