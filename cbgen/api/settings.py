@@ -13,14 +13,16 @@ class ModelSettings(TypedDict, total=False):
     """The model's settings but `model` itself (a named argument): cbgen.Generator(...) and cbgen.generate(...)
     take them."""
 
-    # model.dtype: Weight and activation precision. auto: bfloat16 on CUDA; on CPU, from the CPU-kind table: bfloat16
-    # with bf16 matrix units (AMX or AVX-512 BF16), else float32.
+    # model.dtype: Weight and activation precision. auto: bfloat16 on CUDA (float16 on GPUs without bf16); on CPU, from
+    # the CPU-kind table: bfloat16 with bf16 matrix units (AMX or AVX-512 BF16), else float32.
     dtype: Literal['auto', 'bfloat16', 'float16', 'float32']
-    # model.device: Where the model runs. auto: CUDA when visible.
+    # model.device: Where the model runs. auto: CUDA when visible. cuda is the first visible GPU: pick one with
+    # CUDA_VISIBLE_DEVICES (--data-parallel and --tp take several).
     device: Literal['auto', 'cpu', 'cuda']
     # model.attn_implementation: Attention: per-sequence (cbgen's CPU attention for continuous batching: each request
     # attends only to its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on
-    # CPU per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.
+    # CPU per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_3, else flash_attention_2, when
+    # installed.
     attn_implementation: str | None
     # model.adapter: LoRA adapters (PEFT folders or hub ids). PATH: for every row that names none. NAME=PATH
     # (repeatable): one a row picks by its 'adapter' field (an OpenAI line by its body's 'model'). Merged into the base

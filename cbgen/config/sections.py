@@ -39,13 +39,16 @@ class ModelSection:
         f"for benchmarking: a config.json, or a shape name ({RANDOM_SHAPE_NAMES}). Default: the embedded "
         "SmolLM2-135M-Instruct.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = setting(
-        "auto", "Weight and activation precision. auto: bfloat16 on CUDA; on CPU, from the CPU-kind table: "
-        "bfloat16 with bf16 matrix units (AMX or AVX-512 BF16), else float32.")
-    device: Literal["auto", "cpu", "cuda"] = setting("auto", "Where the model runs. auto: CUDA when visible.")
+        "auto", "Weight and activation precision. auto: bfloat16 on CUDA (float16 on GPUs without bf16); on CPU, "
+        "from the CPU-kind table: bfloat16 with bf16 matrix units (AMX or AVX-512 BF16), else float32.")
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", "Where the model runs. auto: CUDA when visible. cuda is the first visible GPU: pick one with "
+        "CUDA_VISIBLE_DEVICES (--data-parallel and --tp take several).")
     attn_implementation: str | None = setting(
         None, "Attention: per-sequence (cbgen's CPU attention for continuous batching: each request attends only to "
         "its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on CPU "
-        "per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_2 when installed.")
+        "per-sequence where it applies, else sdpa, else eager; on CUDA flash_attention_3, else flash_attention_2, "
+        "when installed.")
     adapter: str | list[str] | None = setting(
         None, "LoRA adapters (PEFT folders or hub ids). PATH: for every row that names none. NAME=PATH (repeatable): "
         "one a row picks by its 'adapter' field (an OpenAI line by its body's 'model'). Merged into the base weights "

@@ -62,6 +62,15 @@ class StepPlan:
         return plan if plan.formats or plan.capture or plan.history is not None \
             or (plan.do_sample and (plan.seeds or own_draws)) else None
 
+    def why(self) -> str:
+        """What the job asks of the step control, in words (for messages that name it)."""
+        asked = [what for what, on in (("a response format", self.formats), ("logprobs", self.capture),
+                                       (f"top {self.top_logprobs} logprobs", self.top_logprobs > 0),
+                                       ("history controls (penalties, min_p, bad words, min_tokens, the loop stop)",
+                                        self.history is not None),
+                                       ("seeded sampling", self.do_sample and self.seeds)) if on]
+        return ", ".join(asked) or "cbgen's own draw of sampled tokens"
+
     def request_kwargs(self, record_id: str, settings: dict[str, Any], job_seed: int | None,
                        grammars: Grammars | None, max_new_tokens: int = 0
                        ) -> tuple[dict[str, Any], ResponseFormat | None]:

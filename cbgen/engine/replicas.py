@@ -44,11 +44,22 @@ def cpu_groups(replicas: int, cpus: list[int] | None = None) -> list[list[int]]:
     return groups
 
 
-def gpu_groups(replicas: int, tp: int, visible: int) -> list[list[int]]:
-    """The GPUs of each replica: `tp` consecutive ones each; exits 2 (CbgenError) when they do not fit."""
-    if replicas * tp > visible:
-        raise CbgenError(f"--data-parallel {replicas} x --tp {tp} needs {replicas * tp} GPUs; {visible} are visible")
-    return [list(range(i * tp, (i + 1) * tp)) for i in range(replicas)]
+def visible_gpus(count: int) -> list[str]:
+    """The `count` GPUs this process sees, as CUDA_VISIBLE_DEVICES names them (indices, GPU-/MIG- UUIDs), so that a
+    replica given some of them sees those and not the machine's first ones; indices 0..count-1 where it is unset."""
+    names = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if names is None:
+        return [str(i) for i in range(count)]
+    return [name.strip() for name in names.split(",") if name.strip()][:count]
+
+
+def gpu_groups(replicas: int, tp: int, visible: list[str]) -> list[list[str]]:
+    """The GPUs of each replica, as names for its CUDA_VISIBLE_DEVICES: `tp` consecutive ones of the `visible` ones
+    each; exits 2 (CbgenError) when they do not fit."""
+    if replicas * tp > len(visible):
+        raise CbgenError(f"--data-parallel {replicas} x --tp {tp} needs {replicas * tp} GPUs; {len(visible)} are "
+                         "visible")
+    return [visible[i * tp:(i + 1) * tp] for i in range(replicas)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +70,7 @@ class ReplicaSpec:
     model: ModelSection
     plan: JobPlan
     cpus: list[int] | None
-    gpus: list[int] | None
+    gpus: list[str] | None  # its CUDA_VISIBLE_DEVICES, within the main process's
 
 
 def _receive(inbox, parent: int):
@@ -81,7 +92,7 @@ def _serve(spec: ReplicaSpec, inbox, outbox, stop) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if spec.gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
         os.environ["OMP_NUM_THREADS"] = str(len(spec.cpus))
@@ -194,13 +205,13 @@ def pool_for(job: JobConfig, device: str, plan: JobPlan) -> ReplicaPool:
     if job.model.tp_size > 1:
         raise CbgenError("--data-parallel with --tp is not supported yet: use one of them")
     cpus: list[list[int] | None]
-    gpus: list[list[int] | None]
+    gpus: list[list[str] | None]
     if device == "cpu":
         cpus, gpus = list(cpu_groups(count)), [None] * count
     else:
         import torch
 
-        cpus, gpus = [None] * count, list(gpu_groups(count, 1, torch.cuda.device_count()))
+        cpus, gpus = [None] * count, list(gpu_groups(count, 1, visible_gpus(torch.cuda.device_count())))
     return ReplicaPool([ReplicaSpec(i, job.model, plan, cpus[i], gpus[i]) for i in range(count)])
 
 

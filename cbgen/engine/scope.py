@@ -74,15 +74,20 @@ class ScopePlan:
     fused_ops: bool = False  # and their norms, rotary embedding and SiLU run cbgen's compiled operators
     kernel_why: str = "off"  # why the compiled attention kernel serves the model, or why not
     linear_kernel: tuple[bool, str] = (False, "off")  # whether the invariant linear layers run the compiled kernel, why
+    # the attention implementation transformers runs the model with once its manager switched it (sdpa, paged|eager,
+    # flash_attention_2, ...: cbgen.engine.setup.engine_attention); None: not planned (a scorer's scope)
+    implementation: str | None = None
 
     def describe(self) -> dict[str, Any]:
         """What the scope installs, for run.json."""
         from cbgen.model.linear import LINEAR_KINDS
 
-        return {"attention": self.attention, "batch_invariant": {"on": self.batch_invariant, "why": self.invariant_why},
+        return {"attention": self.attention, "implementation": self.implementation,
+                "batch_invariant": {"on": self.batch_invariant, "why": self.invariant_why},
                 "linear": LINEAR_KINDS[self.linear],
-                "dense_attention_mask": "built" if self.dense_mask
-                else "not built: cbgen's per-sequence attention does not read it",
+                "dense_attention_mask": "built" if self.dense_mask else
+                "not built: cbgen's per-sequence attention does not read it" if self.attention in CPU_ATTENTION else
+                f"not built: {self.implementation} attention does not read it",
                 "kv_cache_memory": "as used, freed blocks given back" if self.lazy_kv_cache else "all at start",
                 "decoder_layers": {"fused": self.fused_layers, "why": self.fused_why,
                                    "compiled_operators": self.fused_ops},
@@ -261,7 +266,8 @@ class EngineScope:
         if wanted is None and (bound_function(model, "sdpa") or bound_function(model, PAGED_EAGER)):
             raise RuntimeError("the plan asked for the stock attention, and a function of cbgen's is bound")
         config = model.config
-        if getattr(config, "_attn_implementation", None) == "sdpa" and built_for(config) != plan.dense_mask:
+        if getattr(config, "_attn_implementation", None) == "sdpa" and plan.implementation in (None, "sdpa") \
+                and built_for(config) != plan.dense_mask:
             raise RuntimeError(f"the plan {'builds' if plan.dense_mask else 'skips'} transformers' dense attention "
                                "mask, and transformers would not")
 
@@ -298,10 +304,14 @@ class EngineScope:
         self._forks = self._enter(Attribute(manager, "num_return_sequences"))
 
     def _check_built(self, manager: Any) -> None:
+        running = getattr(self.model.config, "_attn_implementation", None)
+        if self.plan.implementation is not None and running != self.plan.implementation:
+            raise RuntimeError(f"the manager runs the model with {running} attention, and the plan was made for "
+                               f"{self.plan.implementation}")
         resolved = manager.continuous_batching_config
         compiled = any(getattr(resolved, name, None) is not None
                        for name in ("varlen_compile_config", "decode_compile_config"))
-        if compiled and not self.plan.dense_mask:
+        if compiled and not self.plan.dense_mask and self.plan.attention in CPU_ATTENTION:
             raise RuntimeError("transformers compiled the forward pass, which needs its dense attention mask, and the "
                                "plan skipped it")
         io = getattr(manager.batch_processor, "inputs_and_outputs", None)

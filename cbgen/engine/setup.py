@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
     from cbgen.control.needs import StepPlan
 
-MAX_REQUESTS_PER_BATCH = 256  # transformers' choice when unset, as far as the in-flight window is concerned
 # KV page size on CPU for requests that continue each other (a chat stage's turns): only whole pages are shared.
 # Measured on the conversations example (24 two-turn chats, 2-core AMD EPYC Zen 4, bf16): prompt tokens served from
 # the cache 0 / 2,496 / 2,720 of 9,425 at pages of 256 / 64 / 32, generation 29.8 / 29.8 / 26.9 s, the same tokens
@@ -80,16 +79,15 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
             batching.setdefault(key, value)
         if workload.continued:  # a conversation's next turn finds all of the turn before but its last partial page
             batching.setdefault("page_size", CONTINUED_PAGE_SIZE)
-    window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", MAX_REQUESTS_PER_BATCH)
+    window = job.run.max_in_flight or 2 * batching.get("max_requests_per_batch", max_requests_per_batch())
     window = ceil(window / replicas)  # per engine process: its share of the in-flight window (and of the cache)
     kv_cache = size_kv_cache(batching, loaded, workload, window, max_positions)
     kv_cache["block_sharing"] = sharing_choice(batching, loaded, workload)
     if steps is not None:
-        # the step control runs in Python between the forward pass and sampling: the synchronous loop it needs
-        batching.setdefault("use_cuda_graph", False)
-        batching.setdefault("use_async_batching", False)
+        synchronous_loop(batching, steps)
     cb_config = make_cb_config(batching, job, per_request=sampling.per_request)
-    scope = plan_scope(job, loaded, attention, compiled=_compiled(cb_config, generation_config), kernel_why=kernel_why)
+    scope = plan_scope(job, loaded, attention, compiled=_compiled(cb_config, generation_config), kernel_why=kernel_why,
+                       implementation=engine_attention(loaded.model, cb_config.auto_switch_to_flash))
     hints = WorkloadHints(max_prompt_length=workload.longest_prompt, max_generated_length=workload.max_new_tokens,
                           num_requests=(workload.requests or window) * workload.num_return_sequences)
     g = job.generation
@@ -102,6 +100,59 @@ def plan_engine(job: JobConfig, loaded: LoadedModel, workload: WorkloadShape, sa
         max_positions=max_positions, request_timeout=job.run.request_timeout, prefix_gating=job.run.prefix_gating,
         adapters=job_adapters(job))
     return EnginePlan(generation_config, eos, batching, kv_cache, settings)
+
+
+def max_requests_per_batch() -> int:
+    """The most requests transformers puts in one batch when the job does not say (its fallback default): the
+    in-flight window keeps twice that many ready, so a GPU batch is never short of requests."""
+    from transformers.generation.continuous_batching.initialization import FALLBACK_DEFAULTS
+
+    return int(FALLBACK_DEFAULTS["max_requests_per_batch"])
+
+
+GRAPH_SETTINGS = ("use_cuda_graph", "use_async_batching")
+
+
+def synchronous_loop(batching: dict[str, Any], steps: StepPlan) -> None:
+    """Turns CUDA graphs and async batching off for a job with a step control, whose processors run Python between
+    the forward pass and sampling (reading tokens on the host, llguidance's matchers): inside a captured graph they
+    would be recorded once and replayed, or fail. A setting that forces either on is refused in one line."""
+    for name in GRAPH_SETTINGS:
+        value = batching.get(name)
+        if value is True or (isinstance(value, (tuple, list)) and any(value)):
+            raise CbgenError(f"batching.{name} is on, and this job needs cbgen's step control ({steps.why()}), which "
+                             "runs between the forward pass and sampling where a captured CUDA graph cannot: drop "
+                             f"{name} (--no-cuda-graph), or the settings that need the step control")
+        batching[name] = False
+
+
+def engine_attention(model: Any, auto_switch_to_flash: bool = True) -> str:
+    """The attention implementation transformers' continuous batching will run `model` with: its
+    `switch_to_cb_friendly_attn`, worked out without switching anything. An sdpa or eager model runs flash
+    attention 3, else 2, where one is installed and the model supports it (unless auto_switch_to_flash is off);
+    eager runs as paged|eager."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+    from transformers.utils.generic import is_flash_attention_requested
+
+    implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    flash = is_flash_attention_requested(requested_attention_implementation=implementation)
+    if not flash and implementation != "paged|eager" and auto_switch_to_flash \
+            and getattr(model, "_supports_flash_attn", False):
+        if is_flash_attn_3_available(kernels_fallback_ok=True):
+            implementation = "flash_attention_3"
+        elif is_flash_attn_2_available(kernels_fallback_ok=True):
+            implementation = "flash_attention_2"
+    return "paged|eager" if implementation == "eager" else implementation
+
+
+def mask_needed(implementation: str) -> bool:
+    """Whether transformers' continuous batching builds its dense attention mask for this implementation (flash
+    attention reads the cumulative sequence lengths instead)."""
+    from types import SimpleNamespace
+
+    from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+
+    return bool(attn_mask_is_needed(SimpleNamespace(_attn_implementation=implementation)))  # type: ignore[arg-type]
 
 
 def build_generation_config(job: JobConfig, loaded: LoadedModel, plan: SamplingPlan
@@ -311,9 +362,13 @@ def _compiled(cb_config: ContinuousBatchingConfig, generation_config: Generation
 
 
 def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled: bool = False,
-               kernel_why: str = "off") -> ScopePlan:
+               kernel_why: str = "off", implementation: str | None = None) -> ScopePlan:
     """What cbgen installs for a job's engine (cbgen.engine.scope), given the attention it runs with; `compiled`:
-    transformers compiles the forward pass (which needs its dense mask)."""
+    transformers compiles the forward pass (which needs its dense mask); `implementation`: the attention
+    implementation transformers runs the model with (`engine_attention`; None: the model's own). transformers builds
+    its dense mask only for sdpa and paged|eager, and cbgen skips it where its own CPU attention serves sdpa and no
+    compiled pass could reach the stock function."""
+    implementation = implementation or engine_attention(loaded.model, auto_switch_to_flash=False)
     invariant, why = invariance_choice(job, loaded, attention)
     fused, fused_why, fused_ops = fused_choice(job, loaded)
     if attention == PER_SEQUENCE_ATTENTION and invariant:
@@ -321,7 +376,8 @@ def plan_scope(job: JobConfig, loaded: LoadedModel, attention: str, *, compiled:
     return ScopePlan(attention=attention, batch_invariant=invariant, invariant_why=why,
                      linear=linear_choice(job, loaded, invariant),
                      linear_kernel=linear_kernel_choice(job, loaded, invariant),
-                     dense_mask=attention not in CPU_ATTENTION or compiled,
+                     dense_mask=mask_needed(implementation) and (attention not in CPU_ATTENTION or compiled),
+                     implementation=implementation,
                      lazy_kv_cache=loaded.device == "cpu", fused_layers=fused, fused_why=fused_why, fused_ops=fused_ops,
                      kernel_why=kernel_why)
 

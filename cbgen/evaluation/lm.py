@@ -48,8 +48,10 @@ class CbgenLM(TemplateLM):
         harness = {name: args.pop(name) for name in HARNESS_ARGS if name in args}
         settings = dict(args)
         device = harness.get("device")
-        if device is not None and "device" not in settings and _device_usable(str(device)):
-            settings["device"] = str(device)
+        if device is not None and "device" not in settings:
+            chosen = harness_device(str(device))
+            if chosen is not None:
+                settings["device"] = chosen
         self._settings = {**settings, **({"model": model} if model is not None else {})}
         try:  # checked here, so that the message names lm-eval's model args
             keyword_overrides(self._settings)
@@ -244,10 +246,21 @@ def _sampling(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"do_sample": True, "temperature": float(temperature), **chosen}
 
 
-def _device_usable(device: str) -> bool:
-    """lm-eval passes its --device (cuda:0 unless told) to every model: taken when that device exists here."""
-    if device.startswith("cuda"):
+def harness_device(device: str) -> str | None:
+    """cbgen's device setting for lm-eval's --device (cuda:0 unless told, which every model is given), or None to
+    keep cbgen's own choice: a CUDA device only where CUDA is visible here (lm-eval passes cuda:0 on a CPU machine
+    too), as cbgen's "cuda", the first visible GPU; another index is refused in one line (CUDA_VISIBLE_DEVICES
+    picks the GPU)."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
         import torch
 
-        return torch.cuda.is_available()
-    return True
+        if not torch.cuda.is_available():
+            return None
+        if index not in ("", "0"):
+            raise CbgenError(f"lm-eval's --device {device}: cbgen runs on the first visible GPU; choose that GPU with "
+                             f"CUDA_VISIBLE_DEVICES={index} and --device cuda")
+        return "cuda"
+    if kind == "cpu":
+        return "cpu"
+    raise CbgenError(f"lm-eval's --device {device}: cbgen runs on cpu or cuda; give --device cpu or --device cuda")

@@ -40,6 +40,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def resolve_device(device: str) -> str:
+    """Where the model runs: "cpu" or "cuda" (the process's current CUDA device: pick a GPU with
+    CUDA_VISIBLE_DEVICES)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -50,8 +52,8 @@ def resolve_device(device: str) -> str:
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[dtype]
-    if device == "cuda":
-        return torch.bfloat16
+    if device == "cuda":  # bf16 where the GPU computes it (Ampere and later), else float16 (its range: rarely an issue)
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return _DTYPES[cpu_row().dtype]  # on CPU: the CPU-kind table's (cbgen.config.cpu)
 
 
@@ -60,9 +62,9 @@ PER_SEQUENCE = "per-sequence"  # cbgen's CPU attention for continuous batching (
 
 def resolve_attn_implementation(requested: str | None, device: str, supports_flash=lambda: True) -> str | None:
     """The implementation the model is loaded with. Asked for by name: that one (per-sequence runs on top of sdpa).
-    Else, on CUDA, flash attention when it is installed and the model supports it (no attention mask: much faster
-    under continuous batching); everywhere else None: transformers' own choice, sdpa where the model has it, else
-    eager (Gemma 2 and gpt-oss have no sdpa), which continuous batching runs as paged|eager. On CPU, cbgen's
+    Else, on CUDA, flash attention (3, else 2) when it is installed and the model supports it (no attention mask:
+    much faster under continuous batching); everywhere else None: transformers' own choice, sdpa where the model has
+    it, else eager (Gemma 2 and gpt-oss have no sdpa), which continuous batching runs as paged|eager. On CPU, cbgen's
     per-sequence attention then serves the sdpa models while the engine runs. `supports_flash` says whether the
     model's class supports flash attention (asked only when flash is installed)."""
     if requested == PER_SEQUENCE:
@@ -70,10 +72,11 @@ def resolve_attn_implementation(requested: str | None, device: str, supports_fla
     if requested:
         return requested
     if device == "cuda":
-        from transformers.utils import is_flash_attn_2_available
+        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
-        if is_flash_attn_2_available() and supports_flash():
-            return "flash_attention_2"
+        for version, available in ((3, is_flash_attn_3_available), (2, is_flash_attn_2_available)):
+            if available() and supports_flash():
+                return f"flash_attention_{version}"
     return None
 
 

@@ -127,6 +127,10 @@ def setup(job: JobConfig, env: dict[str, str] | None = None) -> TensorParallel |
     on_gpu = job.model.device == "cuda" or (job.model.device == "auto" and torch.cuda.is_available())
     if on_gpu:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+        if job.batching.get("disable_nccl_graph_mixing", True):
+            # NCCL reads it once, when the process group starts: transformers' own setting of it comes with the
+            # continuous batching config, after this. Continuous batching never mixes graphs that communicate
+            os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if on_gpu else "gloo")
     group = dist.new_group(backend="gloo")

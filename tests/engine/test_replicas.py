@@ -117,9 +117,30 @@ def test_cores_and_gpus_are_shared_out():
     assert cpu_groups(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
     with pytest.raises(CbgenError, match="--data-parallel 3 needs at least 3 CPU cores; this process may use 2"):
         cpu_groups(3, [0, 1])
-    assert gpu_groups(2, 2, 4) == [[0, 1], [2, 3]]
+    assert gpu_groups(2, 2, ["0", "1", "2", "3"]) == [["0", "1"], ["2", "3"]]
     with pytest.raises(CbgenError, match="--data-parallel 3 x --tp 2 needs 6 GPUs; 4 are visible"):
-        gpu_groups(3, 2, 4)
+        gpu_groups(3, 2, ["0", "1", "2", "3"])
+
+
+@pytest.mark.parametrize("visible", ["4,5", "GPU-8f0c1e2a-aaaa-bbbb-cccc-000000000001,GPU-8f0c1e2a-aaaa-bbbb-cccc-2",
+                                     "MIG-1d2c3b4a-0000-1111-2222-333333333333, MIG-1d2c3b4a-0000-1111-2222-4444"])
+def test_replicas_take_gpus_within_the_parents_visible_ones(visible, monkeypatch):
+    """A job started with CUDA_VISIBLE_DEVICES=4,5 (or GPU UUIDs, or MIG instances) gives its replicas those GPUs,
+    one each, as names for their own CUDA_VISIBLE_DEVICES: not the machine's GPUs 0 and 1."""
+    import torch
+
+    from cbgen.config import JobConfig
+    from cbgen.engine.replicas import pool_for
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    job = JobConfig()
+    job.run.data_parallel = 2
+    pool = pool_for(job, "cuda", plan=None)  # type: ignore[arg-type]
+    assert [spec.gpus for spec in pool.specs] == [[name.strip()] for name in visible.split(",")]
+    assert all(spec.cpus is None for spec in pool.specs)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [spec.gpus for spec in pool_for(job, "cuda", plan=None).specs] == [["0"], ["1"]]  # type: ignore[arg-type]
 
 
 def test_replicas_of_a_killed_job_exit_too(tiny_model_dir, prompts, tmp_path):

@@ -180,6 +180,7 @@ def test_the_plan_is_what_run_json_records(tiny_model_dir, tmp_path):
     assert kernel["why"].endswith("; --no-compiled-attention turns it off)")
     assert manifest["engine_scope"] == {
         "attention": "per-sequence, compiled kernel (batch-invariant by construction)",
+        "implementation": "sdpa",
         "batch_invariant": {"on": True, "why": "on: cbgen's compiled attention is invariant by construction, the "
                                                "linear layers run in fixed blocks (--no-batch-invariant turns it "
                                                "off)"},
