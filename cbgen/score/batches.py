@@ -4,8 +4,9 @@ prompt), rows of similar length packed into one padded batch, and the attention 
 A row with choices is one sequence `prompt, choice 1, choice 2, ...`: each choice's tokens take the positions that
 follow the prompt and attend to the prompt and to their own choice only, so the prompt is computed once for all of
 them and every choice sees exactly what it would see alone. That takes a custom attention mask; where the model
-has layers whose attention such a mask cannot describe (anything but full and sliding-window attention), each
-choice becomes its own sequence instead: the same scores, with the prompt computed once per choice.
+has layers whose attention such a mask cannot describe (anything but full and sliding-window attention), or runs an
+attention that takes no custom mask (flash attention: a padding mask only), each choice becomes its own sequence
+instead: the same scores, with the prompt computed once per choice.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def pieces_of(row: int, request: ScoreRequest, side_by_side: bool) -> list[Piece
     return pieces
 
 
+# the attention implementations that apply a custom 4-D additive mask as given (flash attention takes a padding mask
+# only, and would let side-by-side choices see each other)
+CUSTOM_MASK_ATTENTION = ("sdpa", "eager", None)
+
+
 @dataclass(frozen=True)
 class MaskShape:
     """How a model's layers attend, as far as a custom mask must say: None where a custom mask cannot."""
@@ -72,6 +78,8 @@ class MaskShape:
 
     @classmethod
     def of(cls, model: Any) -> MaskShape | None:
+        if getattr(model.config, "_attn_implementation", None) not in CUSTOM_MASK_ATTENTION:
+            return None  # flash attention reads a 4-D mask as a padding mask: each choice goes alone instead
         config = model.config.get_text_config()
         types = tuple(dict.fromkeys(layer_types(config)))
         if not types or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
