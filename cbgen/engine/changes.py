@@ -65,7 +65,13 @@ class Undo(Change):
         self.what, self._undo = what, undo
 
     def remove(self) -> None:
-        self._undo()
+        undo, self._undo = self._undo, _nothing
+        undo()  # and dropped: its closure holds what it changed (a manager's processors, its cache), which must not
+        # outlive the engine through the scope's record of its changes
+
+
+def _nothing() -> None:
+    pass
 
 
 _MISSING = object()

@@ -4,6 +4,7 @@ in a single process and on rank 0; tensor-parallel followers use it to serve the
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,8 +83,14 @@ def prefix_matches(manager: ContinuousBatchingManager) -> dict[str, int]:
     if cache is None or search is None or not getattr(cache, "use_prefix_sharing", False):
         return matched
 
+    # held weakly: the counter is set on the cache itself, and a strong reference to its bound method would make a
+    # cycle that keeps the whole cache alive after the manager stops until a collection (which may never come: the
+    # next engine's scope freezes what is alive for the collector)
+    method = weakref.WeakMethod(search)
+
     def counted(request_id: str, prompt_ids: list[int]) -> int:
-        found = search(request_id, prompt_ids)
+        bound = method()
+        found = bound(request_id, prompt_ids) if bound is not None else 0
         if found:
             matched[request_id] = found
         return found
