@@ -145,7 +145,7 @@ def bench(
         chosen_paths.remove(path)
         console.print(f"{path} path skipped: {reason}", markup=False)
     console.log(f"measuring the machine's {dtype_name(loaded.dtype)} matmul rate")
-    peak = matmul_flops(loaded.dtype)
+    peak = matmul_flops(loaded.dtype, device=loaded.model.device)
     flops_per_token = 2 * parameter_count(loaded.model)
 
     def show(m) -> None:
@@ -181,6 +181,7 @@ def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, a
         args = [a for a in sys.argv[1:] if a != "--hold" and a != hold and not a.startswith("--hold=")]
         code = subprocess.run([sys.executable, "-m", "cbgen", *args], env=os.environ | HOLDS[hold]).returncode
         raise typer.Exit(code)
+    _hide_gpus()
     from cbgen.bench.report import print_suite, write_suite
     from cbgen.bench.sections import SECTIONS
     from cbgen.bench.suite import Plan
@@ -199,6 +200,15 @@ def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, a
     console.print(f"wrote {json_path} and {png_path}", markup=False)
     if check and (meta["goals"]["missed"] or meta["goals"]["void"]):
         raise typer.Exit(1)
+
+
+def _hide_gpus() -> None:
+    """The suite measures the CPU (its goals are against CPU peers): every model it loads, here and in the commands
+    it starts, runs there, on a GPU machine too (benchmarks/gpu_check.py is the GPU's check). Set before torch is
+    imported, so CUDA never starts in this process; the suite's process ends with the suite."""
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def _llamacpp_ready(explicit: str | None, loaded, quantized: bool = False):

@@ -110,3 +110,42 @@ def test_a_held_run_says_it_was_held(tmp_path):
     machine = json.loads((out / "bench.json").read_text())["meta"]["machine"]
     assert machine["held"] is True and machine["runs_as"] == "avx2" and "held to avx2" in machine["label"]
     assert [row["section"] for row in json.loads((out / "bench.json").read_text())["rows"]] == ["dedup"]
+
+
+def test_the_suite_measures_the_cpu_on_a_gpu_machine_too(monkeypatch):
+    """Its goals are against CPU peers: every model it loads (and every command it starts) runs on the CPU, because
+    CUDA is hidden from its process before torch could start it."""
+    from cbgen.bench import suite_runner
+    from cbgen.errors import CbgenError
+
+    seen: list[str | None] = []
+
+    def stopped(*args, **kwargs):
+        import os
+
+        seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        raise CbgenError("stopped here")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(suite_runner, "run", stopped)
+    assert run_cli(["bench", "--suite", "--quick"]) == 2
+    assert seen == [""]
+
+
+def test_the_matmul_rate_is_measured_where_the_model_runs(monkeypatch):
+    """`cbgen bench` divides by the rate of the device the model is on: a model on a GPU, the GPU's."""
+    import torch
+
+    from cbgen.bench.machine import matmul_flops
+
+    devices: list[torch.device] = []
+    randn = torch.randn
+
+    def recording(*shape, dtype=None, device=None):
+        devices.append(torch.device(device))
+        return randn(*shape, dtype=dtype)  # computed here: this machine has no GPU
+
+    monkeypatch.setattr(torch, "randn", recording)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    assert matmul_flops(torch.float32, seconds=0.01, largest=256, device="cuda") > 0
+    assert devices and {d.type for d in devices} == {"cuda"}
