@@ -174,6 +174,10 @@ def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, a
     if hold is not None:
         if hold not in HOLDS:
             raise CbgenError(f"--hold: not a smaller CPU kind; use one of {', '.join(HOLDS)}")
+        from cbgen.config.cpu import unholdable_reason
+
+        if (reason := unholdable_reason(hold)) is not None:
+            raise CbgenError(f"--hold {hold}: {reason}")
         import os
         import subprocess
         import sys
@@ -229,12 +233,13 @@ def _llamacpp_ready(explicit: str | None, loaded, quantized: bool = False):
 
 def _onednn_unready(loaded, settings) -> str | None:
     """Why the cbgen-onednn path cannot run on this model and machine, or None."""
-    from cbgen.model.linear import PACKED_DTYPES, onednn_available
+    from cbgen.model.linear import PACKED_DTYPES, onednn_unfit
 
     if loaded.device != "cpu" or loaded.dtype not in PACKED_DTYPES:
         return "oneDNN's linear layers are for float32 or bfloat16 on CPU: add --device cpu"
-    if not onednn_available():
-        return "this torch build has no oneDNN (mkldnn) linear"
+    unfit = onednn_unfit(loaded.dtype)
+    if unfit is not None:
+        return unfit
     if settings.onednn_linear:
         return "--onednn-linear already runs every cbgen path through oneDNN"
     return None

@@ -277,11 +277,9 @@ def linear_choice(job: JobConfig, loaded: LoadedModel, invariant: bool) -> str:
     if invariant:
         return linear.TILES
     if settings.onednn_linear:
-        if device != "cpu" or dtype not in linear.PACKED_DTYPES or not one_process:
-            raise CbgenError("--onednn-linear applies to float32 or bfloat16 on CPU in one process: add --device cpu, "
-                             "without --tp")
-        if not linear.onednn_available():
-            raise CbgenError("--onednn-linear: this torch build has no oneDNN (mkldnn) linear; drop the flag")
+        refusal = linear.onednn_refusal(device, dtype, settings.tp_size)
+        if refusal is not None:
+            raise CbgenError(refusal)
         return linear.ONEDNN
     if settings.linear_row_buckets:
         if device != "cpu" or dtype not in linear.BUCKETED_DTYPES or not one_process:

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from cbgen.config.cpu import cpu_row
 from cbgen.model import packs, tiles_kernel
-from cbgen.model.linear import MergedLinears, onednn_available, replaced_forwards
+from cbgen.model.linear import MergedLinears, onednn_available, onednn_unfit, replaced_forwards
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
 # Other tile sizes, per layer, where a probe finds a row's bits in them those of a 64-row tile (`tile_sizes`): larger
@@ -77,7 +77,7 @@ def _packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a layer's tiles run over its weight prepacked for oneDNN: float32 (above), and bfloat16 on a CPU with
     bf16 units, where torch hands each tile to oneDNN anyway but reorders the weight at every call."""
     if dtype == torch.bfloat16:
-        return device.type == "cpu" and onednn_available() and cpu_row().dtype == "bfloat16"
+        return device.type == "cpu" and cpu_row().dtype == "bfloat16" and onednn_unfit(torch.bfloat16) is None
     return _onednn(dtype, device)
 
 

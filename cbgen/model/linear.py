@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cbgen.errors import first_line
+
 VOCAB_CHUNK = 2048  # output columns per matmul (measured best of 2,048 / 4,096 / 8,192 at 64 rows)
 CHUNK_ROWS = 128  # chunk only batches of at most this many rows: decode-sized, where chunks were measured faster
 PROBE_ROWS = (1, 3, 17, 64, CHUNK_ROWS)
@@ -83,6 +85,35 @@ LINEAR_KINDS = {
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.lru_cache(maxsize=4)
+def onednn_unfit(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot run prepacked linear layers in `dtype` on this CPU, or None when it can: tried once on a
+    small layer (oneDNN's bfloat16 path needs AVX-512 BF16, AVX-NE-CONVERT or AVX-512 BW/VL/DQ: on an AVX2-only
+    CPU it raises)."""
+    if dtype not in PACKED_DTYPES:
+        return f"oneDNN packs float32 or bfloat16 layers, not {str(dtype).removeprefix('torch.')}"
+    if not onednn_available():
+        return "this torch build has no oneDNN (mkldnn) linear"
+    try:
+        weight = torch.ones(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as e:
+        return f"oneDNN cannot run {str(dtype).removeprefix('torch.')} linear layers on this CPU ({first_line(e)})"
+    return None
+
+
+def onednn_refusal(device: str, dtype: torch.dtype, tp_size: int = 1) -> str | None:
+    """Why --onednn-linear cannot run a model on `device` in `dtype`, as the one-line message the job ends with, or
+    None when it can: asked once the device and dtype are known, before the weights load, and again by the plan."""
+    if device != "cpu" or dtype not in PACKED_DTYPES or tp_size > 1:
+        return "--onednn-linear applies to float32 or bfloat16 on CPU in one process: add --device cpu, without --tp"
+    unfit = onednn_unfit(dtype)
+    if unfit is None:
+        return None
+    return f"--onednn-linear: {unfit}; drop the flag" + (" (--dtype float32 runs it)" if dtype != torch.float32 else "")
 
 
 @dataclass(frozen=True)
@@ -122,7 +153,7 @@ def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tens
 
 
 def _onednn(module: torch.nn.Linear):
-    if module.weight.dtype not in PACKED_DTYPES:
+    if onednn_unfit(module.weight.dtype) is not None:  # the layer keeps the stock path
         return None
     from cbgen.model import packs
 

@@ -257,6 +257,12 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
             check_fits(adapters, load_model(settings, weights=False).model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    if weights and settings.onednn_linear:  # a setting this machine cannot run stops before the weights load
+        from cbgen.model.linear import onednn_refusal
+
+        refusal = onednn_refusal(device, dtype, settings.tp_size)
+        if refusal is not None:
+            raise CbgenError(refusal)
     attn = resolve_attn_implementation(settings.attn_implementation, device,
                                        lambda: _supports_flash(source, settings.trust_remote_code))
     start = time.perf_counter()

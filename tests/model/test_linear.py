@@ -152,10 +152,14 @@ def test_runs_record_the_planned_linear_layers(tiny_model_dir, tmp_path):
     chunks = LINEAR_KINDS[VOCABULARY_CHUNKS] if linear.chunks_bitwise_same(len_vocab(tiny_model_dir), 64) \
         else LINEAR_KINDS[STOCK]
     assert float32 == {"": LINEAR_KINDS[TILES], "--no-batch-invariant": chunks, "--onednn-linear": LINEAR_KINDS[ONEDNN]}
-    bfloat16 = _linear_of_runs(tiny_model_dir, tmp_path, "bfloat16", "", "--no-batch-invariant", "--onednn-linear",
-                               "--linear-row-buckets")
+    # oneDNN's bfloat16 linear needs AVX-512 BF16, AVX-NE-CONVERT or AVX-512 BW/VL/DQ: on an AVX2-only CPU it is
+    # refused in one line (test_onednn_bfloat16_is_refused_where_the_cpu_cannot_run_it)
+    packs = linear.onednn_unfit(torch.bfloat16) is None
+    bfloat16 = _linear_of_runs(tiny_model_dir, tmp_path, "bfloat16", "", "--no-batch-invariant",
+                               *(["--onednn-linear"] if packs else []), "--linear-row-buckets")
     assert bfloat16 == {"": LINEAR_KINDS[TILES], "--no-batch-invariant": LINEAR_KINDS[ROW_BUCKETS],
-                        "--onednn-linear": LINEAR_KINDS[ONEDNN], "--linear-row-buckets": LINEAR_KINDS[ROW_BUCKETS]}
+                        **({"--onednn-linear": LINEAR_KINDS[ONEDNN]} if packs else {}),
+                        "--linear-row-buckets": LINEAR_KINDS[ROW_BUCKETS]}
 
 
 def len_vocab(folder) -> int:
@@ -165,17 +169,47 @@ def len_vocab(folder) -> int:
 
 
 def test_prepacked_bfloat16_layers_give_the_stock_results_to_rounding():
+    """Where oneDNN runs bfloat16 layers, they give the stock results to bf16 rounding; where this CPU cannot (AVX2
+    only), every layer keeps the stock path: nothing is installed and the results are the stock ones, bit for bit."""
     model = tiny_llama().to(torch.bfloat16)
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     layer = model.model.layers[0].mlp.gate_proj
+    packs = linear.onednn_unfit(torch.bfloat16) is None
     with torch.no_grad():
         stock = [layer(x[:rows]) for rows in (1, 7, 64)]
         with linear_layers(model, ONEDNN) as count:
-            assert count == 15
+            assert count == (15 if packs else 0)
             ours = [layer(x[:rows]) for rows in (1, 7, 64)]
     for a, b in zip(stock, ours):
         assert a.dtype == b.dtype == torch.bfloat16
-        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-3)
+        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-3) if packs else torch.equal(a, b)
+
+
+def test_onednn_bfloat16_is_refused_where_the_cpu_cannot_run_it(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """--dtype bfloat16 --onednn-linear on a CPU whose oneDNN has no bf16 linear (AVX2 only) is one line, exit 2,
+    before the weights load, not oneDNN's RuntimeError at the first layer (exit 3); what the probe says is this CPU's
+    own answer."""
+    source = tmp_path / "p.jsonl"
+    source.write_text(json.dumps({"input_ids": [7, 8, 9]}) + "\n")
+    unfit = linear.onednn_unfit(torch.bfloat16)
+    if unfit is None:  # this CPU runs it: check the refusal with the answer an AVX2-only CPU's oneDNN gives
+        unfit = ("oneDNN cannot run bfloat16 linear layers on this CPU (mkldnn_reorder_linear_weight: bf16 path "
+                 "needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq)")
+        monkeypatch.setattr(linear, "onednn_unfit", lambda dtype: unfit if dtype == torch.bfloat16 else None)
+    from cbgen.model import load
+
+    weights = load._load
+
+    def structure_only(*args, **kwargs):  # the refusal comes before any weight is read
+        assert args[3] is False, "the weights were loaded before the refusal"
+        return weights(*args, **kwargs)
+
+    monkeypatch.setattr(load, "_load", structure_only)
+    code = run_cli(["run", str(source), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir), "--dtype",
+                    "bfloat16", "--device", "cpu", "--onednn-linear", "-q"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.splitlines() == [f"Error: --onednn-linear: {unfit}; drop the flag (--dtype float32 runs it)"]
 
 
 def test_onednn_linear_refuses_what_it_cannot_pack(tiny_model_dir, tmp_path, capsys):
