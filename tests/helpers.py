@@ -56,15 +56,24 @@ def torchrun_cbgen(*args, processes: int = 2) -> subprocess.CompletedProcess:
 
 
 # Instruction sets other CPU kinds have, imposed on this one (cbgen.config.cpu.HOLDS: torch's own kernels, oneDNN's,
-# MKL's and cbgen's CPU-kind row). A machine cannot go above what it has: where it lacks one, the kernels run on what
-# it does have.
+# MKL's and cbgen's CPU-kind row). A hold only takes instructions away: a kind above the machine's own is skipped
+# (pytest_under_isa says so), since its process would stop on instructions the CPU lacks.
 OTHER_ISAS = {"avx2": HOLDS["avx2"], "avx512-no-bf16": HOLDS["avx512"]}
 NO_AMX = HOLDS["avx512-bf16"]  # the AVX-512 BF16 machine without AMX (a Zen 4's instructions)
 
 
 def pytest_under_isa(isa: str, test_file: str, selection: str, examples: int = 60) -> None:
     """Runs the tests `selection` (-k) of `test_file` in a fresh process held to another CPU kind's instructions
-    (OTHER_ISAS), with `examples` examples per property, and asserts they passed."""
+    (OTHER_ISAS), with `examples` examples per property, and asserts they passed. A kind above this CPU's own is
+    skipped, saying so (its instructions are not there to run)."""
+    import pytest
+
+    from cbgen.config.cpu import unholdable_reason
+
+    kind = OTHER_ISAS[isa]["CBGEN_CPU_KIND"]
+    reason = unholdable_reason(kind)
+    if reason is not None:
+        pytest.skip(f"held to {kind}: {reason}")
     env = os.environ | OTHER_ISAS[isa] | {"CBGEN_PROPERTY_EXAMPLES": str(examples)}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selection],
                           env=env, capture_output=True, text=True, timeout=900)

@@ -80,6 +80,18 @@ HOLDS: dict[str, dict[str, str]] = {
 }
 
 
+KIND_ORDER = ("other", "avx2", "avx512", "avx512-bf16", "amx-bf16")  # each kind's instructions include those before
+
+
+def unholdable_reason(kind: str) -> str | None:
+    """Why this CPU cannot be held to `kind` (a HOLDS key), or None: a hold only takes instructions away, so a kind
+    above the machine's own would run instructions it does not have (torch and oneDNN stop on them)."""
+    own = kind_from_flags(cpu_flags())
+    if KIND_ORDER.index(kind) <= KIND_ORDER.index(own):
+        return None
+    return f"this CPU ({cpu_model()}) is {own}, without {kind}'s instructions: only kinds at or below {own} run here"
+
+
 def kind_from_flags(flags: AbstractSet[str]) -> str:
     if "amx_bf16" in flags:
         return "amx-bf16"

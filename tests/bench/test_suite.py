@@ -149,3 +149,17 @@ def test_the_matmul_rate_is_measured_where_the_model_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     assert matmul_flops(torch.float32, seconds=0.01, largest=256, device="cuda") > 0
     assert devices and {d.type for d in devices} == {"cuda"}
+
+
+def test_a_hold_above_the_machines_own_kind_is_refused_in_one_line(monkeypatch, capsys):
+    """Held to a kind whose instructions this CPU lacks, torch and oneDNN would stop on them: refused, naming both."""
+    from cbgen.config import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))  # an AVX2-only EPYC
+    assert cpu.unholdable_reason("avx2") is None
+    assert "is avx2, without avx512-bf16's instructions" in (cpu.unholdable_reason("avx512-bf16") or "")
+    assert run_cli(["bench", "--suite", "--quick", "--hold", "avx512"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--hold avx512: this CPU (" in err and "is avx2, without avx512's" in err
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+    assert all(cpu.unholdable_reason(kind) is None for kind in cpu.HOLDS)
