@@ -16,8 +16,7 @@ class ModelSettings(TypedDict, total=False):
     # model.dtype: Weight and activation precision. auto: bfloat16 on CUDA (float16 on GPUs without bf16); on CPU, from
     # the CPU-kind table: bfloat16 with bf16 matrix units (AMX or AVX-512 BF16), else float32.
     dtype: Literal['auto', 'bfloat16', 'float16', 'float32']
-    # model.device: Where the model runs. auto: CUDA when visible. cuda is the first visible GPU: pick one with
-    # CUDA_VISIBLE_DEVICES (--data-parallel and --tp take several).
+    # model.device: Where the model runs. auto: CUDA when visible (the first visible GPU: CUDA_VISIBLE_DEVICES picks).
     device: Literal['auto', 'cpu', 'cuda']
     # model.attn_implementation: Attention: per-sequence (cbgen's CPU attention for continuous batching: each request
     # attends only to its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on

@@ -42,8 +42,7 @@ class ModelSection:
         "auto", "Weight and activation precision. auto: bfloat16 on CUDA (float16 on GPUs without bf16); on CPU, "
         "from the CPU-kind table: bfloat16 with bf16 matrix units (AMX or AVX-512 BF16), else float32.")
     device: Literal["auto", "cpu", "cuda"] = setting(
-        "auto", "Where the model runs. auto: CUDA when visible. cuda is the first visible GPU: pick one with "
-        "CUDA_VISIBLE_DEVICES (--data-parallel and --tp take several).")
+        "auto", "Where the model runs. auto: CUDA when visible (the first visible GPU: CUDA_VISIBLE_DEVICES picks).")
     attn_implementation: str | None = setting(
         None, "Attention: per-sequence (cbgen's CPU attention for continuous batching: each request attends only to "
         "its own KV), sdpa, paged|eager, or a flash_attention_* name. Default: what the model supports: on CPU "
