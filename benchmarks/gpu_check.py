@@ -539,7 +539,8 @@ def attention_group(check: Check, folder: Path, attention: str, batching: dict[s
         prompts = make_prompts(sizes.prompts, sizes.prompt_tokens, len(tokenizer), seed=0)
         warm = prompts[:sizes.warm_up_prompts]
         check.add(Row(group, "model", f"{sum(p.numel() for p in loaded.model.parameters()) / 1e9:.2f} B parameters, "
-                      f"{loaded.model.config._attn_implementation} attention, {gib(weights)} allocated after loading",
+                      f"{loaded.model.config._attn_implementation} attention"
+                      + (f", {gib(weights)} allocated after loading" if weights is not None else ""),
                       "", INFO))
         pad = SPECIAL_IDS["pad_token_id"]
         stock = dict(batching)
