@@ -86,7 +86,9 @@ class VocabText:
 
 
 class BadWords:
-    """One request's bad words, ready to apply a step at a time."""
+    """One request's bad words, ready to apply a step at a time: the ids banned whatever came before (`always`: single
+    ids, and every token whose text holds a whole word), kept on the scores' device once per set, and those that
+    depend on the tokens so far (`following`), worked out on the host each step."""
 
     def __init__(self, words: tuple[BadWord, ...], eos: tuple[int, ...] = (), vocab: VocabText | None = None) -> None:
         sequences = [w for w in words if not isinstance(w, str) and not (len(w) == 1 and w[0] in eos)]
@@ -97,20 +99,36 @@ class BadWords:
             raise ValueError("string bad words need the tokenizer's vocabulary")
         self.vocab = vocab
         self.longest = max((len(w) for w in self.strings), default=0)
+        self.on: dict[tuple[torch.device, int], torch.Tensor] = {}  # `always` on a device, cut to a logits width
+        # (cbgen.control.penalties copies it there once)
 
-    def banned(self, tokens: list[int]) -> list[torch.Tensor]:
-        """The token ids that must not come after `tokens` (prompt and generated), as index tensors."""
-        out = [self.single] if self.single.numel() else []
+    @cached_property
+    def always(self) -> torch.Tensor:
+        """The ids banned after any tokens, each once."""
+        parts = [self.single]
+        if self.strings:
+            assert self.vocab is not None
+            parts += [self.vocab.containing(word) for word in self.strings]
+        return torch.unique(torch.cat(parts)) if len(parts) > 1 else self.single
+
+    def following(self, tokens: list[int]) -> list[torch.Tensor]:
+        """The ids that must not come after `tokens` (prompt and generated) because of them, as host index tensors:
+        a token sequence's last id where the tokens end with its beginning, and the tokens whose text would finish a
+        word that the text so far begins."""
+        out = []
         ends = [w[-1] for w in self.multi if len(tokens) >= len(w) - 1 and tuple(tokens[len(tokens) - len(w) + 1:])
                 == w[:-1]]
         if ends:
             out.append(torch.tensor(ends, dtype=torch.long))
-        if self.strings:
+        if self.strings and self.longest > 1:
             assert self.vocab is not None
             # enough recent tokens to hold a word's longest proper beginning (a token holds at least a byte)
-            tail = self.vocab.text(tokens[-4 * self.longest:])[-(self.longest - 1):] if self.longest > 1 else ""
+            tail = self.vocab.text(tokens[-4 * self.longest:])[-(self.longest - 1):]
             for word in self.strings:
-                out.append(self.vocab.containing(word))
                 out.extend(self.vocab.starting_with(word[j:]) for j in range(1, len(word))
                            if tail.endswith(word[:j]))
         return out
+
+    def banned(self, tokens: list[int]) -> list[torch.Tensor]:
+        """The token ids that must not come after `tokens` (prompt and generated), as index tensors."""
+        return ([self.always] if self.always.numel() else []) + self.following(tokens)

@@ -4,7 +4,7 @@ min_p, a floor on the length (min_tokens, ignore_eos) and the loop stop.
 transformers' continuous batching cannot carry these: its history-dependent processors see only the current token
 of a request, and unsupported ones are dropped. cbgen's step control (cbgen.control.processor) knows each sequence
 by its manager id, so it keeps the history here, incrementally (a token per step), and applies every control to the
-rows that ask for it, row by row, so a sequence's scores never depend on its batch-mates' settings.
+rows that ask for it, so a sequence's scores never depend on its batch-mates' settings.
 
 Order, the same as transformers' `generate` builds its processors (vLLM applies the same ones, in an order that
 differs only where two of them meet on one token):
@@ -19,13 +19,29 @@ differs only where two of them meet on one token):
     7. min_p (tokens below min_p times the most likely one's probability removed), then the draw or the argmax.
 The loop stop looks at the generated tokens after each step: once they end with one span repeated `loop_stop`
 times, the next step can only end the sequence, and its finish reason is "repetition".
+
+Where the work happens, so that a step on a GPU never waits for it (no device-to-host copy, no Python branch on a
+device value, no operation whose output size depends on device data):
+- the token ids reach the host anyway (the engine's request states), so the host keeps what is cheap there and needs
+  only the ids: each sequence's tokens, its n-grams, its bad words' tails and the loop detector (`History`);
+- the penalties' state lives on the scores' device (`HistoryTensors`): per sequence that uses repetition_penalty, the
+  distinct ids of its prompt and generated tokens, and per sequence that uses presence or frequency penalties, the
+  distinct generated ids and how often each came, each a row (a slot) of a pooled [slots, width] tensor. A slot is
+  seeded once from the prompt, and a step writes only what changed (in the usual step, one id or one count per
+  sequence) in one indexed write; the host knows each list's length and each id's place in it, so no step asks the
+  device for them. Lists of ids, not [slots, vocabulary] masks: a step then reads and writes only the tokens a
+  sequence has seen (hundreds), not its whole vocabulary row, which on a CPU would cost several passes over every
+  row's 49,152 or 152,064 scores per control and step;
+- each step's small per-row values (rows, slots, lengths, penalties, biases, banned ids) are built on the host in one
+  pass and copied to the device together: one copy of integers and one of floats, neither waited for.
+Every change is computed as before, value for value: float32 arithmetic on the gathered scores, rounded once to
+the scores' dtype (as transformers computes a bfloat16 logit times a Python float), the bias in the scores' dtype.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -88,19 +104,23 @@ def _bad_words(words) -> tuple[BadWord, ...]:
     return tuple(sorted(unique, key=lambda w: (isinstance(w, str), str(w))))
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: HistoryTensors keys its slots by the History
 class History:
-    """What the controls need of one sequence's tokens, kept up to date a step at a time."""
+    """What the controls need of one sequence's tokens on the host, kept up to date a step at a time."""
 
     controls: Controls
     prompt_length: int = 0
     tokens: list[int] = field(default_factory=list)  # prompt and generated
-    seen: set[int] = field(default_factory=set)  # every token id of prompt and generated (repetition_penalty)
-    seen_order: list[int] = field(default_factory=list)  # the same ids, in the order first seen
-    counts: Counter = field(default_factory=Counter)  # generated tokens (presence and frequency penalties)
     ngrams: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # (n-1)-gram -> tokens that followed it
     looped: bool = False  # the loop stop has seen a loop: the next step ends the sequence
     bad: BadWords | None = None  # its bad words, compiled (by the step control, which has the tokenizer)
+
+    def __post_init__(self) -> None:
+        c = self.controls
+        self.bias_ids = np.array([t for t, _ in c.logit_bias], dtype=np.int64)
+        self.bias_values = np.array([b for _, b in c.logit_bias], dtype=np.float32)
+        self.repetition = c.repetition_penalty != 1.0
+        self.penalised = bool(c.presence_penalty or c.frequency_penalty)
 
     def sync(self, initial: list[int], generated: list[int], prompt_length: int) -> None:
         """Takes in the sequence's tokens (`initial` then `generated`, as the engine holds them) not seen yet; the
@@ -118,11 +138,6 @@ class History:
 
     def _append(self, token: int) -> None:
         self.tokens.append(token)
-        if token not in self.seen:
-            self.seen.add(token)
-            self.seen_order.append(token)
-        if len(self.tokens) > self.prompt_length:
-            self.counts[token] += 1
         n = self.controls.no_repeat_ngram_size
         if n and len(self.tokens) >= n:
             self.ngrams.setdefault(tuple(self.tokens[-n:-1]), set()).add(token)
@@ -151,105 +166,298 @@ def repeats_at_end(tokens: list[int], times: int, longest: int) -> bool:
     return False
 
 
-def apply_history(scores: torch.Tensor, rows: list[tuple[int, History]], eos: tuple[int, ...]) -> None:
-    """Steps 1-5 of the module's order, in place, on the logits rows `rows` name (row index, its history). Each
-    step is one indexed operation over every (row, token) pair it touches, in float32 (as transformers computes a
-    bfloat16 logit times a Python float), rounded once to the logits' dtype."""
-    ended = [(i, h) for i, h in rows if h.looped and eos]
-    for i, _ in ended:  # the loop stop: only the end of the sequence is left
-        keep = scores[i, eos[0]].clone()
-        scores[i].fill_(float("-inf"))
-        scores[i, eos[0]] = keep if torch.isfinite(keep) else 0.0
+class _Lists:
+    """Per-sequence lists of distinct token ids on the device, pooled: slot s holds its ids in ids[s, :length] (and,
+    when `counted`, how many times each came in counts[s, :length]), in the order first seen. The host keeps, per
+    slot, each id's place and count, so it alone decides what to write and how long each list is."""
+
+    def __init__(self, counted: bool) -> None:
+        self.counted = counted  # generated tokens only, with counts (else prompt and generated, ids only)
+        self.device: torch.device | None = None
+        self.ids = torch.zeros(0, 0, dtype=torch.int64)
+        self.counts = torch.zeros(0, 0)
+        self.slot_of: dict[History, int] = {}
+        self.free: list[int] = []
+        self.place: list[dict[int, int]] = []  # per slot: id -> its place in the slot's list
+        self.tally: list[list[int]] = []  # per slot: each place's count (counted lists)
+        self.synced: list[int] = []  # per slot: how many of its history's tokens it has taken in
+        self.writes: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, place) -> (id, count), not yet written
+
+    def on(self, device: torch.device) -> None:
+        """Puts the pool on `device`: one that was on another starts over (each history is taken in again)."""
+        if self.device != device:
+            self.device = device
+            self.ids = torch.zeros(0, 0, dtype=torch.int64, device=device)
+            self.counts = torch.zeros(0, 0, device=device)
+            self.slot_of, self.free, self.place, self.tally, self.synced, self.writes = {}, [], [], [], [], {}
+
+    def take_in(self, history: History, vocab: int) -> tuple[int, int]:
+        """(slot, list length) of `history`, its tokens not taken in yet queued to be written."""
+        slot = self.slot_of.get(history)
+        if slot is None:
+            slot = self.free.pop() if self.free else len(self.place)
+            if slot == len(self.place):
+                self.place.append({})
+                self.tally.append([])
+                self.synced.append(0)
+            self.place[slot], self.tally[slot], self.synced[slot] = {}, [], 0
+            self.slot_of[history] = slot
+        place, tally, tokens = self.place[slot], self.tally[slot], history.tokens
+        start = max(self.synced[slot], history.prompt_length) if self.counted else self.synced[slot]
+        for token in tokens[start:]:
+            if token >= vocab:  # an id the logits do not have (a prompt's, past the model's head)
+                continue
+            at = place.get(token)
+            if at is None:
+                at = place[token] = len(tally)
+                tally.append(0)
+            elif not self.counted:
+                continue
+            tally[at] += 1
+            self.writes[slot, at] = (token, tally[at])
+        self.synced[slot] = len(tokens)
+        return slot, len(tally)
+
+    def release(self, history: History) -> None:
+        slot = self.slot_of.pop(history, None)
+        if slot is not None:
+            self.free.append(slot)
+            self.place[slot], self.tally[slot] = {}, []
+
+    def write(self, upload: _Upload) -> Callable[[], None]:
+        """Queues the step's writes on `upload`; what then makes them on the device (after the upload is sent)."""
+        if not self.writes:
+            return lambda: None
+        rows, width = len(self.place), max(len(t) for t in self.tally)
+        if rows > self.ids.size(0) or width > self.ids.size(1):  # grown by doubling: rarely copied
+            grown = (max(rows, 2 * self.ids.size(0), 16), max(width, 2 * self.ids.size(1), 64))
+            ids = torch.zeros(grown, dtype=torch.int64, device=self.device)
+            counts = torch.zeros(grown if self.counted else (0, 0), device=self.device)
+            if self.ids.numel():
+                ids[: self.ids.size(0), : self.ids.size(1)] = self.ids
+                if self.counted:
+                    counts[: self.counts.size(0), : self.counts.size(1)] = self.counts
+            self.ids, self.counts = ids, counts
+        where = np.fromiter((x for key in self.writes for x in key), dtype=np.int64, count=2 * len(self.writes))
+        values = np.fromiter((x for value in self.writes.values() for x in value), dtype=np.int64,
+                             count=2 * len(self.writes))
+        self.writes = {}
+        at = upload.ints(where.reshape(-1, 2).T.copy(), values.reshape(-1, 2).T.copy())
+        tallies = upload.floats(values[1::2].astype(np.float32)) if self.counted else None
+
+        def run() -> None:
+            slots_places, id_count = upload.int_tensor(at[0]), upload.int_tensor(at[1])
+            index = (slots_places[0], slots_places[1])
+            self.ids.index_put_(index, id_count[0])
+            if tallies is not None:
+                self.counts.index_put_(index, upload.float_tensor(tallies))
+
+        return run
+
+
+class HistoryTensors:
+    """The device side of the penalties: the seen ids of the sequences that use repetition_penalty and the generated
+    ids and counts of those that use presence or frequency penalties (module docstring). One per step control; a
+    sequence's slots are freed when it ends (`release`)."""
+
+    def __init__(self) -> None:
+        self.seen = _Lists(counted=False)
+        self.generated = _Lists(counted=True)
+
+    def release(self, history: History) -> None:
+        self.seen.release(history)
+        self.generated.release(history)
+
+    def clear(self) -> None:
+        self.seen, self.generated = _Lists(counted=False), _Lists(counted=True)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for it: on a GPU through pinned memory (a copy from pageable
+    memory may wait for the device's queue; torch's pinned allocator keeps the block until the copy is done)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class _Upload:
+    """Host arrays sent to the device together: one copy for all the integers (int64), one for the floats (float32),
+    each without waiting (a copy to a GPU from host memory that waits would wait for the GPU's queued work too)."""
+
+    def __init__(self) -> None:
+        self._ints: list[np.ndarray] = []
+        self._floats: list[np.ndarray] = []
+        self._int_tensor = torch.empty(0, dtype=torch.int64)
+        self._float_tensor = torch.empty(0)
+        self._int_at: list[tuple[int, tuple[int, ...]]] = []
+        self._float_at: list[tuple[int, tuple[int, ...]]] = []
+
+    def ints(self, *arrays: np.ndarray) -> list[int]:
+        return [self._add(self._ints, self._int_at, a.astype(np.int64, copy=False)) for a in arrays]
+
+    def floats(self, array: np.ndarray) -> int:
+        return self._add(self._floats, self._float_at, array.astype(np.float32, copy=False))
+
+    @staticmethod
+    def _add(arrays: list[np.ndarray], at: list[tuple[int, tuple[int, ...]]], array: np.ndarray) -> int:
+        at.append((sum(a.size for a in arrays), array.shape))
+        arrays.append(array)
+        return len(at) - 1
+
+    def send(self, device: torch.device) -> None:
+        for arrays, dtype, name in ((self._ints, np.int64, "_int_tensor"), (self._floats, np.float32, "_float_tensor")):
+            if arrays:
+                host = np.concatenate([a.ravel() for a in arrays]) if len(arrays) > 1 else arrays[0].ravel()
+                setattr(self, name, to_device(torch.from_numpy(np.ascontiguousarray(host, dtype=dtype)), device))
+
+    def int_tensor(self, handle: int) -> torch.Tensor:
+        start, shape = self._int_at[handle]
+        return self._int_tensor[start: start + math.prod(shape)].view(shape)
+
+    def float_tensor(self, handle: int) -> torch.Tensor:
+        start, shape = self._float_at[handle]
+        return self._float_tensor[start: start + math.prod(shape)].view(shape)
+
+
+def apply_history(scores: torch.Tensor, rows: list[tuple[int, History]], eos: tuple[int, ...],
+                  tensors: HistoryTensors | None = None) -> None:
+    """Steps 1-5 of the module's order, in place, on the logits rows `rows` name (row index, its history), on the
+    scores' device without waiting for it. `tensors`: the penalties' device state kept from step to step (without
+    it, one made for this call alone). Each step is one indexed operation over every (row, token) pair it touches,
+    in float32, rounded once to the logits' dtype."""
+    tensors = tensors if tensors is not None else HistoryTensors()
+    device, vocab = scores.device, scores.size(1)
+    upload = _Upload()
+    ended = [i for i, h in rows if h.looped and eos]  # the loop stop: only the end of the sequence is left
     live = [(i, h) for i, h in rows if not (h.looped and eos)]
-    vocab = scores.size(1)
-    bias = _Pairs()
-    for i, h in live:
-        bias.add(i, [t for t, _ in h.controls.logit_bias], [b for _, b in h.controls.logit_bias])
-    bias.update(scores, lambda s, b: s + b[0], dtype=scores.dtype)  # as transformers: the bias in the logits' dtype
-    repetition = _Pairs()
-    for i, h in live:
-        if h.controls.repetition_penalty != 1.0:
-            repetition.add(i, h.seen_order, h.controls.repetition_penalty)
-    repetition.update(scores, lambda s, p: torch.where(s < 0, s * p[0], s / p[0]))
-    penalties = _Pairs()
-    for i, h in live:
-        c = h.controls
-        if (c.presence_penalty or c.frequency_penalty) and h.counts:
-            penalties.add(i, list(h.counts), list(h.counts.values()), c.frequency_penalty, c.presence_penalty)
-    penalties.update(scores, lambda s, v: s - v[0] * v[1] - v[2])
-    rows_of: list[int] = []  # (row, token) pairs to remove, as plain ints, and the bad words' index tensors
+    steps: list[Callable[[], None]] = []
+    if ended:
+        at = upload.ints(np.array(ended, dtype=np.int64))[0]
+
+        def loop_stop() -> None:
+            index = upload.int_tensor(at)
+            keep = scores[index, eos[0]]
+            scores.index_fill_(0, index, float("-inf"))
+            scores[index, eos[0]] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+
+        steps.append(loop_stop)
+    biased = [(i, h) for i, h in live if h.bias_ids.size]
+    if biased:
+        ids = np.concatenate([h.bias_ids for _, h in biased])
+        values = np.concatenate([h.bias_values for _, h in biased])
+        row_of = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [h.bias_ids.size for _, h in biased])
+        keep = ids < vocab
+        pairs = upload.ints(np.stack([row_of[keep], ids[keep]]))[0]
+        bias = upload.floats(values[keep])
+
+        def logit_bias() -> None:
+            r, t = upload.int_tensor(pairs)
+            scores[r, t] = scores[r, t] + upload.float_tensor(bias).to(scores.dtype)  # as transformers: in its dtype
+
+        steps.append(logit_bias)
+    for lists, wanted in ((tensors.seen, "repetition"), (tensors.generated, "penalised")):
+        users = [(i, h) for i, h in live if getattr(h, wanted)]
+        if not users:
+            continue
+        lists.on(device)
+        found = [(i, h, *lists.take_in(h, vocab)) for i, h in users]
+        steps.insert(0, lists.write(upload))  # the lists are brought up to date before anything reads them
+        found = [f for f in found if f[3]]  # a sequence with nothing to penalise yet is left alone
+        if found:
+            steps.append(_penalty(scores, lists, found, upload))
+    banned = _bans(scores, live, eos, upload)
+    if banned is not None:
+        steps.append(banned)
+    if not steps:
+        return
+    upload.send(device)
+    for step in steps:
+        step()
+
+
+def _penalty(scores: torch.Tensor, lists: _Lists, found: list[tuple[int, History, int, int]], upload: _Upload
+             ) -> Callable[[], None]:
+    """Step 2 (lists of seen ids) or 3 (lists of generated ids and counts) over the rows `found` names (row, history,
+    slot, list length): one gather of each row's listed scores, padded to the longest list by repeating the row's
+    first listed token (its twin computes the same value, so the write is the same whichever lands last)."""
+    width = max(f[3] for f in found)
+    index = upload.ints(np.array([[f[0] for f in found], [f[2] for f in found], [f[3] for f in found]],
+                                 dtype=np.int64))[0]
+    if lists.counted:
+        values = upload.floats(np.array([[f[1].controls.frequency_penalty for f in found],
+                                         [f[1].controls.presence_penalty for f in found]], dtype=np.float32))
+    else:
+        values = upload.floats(np.array([f[1].controls.repetition_penalty for f in found], dtype=np.float32))
+
+    def run() -> None:
+        rows, slots, lengths = upload.int_tensor(index)
+        places = torch.arange(width, device=scores.device)
+        places = torch.where(places < lengths[:, None], places, torch.zeros_like(places))  # [rows, width]
+        ids = lists.ids[slots[:, None], places]
+        rows = rows[:, None].expand_as(ids)
+        s = scores[rows, ids].to(torch.float32)
+        v = upload.float_tensor(values)
+        if lists.counted:
+            changed = s - lists.counts[slots[:, None], places] * v[0][:, None] - v[1][:, None]
+        else:
+            p = v[:, None]
+            changed = torch.where(s < 0, s * p, s / p)
+        scores[rows, ids] = changed.to(scores.dtype)
+
+    return run
+
+
+def _bans(scores: torch.Tensor, live: list[tuple[int, History]], eos: tuple[int, ...], upload: _Upload
+          ) -> Callable[[], None] | None:
+    """Steps 4-5: the (row, token) pairs no sequence may take next, set to -inf: n-gram bans, the end held back by
+    min_tokens or ignore_eos and the bad words' history-dependent ids, as one list of pairs; each set of bad words'
+    ids that are banned whatever the history, once per set over all of its rows (kept on the device)."""
+    rows_of: list[int] = []  # (row, token) pairs, as plain ints, and the bad words' index arrays
     banned: list[int] = []
-    bad_rows: list[torch.Tensor] = []
-    bad_ids: list[torch.Tensor] = []
+    bad_rows: list[np.ndarray] = []
+    bad_ids: list[np.ndarray] = []
+    always: dict[int, tuple[BadWords, list[int]]] = {}
+    vocab = scores.size(1)
     for i, h in live:
         found = list(h.banned_ngram_tokens())
         if eos and (h.controls.ignore_eos or h.generated < h.controls.min_tokens):
             found += eos
         banned += found
         rows_of += [i] * len(found)
-        for ids in h.bad.banned(h.tokens) if h.bad is not None else ():
-            if ids.numel():
-                bad_ids.append(ids)
-                bad_rows.append(torch.full_like(ids, i))
+        if h.bad is not None:
+            if h.bad.always.numel():
+                always.setdefault(id(h.bad), (h.bad, []))[1].append(i)
+            for ids in h.bad.following(h.tokens):
+                if ids.numel():
+                    bad_ids.append(ids.numpy())
+                    bad_rows.append(np.full(ids.numel(), i, dtype=np.int64))
+    pairs = None
     if banned or bad_ids:
-        r = torch.cat([_tensor(rows_of, np.int64), *bad_rows]).to(scores.device)
-        t = torch.cat([_tensor(banned, np.int64), *bad_ids]).to(scores.device)
+        r = np.concatenate([np.array(rows_of, dtype=np.int64), *bad_rows])
+        t = np.concatenate([np.array(banned, dtype=np.int64), *bad_ids])
         keep = t < vocab
-        scores[r[keep], t[keep]] = float("-inf")
+        pairs = upload.ints(np.stack([r[keep], t[keep]]))[0]
+    groups = [(_always_on(bad, scores.device, vocab), upload.ints(np.array(rows, dtype=np.int64))[0])
+              for bad, rows in always.values()]
+    if pairs is None and not groups:
+        return None
+
+    def run() -> None:
+        if pairs is not None:
+            r, t = upload.int_tensor(pairs)
+            scores[r, t] = float("-inf")
+        for ids, at in groups:
+            scores[upload.int_tensor(at)[:, None], ids[None, :]] = float("-inf")
+
+    return run
 
 
-def _tensor(values: list, dtype: Any) -> torch.Tensor:
-    """A CPU tensor of a list of numbers, through numpy: torch.tensor reads a list of 12,800 ints in 1.3 ms, this
-    in 0.15 (each step builds several, for every row's history)."""
-    return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values)))
-
-
-class _Pairs:
-    """(row, token) pairs of the logits, each with its values (a list with a value per pair, or one number for all
-    of a row's pairs), read, changed and written back in one indexed operation over the flattened logits."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.lengths: list[int] = []
-        self.ids: list[int] = []
-        self.values: list[list[float]] = []
-        self.per_pair: list[bool] = []
-
-    def add(self, row: int, ids: list[int], *values: float | list[float]) -> None:
-        if not ids:
-            return
-        if not self.values:
-            self.values = [[] for _ in values]
-            self.per_pair = [isinstance(v, list) for v in values]
-        self.rows.append(row)
-        self.lengths.append(len(ids))
-        self.ids += ids
-        for column, value in zip(self.values, values):
-            if isinstance(value, list):
-                column += value
-            else:
-                column.append(value)
-
-    def update(self, scores: torch.Tensor, change: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor],
-               dtype: torch.dtype = torch.float32) -> None:
-        if not self.ids:
-            return
-        device, vocab = scores.device, scores.size(1)
-        lengths = _tensor(self.lengths, np.int64).to(device)
-        ids = _tensor(self.ids, np.int64).to(device)
-        flat = torch.repeat_interleave(_tensor(self.rows, np.int64).to(device) * vocab, lengths) + ids
-        values = [_tensor(v, np.float32).to(device) for v in self.values]
-        values = [(v if per_pair else torch.repeat_interleave(v, lengths)).to(dtype)
-                  for v, per_pair in zip(values, self.per_pair)]
-        if max(self.ids) >= vocab:  # an id the logits do not have (a prompt's, past the model's head)
-            keep = ids < vocab
-            flat, values = flat[keep], [v[keep] for v in values]
-        view = scores.view(-1) if scores.is_contiguous() else None
-        if view is None:
-            rows, cols = flat // vocab, flat % vocab
-            scores[rows, cols] = change(scores[rows, cols].to(dtype), values).to(scores.dtype)
-        else:
-            view.index_copy_(0, flat, change(view.index_select(0, flat).to(dtype), values).to(scores.dtype))
+def _always_on(bad: BadWords, device: torch.device, vocab: int) -> torch.Tensor:
+    """The ids `bad` bans after any tokens, on `device` and below `vocab`: copied there once."""
+    ids = bad.on.get((device, vocab))
+    if ids is None:
+        ids = bad.on[device, vocab] = to_device(bad.always[bad.always < vocab], device)
+    return ids
 
 
 def apply_min_p(scores: torch.Tensor, rows: list[tuple[int, float]]) -> None:
@@ -257,16 +465,19 @@ def apply_min_p(scores: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     likely token's are removed (the most likely token always stays). A probability ratio is a difference of logits,
     so the test is score < best score + ln(min_p), in float32: one pass for the maximum and one for the mask, where
     transformers' MinPLogitsWarper computes a softmax first (its decisions are these but for tokens within float
-    rounding of the threshold; 6 ms of a 64-sequence step on a 2-core Xeon, this 1.5)."""
+    rounding of the threshold; 6 ms of a 64-sequence step on a 2-core Xeon, this 1.5). The rows' values reach the
+    device in one copy that is not waited for."""
     if not rows:
         return
     positions = [i for i, _ in rows]
-    floor = torch.tensor([[math.log(p) if p > 0 else -math.inf] for _, p in rows], dtype=torch.float32,
-                         device=scores.device)
+    upload = _Upload()
+    floor = upload.floats(np.array([[math.log(p) if p > 0 else -math.inf] for _, p in rows], dtype=np.float32))
     whole = positions == list(range(len(rows)))  # the usual case: every row, a view to change in place
-    index = torch.tensor(positions, device=scores.device)
-    picked = scores[: len(rows)] if whole else scores[index]
-    threshold = picked.amax(dim=-1, keepdim=True).float() + floor
+    at = None if whole else upload.ints(np.array(positions, dtype=np.int64))[0]
+    upload.send(scores.device)
+    index = None if at is None else upload.int_tensor(at)
+    picked = scores[: len(rows)] if index is None else scores[index]
+    threshold = picked.amax(dim=-1, keepdim=True).float() + upload.float_tensor(floor)
     picked.masked_fill_(picked < threshold, float("-inf"))
-    if not whole:
+    if index is not None:
         scores[index] = picked

@@ -6,7 +6,8 @@ Each step, for the requests that get a new token:
 1. `Mask` (first in the processor list) keeps the log-softmax of the raw logits (for logprobs and top logprobs:
    the model's own distribution, before temperature, top-k, top-p and any grammar) and masks, for each sequence
    that follows a format, the tokens its grammar does not allow next. End-of-sequence is allowed only where the
-   grammar accepts, and a grammar that has ended allows nothing else.
+   grammar accepts, and a grammar that has ended allows nothing else. Then the history controls
+   (cbgen.control.penalties).
 2. transformers' own temperature, top-k and top-p stages run in between.
 3. `Choose` (last) picks the token itself: the most likely one when the job is greedy, else an inverse-CDF draw:
    with u uniform in [0, 1), the first token whose cumulative weight under softmax(scores) passes u times the
@@ -14,8 +15,18 @@ Each step, for the requests that get a new token:
    a counter-based hash of (the request's seed, its sample index, the token's position) alone, so a seeded sequence
    is the same whatever shares its batch, in any order, after a resume, on any shard or rank; all rows of a step
    draw in one call of cbgen's compiled draw (cbgen/kernels/sampling.cpp: a row a thread, one pass over its scores),
-   or of the same arithmetic in torch operators where the kernel cannot be built. It leaves only the chosen token
-   possible, so transformers' own sampling takes it, and it advances the sequence's grammar.
+   or of the same arithmetic in torch operators where the kernel cannot be built (and on a GPU). It leaves only the
+   chosen token possible, so transformers' own sampling takes it, and it advances the sequence's grammar.
+
+The same code runs wherever the logits are (on a CPU its "device" tensors are host tensors), and on a GPU a step
+waits for the device at most once, whatever the number of rows: the chosen ids are computed on the device, then (when
+the step records logprobs or follows a grammar) one batched gather of the chosen tokens' logprobs and one batched
+top-k, packed with the ids and brought to the host in one copy; everything per row (records, the grammars' matchers)
+reads that host copy. Everything else the step sends to the device is copied without waiting: the grammars' masks,
+filled on the host by llguidance as packed bits (a 32-bit word per 32 tokens), only for the rows that follow a
+format, and unpacked on the device (by llguidance's own torch helper on a GPU; `_apply_bitmask` elsewhere), and the
+history controls' few values per row (cbgen.control.penalties keeps their state on the device). The loop stop and the
+draw's fallback for rows with no finite score are selections on the device (torch.where), not Python branches.
 
 The processors run in Python between the forward pass and sampling, so they need the engine's synchronous loop:
 cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has neither).
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,11 +48,21 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from cbgen.chat.formats import ResponseFormat
 from cbgen.control.bad_words import BadWords, VocabText
 from cbgen.control.grammars import Grammars
-from cbgen.control.penalties import CONTROLS_KWARG, Controls, History, apply_history, apply_min_p
+from cbgen.control.penalties import (
+    CONTROLS_KWARG,
+    Controls,
+    History,
+    HistoryTensors,
+    apply_history,
+    apply_min_p,
+    to_device,
+)
 from cbgen.records import sample_index
 
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher
+
+log = logging.getLogger(__name__)
 
 GRAMMAR_KWARG = "response_format"  # the format's key (ResponseFormat.key), as a request's processor kwarg
 SEED_KWARG = "sample_seed"  # the request's seed (cbgen derives it from the job's or row's seed and the input id)
@@ -109,9 +131,10 @@ def inverse_cdf_draw(scores: torch.Tensor, uniforms: torch.Tensor, buffers: Draw
     float64): the first token whose cumulative weight passes u times the row's total, with integer weights
     floor(exp(score - max) * 2^44) (exact sums, so the order of addition cannot move a draw; a token more than 30.5
     nats below the row's best has weight 0 and is never drawn). A row whose best score is not finite takes its first
-    best token. `compiled`: through cbgen's compiled kernel (cbgen/kernels/sampling.cpp) on CPU where it built, one
-    pass per row; else, or on other devices, the same arithmetic in torch operators (`buffers`: their working memory
-    to reuse), whose exp may round a last bit differently from the kernel's."""
+    best token (picked on the device by torch.where: nothing waits for it). `compiled`: through cbgen's compiled
+    kernel (cbgen/kernels/sampling.cpp) on CPU where it built, one pass per row; else, or on other devices, the
+    same arithmetic in torch operators (`buffers`: their working memory to reuse), whose exp may round a last bit
+    differently from the kernel's."""
     scores = scores.float()
     if compiled and scores.device.type == "cpu" and (ops := draw_kernel()[0]) is not None:
         rows = scores if scores.stride(-1) == 1 else scores.contiguous()
@@ -124,10 +147,7 @@ def inverse_cdf_draw(scores: torch.Tensor, uniforms: torch.Tensor, buffers: Draw
     target = (uniforms.to(torch.float64).unsqueeze(1) * total.double()).to(torch.int64)
     target = torch.minimum(target.clamp_(min=0), total - 1)
     chosen = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=scores.size(1) - 1)
-    unweighable = ~torch.isfinite(top.squeeze(1))
-    if bool(unweighable.any()):
-        chosen[unweighable] = _first_best(scores[unweighable])
-    return chosen
+    return torch.where(torch.isfinite(top.squeeze(1)), chosen, _first_best(scores))
 
 
 def _first_best(scores: torch.Tensor) -> torch.Tensor:
@@ -145,17 +165,18 @@ class StepControl:
         self.tokenizer = tokenizer  # for bad words given as text
         self._vocab_text: VocabText | None = None
         self._controls: dict[str, tuple[Controls, BadWords | None]] = {}  # parsed once per distinct key
-        self.vocab_words = (vocab_size + 31) // 32
         self.grammars = grammars
         self.do_sample = do_sample
         self.capture = capture or top_logprobs > 0
         self.top_logprobs = top_logprobs
         self._sequences: dict[str, _Sequence] = {}
         self._rows: list[_Sequence] = []  # this step's rows, in the order of the logits
+        self._grammar_rows: list[int] = []  # this step's rows that follow a format, in the bitmask's order
         self._raw: torch.Tensor | None = None  # this step's log-softmax of the raw logits
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask: torch.Tensor | None = None  # on the host (pinned where CUDA is): a row per grammar row
         self._fill: LLExecutor | None = None  # made on first use
         self._buffers = DrawBuffers()  # the sampled draw's working memory
+        self._history = HistoryTensors()  # the penalties' state, on the logits' device
 
     def processors(self) -> tuple[Mask, Choose]:
         return Mask(self), Choose(self)
@@ -163,7 +184,11 @@ class StepControl:
     def take(self, manager_id: str) -> SequenceRecord | None:
         """The record of a sequence that has ended (or was cancelled), forgetting it."""
         sequence = self._sequences.pop(manager_id, None)
-        return sequence.record if sequence is not None else None
+        if sequence is None:
+            return None
+        if sequence.history is not None:
+            self._history.release(sequence.history)
+        return sequence.record
 
     def accepts(self, request, text: str) -> bool:
         """Whether `text` is a complete output of the request's format (for sequences a stop string cut)."""
@@ -173,11 +198,14 @@ class StepControl:
     def forget_all(self) -> None:
         self._sequences.clear()
         self._rows = []
+        self._grammar_rows = []
+        self._history.clear()
 
     # ---------------------------------------------------------------------------------------------------------- #
 
     def prepare(self, requests_with_new_token: list) -> torch.Tensor:
-        """Before the forward pass: which sequence each logits row is, and their grammars' masks."""
+        """Before the forward pass, on the host: which sequence each logits row is, their histories, and their
+        grammars' masks (packed, a row per sequence that follows a format)."""
         self._rows = [self._sequence(request.state) for request in requests_with_new_token]
         for request, sequence in zip(requests_with_new_token, self._rows):
             state = request.state
@@ -188,11 +216,14 @@ class StepControl:
             sequence.position = len(initial) + len(generated) - prompt
             if sequence.history is not None:
                 sequence.history.sync(initial, generated, prompt)
-        masked = [(sequence.matcher, i) for i, sequence in enumerate(self._rows) if sequence.matcher is not None]
-        if masked:
+        self._grammar_rows = [i for i, sequence in enumerate(self._rows) if sequence.matcher is not None]
+        if self._grammar_rows:
             from llguidance.torch import fill_next_token_bitmask_par
 
-            fill_next_token_bitmask_par(self._executor(), masked, self._bitmask_for(len(self._rows)))
+            # the previous step's copy of this buffer to the device is done: that step brought its tokens back
+            # (`choose`), which waits for everything queued before
+            masked = [(m, k) for k, i in enumerate(self._grammar_rows) if (m := self._rows[i].matcher) is not None]
+            fill_next_token_bitmask_par(self._executor(), masked, self._bitmask_for(len(masked)))
         return torch.tensor([s.matcher is not None for s in self._rows], dtype=torch.int32)
 
     def _sequence(self, state) -> _Sequence:
@@ -231,7 +262,9 @@ class StepControl:
 
     def _bitmask_for(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = torch.full((max(rows, 64), self.vocab_words), -1, dtype=torch.int32)
+            from llguidance.torch import allocate_token_bitmask
+
+            self._bitmask = allocate_token_bitmask(max(rows, 64), self.vocab_size)  # pinned where CUDA is
         return self._bitmask
 
     # ---------------------------------------------------------------------------------------------------------- #
@@ -246,19 +279,26 @@ class StepControl:
             return scores
         if self.capture:
             self._raw = torch.log_softmax(scores[: len(rows)].float(), dim=-1)
-        masked = [i for i, sequence in enumerate(rows) if sequence.matcher is not None]
-        if masked:
-            bitmask = self._bitmask_for(len(rows))[: len(rows)]  # filled by `prepare`
-            blocked = _blocked(bitmask, scores.size(1)).to(scores.device, non_blocking=True)
-            if len(masked) == len(rows):
-                scores[: len(rows)].masked_fill_(blocked, float("-inf"))
-            else:
-                index = torch.tensor(masked, device=scores.device)
-                scores[index] = scores[index].masked_fill(blocked[index], float("-inf"))
+        if self._grammar_rows:
+            self._mask(scores[: len(rows)])
         controlled = [(i, s.history) for i, s in enumerate(rows) if s.history is not None]
         if controlled:
-            apply_history(scores, controlled, self.eos)
+            apply_history(scores, controlled, self.eos, self._history)
         return scores
+
+    def _mask(self, live: torch.Tensor) -> None:
+        """The grammar rows' masks, packed as llguidance filled them, copied to the device without waiting and
+        applied there."""
+        grammar_rows = self._grammar_rows
+        assert self._bitmask is not None
+        bitmask = self._bitmask[: len(grammar_rows)].to(live.device, non_blocking=True)
+        if len(grammar_rows) == live.size(0):  # every row follows a format: masked in place
+            apply_bitmask(live, bitmask)
+            return
+        index = to_device(torch.from_numpy(np.array(grammar_rows, dtype=np.int64)), live.device)
+        picked = live.index_select(0, index)
+        apply_bitmask(picked, bitmask)
+        live.index_copy_(0, index, picked)
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         rows = self._rows
@@ -270,39 +310,104 @@ class StepControl:
         if min_p and self.do_sample:
             apply_min_p(live, min_p)
         chosen = torch.argmax(live, dim=-1) if not self.do_sample else self._draw(live, rows)
+        tokens, logprobs, top = self._to_host(chosen)
         for i, sequence in enumerate(rows):
-            token = int(chosen[i])
-            if self._raw is not None:
-                raw = self._raw[i]
-                sequence.record.logprobs.append(float(raw[token]))
-                if self.top_logprobs:
-                    values, ids = torch.topk(raw, self.top_logprobs)
-                    sequence.record.top.append((ids.tolist(), values.tolist()))
+            if logprobs is not None:
+                sequence.record.logprobs.append(logprobs[i])
+            if top is not None:
+                sequence.record.top.append(top[i])
             if sequence.history is not None and sequence.history.looped:
                 sequence.record.looped = True
             if sequence.matcher is not None:
-                sequence.matcher.consume_token(token)
+                assert tokens is not None
+                sequence.matcher.consume_token(tokens[i])
                 sequence.record.accepted = sequence.matcher.is_accepting() or sequence.matcher.is_stopped()
         self._raw = None
         if not self.do_sample:  # transformers' argmax over these same scores picks the same tokens
             return scores
         live.fill_(float("-inf"))  # in place: the draw is made, and the raw log-softmax was kept apart
-        live.scatter_(1, chosen.unsqueeze(1).to(live.device), 0.0)
+        live.scatter_(1, chosen.unsqueeze(1), 0.0)
         return scores
+
+    def _to_host(self, chosen: torch.Tensor
+                 ) -> tuple[list[int] | None, list[float] | None, list[tuple[list[int], list[float]]] | None]:
+        """What the rows need of this step on the host, brought there in one copy (the step's one wait for the
+        device): the chosen ids (for the grammars' matchers), their logprobs and the top logprobs, as the step
+        records them. Nothing is copied when nothing is needed."""
+        raw, k = self._raw, self.top_logprobs
+        if raw is None and not self._grammar_rows:
+            return None, None, None
+        parts = [chosen.unsqueeze(1).to(torch.float64)]  # ids are exact in float64 (below 2^53)
+        if raw is not None:
+            parts.append(raw.gather(1, chosen.unsqueeze(1)).to(torch.float64))
+            if k:
+                values, ids = torch.topk(raw, k, dim=-1)
+                parts += [values.to(torch.float64), ids.to(torch.float64)]
+        host = torch.cat(parts, dim=1).cpu().numpy()
+        tokens = host[:, 0].astype(np.int64).tolist()
+        if raw is None:
+            return tokens, None, None
+        logprobs = host[:, 1].tolist()  # float32 values, exactly
+        if not k:
+            return tokens, logprobs, None
+        values_list, ids_list = host[:, 2: 2 + k].tolist(), host[:, 2 + k:].astype(np.int64).tolist()
+        return tokens, logprobs, list(zip(ids_list, values_list))
 
     def _draw(self, scores: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
         for sequence in rows:
             if sequence.seed is None:  # unseeded: one random seed per sequence, drawn from torch's generator
-                sequence.seed = int(torch.randint(0, 2**62, ()).item())
-        uniforms = torch.tensor([uniform(s.seed or 0, s.sample_index, s.position) for s in rows], dtype=torch.float64)
-        return inverse_cdf_draw(scores, uniforms.to(scores.device), self._buffers).cpu()
+                sequence.seed = int(torch.randint(0, 2**62, ()).item())  # a host tensor: nothing waits
+        uniforms = np.fromiter((uniform(s.seed or 0, s.sample_index, s.position) for s in rows), dtype=np.float64,
+                               count=len(rows))
+        return inverse_cdf_draw(scores, to_device(torch.from_numpy(uniforms), scores.device), self._buffers)
+
+
+_helper_failed = False  # llguidance's helper raised once (no Triton, a compile error): the eager unpack serves
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Masks, in place, the tokens `bitmask` ([rows, words] int32, on the logits' device: bit j of word w allows
+    token 32 * w + j) does not allow in `logits` ([rows, vocab]); tokens past the bitmask's words are not allowed.
+    On a GPU through llguidance's own helper (llguidance.torch.apply_token_bitmask_inplace: one kernel torch.compile
+    builds once per process; the same masking, checked by tests/control/test_transfers.py); elsewhere, or where
+    the helper fails, `_apply_bitmask` in eager torch operators: on a CPU the helper's torch.compile is a C++ build
+    of 15 s or more per process on 2 cores (again for each new vocabulary width), where a step takes milliseconds."""
+    global _helper_failed
+    if logits.device.type == "cuda" and not _helper_failed:
+        from llguidance.torch import apply_token_bitmask_inplace
+
+        try:
+            apply_token_bitmask_inplace(logits, bitmask)
+            return
+        except Exception as e:  # torch.compile's failures come as many kinds of exception
+            _helper_failed = True
+            log.warning("llguidance's torch helper failed (%s): grammar masks are unpacked by torch operators",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+    _apply_bitmask(logits, bitmask)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """`apply_bitmask` in eager torch operators, on any device: tokens past the bitmask's words are masked as
+    llguidance's helper masks them, the rest by their bits."""
+    bits = 32 * bitmask.size(1)
+    if logits.size(1) > bits:
+        logits[:, bits:] = float("-inf")
+        logits = logits[:, :bits]
+    logits.masked_fill_(_blocked(bitmask, logits.size(1)), float("-inf"))
 
 
 def _blocked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, words] int32 bitmask (bit j of word w allows token 32 * w + j) -> [rows, vocab] bool, True where the
-    token is not allowed. numpy unpacks bits in one C loop, several times faster than torch's shifts on a CPU."""
-    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-    return torch.from_numpy(allowed).view(torch.bool).logical_not_()
+    token is not allowed (tokens past the words' 32 * words too), on the bitmask's device. The words are read as
+    little-endian bytes (every device torch runs on), each byte's 8 bits unpacked by one broadcast shift: a byte per
+    token, where shifting the int32 words would write four."""
+    rows, words = bitmask.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    not_allowed = bitmask.contiguous().view(torch.uint8).bitwise_not().unsqueeze(-1).bitwise_right_shift(shifts)
+    blocked = not_allowed.bitwise_and_(1).view(rows, 32 * words)
+    if vocab > 32 * words:
+        blocked = torch.cat([blocked, blocked.new_ones(rows, vocab - 32 * words)], dim=1)
+    return blocked[:, :vocab].view(torch.bool)
 
 
 class _Processor(ContinuousBatchingLogitsProcessor):
