@@ -14,7 +14,7 @@ Each step, for the requests that get a new token:
    row's total, weights being integers (floor(exp(score - max) * 2^44), so their sums are exact in any order). u is
    a counter-based hash of (the request's seed, its sample index, the token's position) alone, so a seeded sequence
    is the same whatever shares its batch, in any order, after a resume, on any shard or rank; all rows of a step
-   draw in one call of cbgen's compiled draw (cbgen/kernels/sampling.cpp: a row a thread, one pass over its scores),
+   draw in one call of cbgen's compiled draw (cbgen.control.draw; cbgen/kernels/sampling.cpp: a row a thread),
    or of the same arithmetic in torch operators where the kernel cannot be built (and on a GPU). It leaves only the
    chosen token possible, so transformers' own sampling takes it, and it advances the sequence's grammar.
 
@@ -24,7 +24,7 @@ the step records logprobs or follows a grammar) one batched gather of the chosen
 top-k, packed with the ids and brought to the host in one copy; everything per row (records, the grammars' matchers)
 reads that host copy. Everything else the step sends to the device is copied without waiting: the grammars' masks,
 filled on the host by llguidance as packed bits (a 32-bit word per 32 tokens), only for the rows that follow a
-format, and unpacked on the device (by llguidance's own torch helper on a GPU; `_apply_bitmask` elsewhere), and the
+format, and unpacked on the device (cbgen.control.bitmask: by llguidance's own torch helper on a GPU), and the
 history controls' few values per row (cbgen.control.penalties keeps their state on the device). The loop stop and the
 draw's fallback for rows with no finite score are selections on the device (torch.where), not Python branches.
 
@@ -34,9 +34,6 @@ cbgen turns CUDA graphs and async batching off for jobs that use them (CPU has n
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,22 +44,16 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 
 from cbgen.chat.formats import ResponseFormat
 from cbgen.control.bad_words import BadWords, VocabText
+from cbgen.control.bitmask import apply_bitmask
+from cbgen.control.draw import DrawBuffers, inverse_cdf_draw, uniform
 from cbgen.control.grammars import Grammars
-from cbgen.control.penalties import (
-    CONTROLS_KWARG,
-    Controls,
-    History,
-    HistoryTensors,
-    apply_history,
-    apply_min_p,
-    to_device,
-)
+from cbgen.control.history_tensors import HistoryTensors, to_device
+from cbgen.control.penalties import CONTROLS_KWARG, Controls, History, apply_history, apply_min_p
 from cbgen.records import sample_index
 
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher
 
-log = logging.getLogger(__name__)
 
 GRAMMAR_KWARG = "response_format"  # the format's key (ResponseFormat.key), as a request's processor kwarg
 SEED_KWARG = "sample_seed"  # the request's seed (cbgen derives it from the job's or row's seed and the input id)
@@ -87,72 +78,6 @@ class _Sequence:
     sample_index: int = 0
     position: int = 0  # of the token this step draws: how many the sequence has generated before it
     history: History | None = None  # its history controls' state, when it has any
-
-
-def uniform(seed: int, index: int, position: int) -> float:
-    """The uniform number in [0, 1) of one token draw: a function of (seed, sample index, position) alone (53 bits
-    of a blake2b hash)."""
-    digest = hashlib.blake2b(f"{seed}:{index}:{position}".encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "big") >> 11) / 2**53
-
-
-WEIGHT_SCALE = 2**44  # a token's weight: floor(exp(score - the row's best) * 2^44), an integer (the best is 2^44)
-
-
-class DrawBuffers:
-    """The eager draw's working memory, kept from step to step: a fresh 25 MB cumulative sum per step (64 rows of
-    49,152) cost more in page faults than in arithmetic (measured 5 to 25 ms for the same cumulative sum)."""
-
-    def __init__(self) -> None:
-        self.weights = torch.empty(0)
-        self.cdf = torch.empty(0, dtype=torch.int64)
-
-    def get(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.weights.shape[0] < rows or self.weights.shape[1:] != (vocab,) or self.weights.device != device:
-            self.weights = torch.empty(rows, vocab, device=device)
-            self.cdf = torch.empty(rows, vocab, dtype=torch.int64, device=device)
-        return self.weights[:rows], self.cdf[:rows]
-
-
-@functools.lru_cache(maxsize=1)
-def draw_kernel() -> tuple[Any, str]:
-    """(torch.ops.cbgen_kernels with the compiled draw loaded, "compiled") or (None, why the eager draw runs)."""
-    from cbgen.kernels import kernel
-
-    built = kernel("sampling")
-    if not built.loaded:
-        return None, f"eager: {built.detail}"
-    return torch.ops.cbgen_kernels, "compiled"
-
-
-def inverse_cdf_draw(scores: torch.Tensor, uniforms: torch.Tensor, buffers: DrawBuffers | None = None,
-                     compiled: bool = True) -> torch.Tensor:
-    """One token per row of `scores` ([rows, vocab]) drawn from softmax(scores) by its uniform number ([rows],
-    float64): the first token whose cumulative weight passes u times the row's total, with integer weights
-    floor(exp(score - max) * 2^44) (exact sums, so the order of addition cannot move a draw; a token more than 30.5
-    nats below the row's best has weight 0 and is never drawn). A row whose best score is not finite takes its first
-    best token (picked on the device by torch.where: nothing waits for it). `compiled`: through cbgen's compiled
-    kernel (cbgen/kernels/sampling.cpp) on CPU where it built, one pass per row; else, or on other devices, the
-    same arithmetic in torch operators (`buffers`: their working memory to reuse), whose exp may round a last bit
-    differently from the kernel's."""
-    scores = scores.float()
-    if compiled and scores.device.type == "cpu" and (ops := draw_kernel()[0]) is not None:
-        rows = scores if scores.stride(-1) == 1 else scores.contiguous()
-        return ops.draw_rows(rows, uniforms.to(torch.float64).contiguous())
-    weights, cdf = (buffers or DrawBuffers()).get(scores.shape[0], scores.shape[1], scores.device)
-    top = scores.amax(dim=-1, keepdim=True)
-    torch.sub(scores, top, out=weights).exp_().mul_(WEIGHT_SCALE)
-    torch.cumsum(weights.to(torch.int64), dim=-1, out=cdf)  # the float-to-integer conversion truncates
-    total = cdf[:, -1:]
-    target = (uniforms.to(torch.float64).unsqueeze(1) * total.double()).to(torch.int64)
-    target = torch.minimum(target.clamp_(min=0), total - 1)
-    chosen = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=scores.size(1) - 1)
-    return torch.where(torch.isfinite(top.squeeze(1)), chosen, _first_best(scores))
-
-
-def _first_best(scores: torch.Tensor) -> torch.Tensor:
-    """The first highest score's index of each row, NaN read as -inf (rows with no finite maximum)."""
-    return torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(dim=-1)
 
 
 class StepControl:
@@ -360,54 +285,6 @@ class StepControl:
         uniforms = np.fromiter((uniform(s.seed or 0, s.sample_index, s.position) for s in rows), dtype=np.float64,
                                count=len(rows))
         return inverse_cdf_draw(scores, to_device(torch.from_numpy(uniforms), scores.device), self._buffers)
-
-
-_helper_failed = False  # llguidance's helper raised once (no Triton, a compile error): the eager unpack serves
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Masks, in place, the tokens `bitmask` ([rows, words] int32, on the logits' device: bit j of word w allows
-    token 32 * w + j) does not allow in `logits` ([rows, vocab]); tokens past the bitmask's words are not allowed.
-    On a GPU through llguidance's own helper (llguidance.torch.apply_token_bitmask_inplace: one kernel torch.compile
-    builds once per process; the same masking, checked by tests/control/test_transfers.py); elsewhere, or where
-    the helper fails, `_apply_bitmask` in eager torch operators: on a CPU the helper's torch.compile is a C++ build
-    of 15 s or more per process on 2 cores (again for each new vocabulary width), where a step takes milliseconds."""
-    global _helper_failed
-    if logits.device.type == "cuda" and not _helper_failed:
-        from llguidance.torch import apply_token_bitmask_inplace
-
-        try:
-            apply_token_bitmask_inplace(logits, bitmask)
-            return
-        except Exception as e:  # torch.compile's failures come as many kinds of exception
-            _helper_failed = True
-            log.warning("llguidance's torch helper failed (%s): grammar masks are unpacked by torch operators",
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
-    _apply_bitmask(logits, bitmask)
-
-
-def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """`apply_bitmask` in eager torch operators, on any device: tokens past the bitmask's words are masked as
-    llguidance's helper masks them, the rest by their bits."""
-    bits = 32 * bitmask.size(1)
-    if logits.size(1) > bits:
-        logits[:, bits:] = float("-inf")
-        logits = logits[:, :bits]
-    logits.masked_fill_(_blocked(bitmask, logits.size(1)), float("-inf"))
-
-
-def _blocked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask (bit j of word w allows token 32 * w + j) -> [rows, vocab] bool, True where the
-    token is not allowed (tokens past the words' 32 * words too), on the bitmask's device. The words are read as
-    little-endian bytes (every device torch runs on), each byte's 8 bits unpacked by one broadcast shift: a byte per
-    token, where shifting the int32 words would write four."""
-    rows, words = bitmask.shape
-    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    not_allowed = bitmask.contiguous().view(torch.uint8).bitwise_not().unsqueeze(-1).bitwise_right_shift(shifts)
-    blocked = not_allowed.bitwise_and_(1).view(rows, 32 * words)
-    if vocab > 32 * words:
-        blocked = torch.cat([blocked, blocked.new_ones(rows, vocab - 32 * words)], dim=1)
-    return blocked[:, :vocab].view(torch.bool)
 
 
 class _Processor(ContinuousBatchingLogitsProcessor):

@@ -87,7 +87,7 @@ class RunSummary:
             "draws": ("seeded per request" if steps.seeds else "per request") if steps.do_sample else "greedy",
         }
         if steps.do_sample:
-            from cbgen.control.processor import draw_kernel
+            from cbgen.control.draw import draw_kernel
 
             self.step_control["draw"] = draw_kernel()[1]  # "compiled", or why the eager draw runs
 

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from cbgen.control.penalties import Controls, History, HistoryTensors, apply_history
+from cbgen.control.history_tensors import HistoryTensors
+from cbgen.control.penalties import Controls, History, apply_history
 
 VOCAB = 300
 CONTROLS = [Controls(repetition_penalty=1.4), Controls(presence_penalty=0.6, frequency_penalty=-0.3),

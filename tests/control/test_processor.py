@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbgen.control.processor import WEIGHT_SCALE, draw_kernel, inverse_cdf_draw, uniform
+from cbgen.control.draw import WEIGHT_SCALE, draw_kernel, inverse_cdf_draw, uniform
 from tests.helpers import property_examples
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, float("-inf")])  # the last one is masked
@@ -106,7 +106,7 @@ def test_the_compiled_draw_is_the_eager_draw(rows, vocab, spread, masked, seed):
 
 def test_bitmask_unpacking_matches_the_bit_layout():
     """Bit j of word w allows token 32 * w + j; a vocabulary that is not a multiple of 32 is cut at its size."""
-    from cbgen.control.processor import _blocked
+    from cbgen.control.bitmask import _blocked
 
     bits = torch.tensor([[0b101, 0, -1], [-1, -2**31, 1]], dtype=torch.int32)  # 3 words: up to 96 tokens
     blocked = _blocked(bits, 70)

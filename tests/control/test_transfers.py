@@ -168,7 +168,7 @@ def count_waits(rows: int, tokenizer, grammars, do_sample: bool = True) -> tuple
 def test_a_step_waits_for_the_device_at_most_twice_whatever_the_rows(tokenizer, grammars, draw, monkeypatch):
     """The compiled draw runs on a CPU only; a GPU's draw is the eager one (the same arithmetic in torch operators)."""
     if draw == "eager":
-        monkeypatch.setattr("cbgen.control.processor.draw_kernel", lambda: (None, "eager: for the test"))
+        monkeypatch.setattr("cbgen.control.draw.draw_kernel", lambda: (None, "eager: for the test"))
     few, _ = count_waits(8, tokenizer, grammars, draw != "greedy")
     many, control = count_waits(64, tokenizer, grammars, draw != "greedy")
     counts = f"waits per step: {[len(s) for s in few]} at 8 rows, {[len(s) for s in many]} at 64; {many[0][:6]}"
@@ -188,7 +188,7 @@ def test_bitmask_helpers_agree():
     import torch._dynamo
     from llguidance.torch import apply_token_bitmask_inplace
 
-    from cbgen.control.processor import _apply_bitmask
+    from cbgen.control.bitmask import _apply_bitmask
 
     generator = torch.Generator().manual_seed(3)
     for words, vocab in ((3, 70), (3, 96), (3, 100), (5, 150), (1536, 49152), (1536, 49157)):
