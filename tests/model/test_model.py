@@ -37,7 +37,10 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     assert model_load.resolve_dtype("auto", "cpu") is torch.bfloat16
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert model_load.resolve_dtype("auto", "cpu") is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert model_load.resolve_dtype("auto", "cuda") is torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a GPU without bf16: float16
+    assert model_load.resolve_dtype("auto", "cuda") is torch.float16
     assert model_load.resolve_dtype("float16", "cpu") is torch.float16
 
 
