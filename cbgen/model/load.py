@@ -25,6 +25,7 @@ from cbgen.config import ModelSection
 from cbgen.config.cpu import cpu_row
 from cbgen.errors import CbgenError, first_line
 from cbgen.model.gguf import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf, model_entry
+from cbgen.model.gguf_parse import parsed_once
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
 from cbgen.process.quiet import quiet
 
@@ -177,7 +178,8 @@ def load_tokenizer(settings: ModelSection):
     dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     cache_root = default_cache_dir(settings) if settings.use_cache else None
     try:
-        tokenizer, config, _, _ = _tokenizer_and_config(source, cache_root, dtype, settings.trust_remote_code)
+        with parsed_once():
+            tokenizer, config, _, _ = _tokenizer_and_config(source, cache_root, dtype, settings.trust_remote_code)
     except (OSError, ValueError) as e:
         raise CbgenError(f"--model {source.name}: cannot load its tokenizer: {first_line(e)}") from None
     return tokenizer, config
@@ -270,7 +272,8 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     cache_root = default_cache_dir(settings) if settings.use_cache else None
     cache = None
     try:
-        with quiet("transformers"):  # its bars and advice would break the job's display (cbgen.process.quiet)
+        with quiet("transformers"), parsed_once():  # quiet: its bars would break the job's display; parsed_once:
+            # a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse)
             model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
