@@ -6,10 +6,12 @@ Jinja2's `SandboxedEnvironment` keeps Python's internals out of reach (`__class_
 hours and did not stop on SIGTERM, and `{{ 'x' * (n * 100000) }}` built a ten-billion-character prompt from one
 row's value. So every rendering of a template made here runs under a `Budget`:
 
-- **size**: what it writes is streamed (`Template.generate`) and counted, and the operations that can build a large
-  value in one step are checked before they run: `*`, `**` and `+` (the sandbox's intercepted operators), `~`
-  (concatenation, rewritten into a checked call), and any call of a filter, method or function with an integer
-  argument above the budget (`center(10**10)`, `indent`, `wordwrap`...);
+- **size**: what it writes is streamed (`Template.generate`) and counted; the operations that can build a large
+  value in one step are checked before they run: `*`, `**`, `+` and `%` (the sandbox's intercepted operators), `~`
+  (concatenation, rewritten into a checked call), any call of a filter, method or function with an integer argument
+  above the budget (`center(10**10)`), and the filters and methods that multiply what they are given (`replace`,
+  `join`, `indent`, `wordwrap`, `format`, `batch`, `lipsum`...: cbgen.render.bounds works out their result's size
+  from their arguments); and what every filter, call and operator built is measured before the template goes on;
 - **time**: every loop checks the clock (each `{% for %}` iterates through a checked generator), as do the
   operations above and each piece of output;
 - **stop**: the same checks look at the job's stop event (SIGTERM, Ctrl-C), so a render in progress ends at once.
@@ -31,6 +33,8 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
+
+from cbgen.render.bounds import call_size, filter_size, format_size, percent_size, size_of
 
 CHECK_EVERY = 256  # loop iterations between looks at the clock and the stop event
 
@@ -121,6 +125,11 @@ def _check_arguments(budget: Budget, args: Iterable[Any]) -> None:
             budget.size(value, "a value (a call's argument)")
 
 
+class _Unfolded(Exception):
+    """Raised by a filter called outside a render: jinja, which folds a filter of constants while it compiles the
+    template (`{{ '%99999999s' | format('a') }}`), then leaves it to run when the row renders, under its budget."""
+
+
 class _Guarding(NodeTransformer):
     """Rewrites a parsed template: each loop iterates through the environment's checked generator, and each `~`
     concatenation goes through a checked join."""
@@ -137,14 +146,26 @@ class _Guarding(NodeTransformer):
                           lineno=node.lineno)
 
 
-def _guarded_filter(function: Callable[..., Any]) -> Callable[..., Any]:
+def _built(budget: Budget | None, value: Any, what: str) -> Any:
+    """`value`, once measured against the budget (what an operation built: no step may leave more than it)."""
+    if budget is not None and (size := size_of(value)) is not None:
+        budget.size(size, what)
+    return value
+
+
+def _guarded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)  # keeps jinja's pass_context / pass_environment markers
     def guarded(*args: Any, **kwargs: Any) -> Any:
         budget = current()
-        if budget is not None:
-            budget.check()
-            _check_arguments(budget, (*args[1:], *kwargs.values()))
-        return function(*args, **kwargs)
+        if budget is None:  # jinja folding a filter of constants while it compiles: left for the render, budgeted
+            raise _Unfolded(name)
+        budget.check()
+        _check_arguments(budget, (*args[1:], *kwargs.values()))
+        what = f"a value (the {name} filter's)"
+        predicted = filter_size(name, function, args, kwargs)
+        if predicted is not None:
+            budget.size(predicted, what)
+        return _built(budget, function(*args, **kwargs), what)
 
     return guarded
 
@@ -152,11 +173,11 @@ def _guarded_filter(function: Callable[..., Any]) -> Callable[..., Any]:
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox with the checks above (active while a `Budget` is the thread's current one)."""
 
-    intercepted_binops = frozenset({"*", "**", "+"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.filters = {name: _guarded_filter(f) for name, f in self.filters.items()}
+        self.filters = {name: _guarded_filter(name, f) for name, f in self.filters.items()}
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         return _Guarding().visit(super()._parse(source, name, filename))
@@ -172,14 +193,37 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             elif operator == "+":
                 if _length(left) is not None and _length(right) is not None:
                     budget.size(len(left) + len(right), "a value")
-        return super().call_binop(context, operator, left, right)
+            elif operator == "%" and isinstance(left, str):
+                budget.size(percent_size(left, right), "a value (a % format's)")
+        return _built(budget, super().call_binop(context, operator, left, right), "a value")
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's names
         budget = current()
-        if budget is not None:
-            budget.check()
-            _check_arguments(budget, (*args, *kwargs.values()))
-        return super().call(__context, __obj, *args, **kwargs)
+        if budget is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        budget.check()
+        _check_arguments(budget, (*args, *kwargs.values()))
+        predicted = call_size(__obj, args, kwargs)
+        if predicted is not None:
+            budget.size(predicted, "a value (a call's)")
+        return _built(budget, super().call(__context, __obj, *args, **kwargs), "a value (a call's)")
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """str.format and format_map, sandboxed by jinja, with the widths of their fields counted first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        text: str = value.__self__
+        mapping = value.__name__ == "format_map"
+
+        def bounded(*args: Any, **kwargs: Any) -> str:
+            budget = current()
+            if budget is not None:
+                values = (args[0] if mapping and args and isinstance(args[0], dict) else kwargs)
+                budget.size(format_size(text, () if mapping else args, values), "a value (a format's)")
+            return _built(budget, wrapped(*args, **kwargs), "a value (a format's)")
+
+        return bounded
 
     def cbgen_loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
         budget = current()
