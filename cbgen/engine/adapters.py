@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from cbgen.model.adapters import Adapter, Adapters, applied
+from cbgen.model.adapters import Adapter, Adapters, applied, weights_held
 from cbgen.records import Request
 
 WINDOW = 4096  # requests grouped by adapter at a time: each group one engine run (a start, a merge)
@@ -33,6 +33,13 @@ def by_adapter(model: Any, adapters: Adapters | None, requests: Iterable[Request
                window: int = WINDOW) -> Iterator[T]:
     """What `run` yields for `requests`, each run with its adapter merged into `model` (see the module); once `stop`
     is set no further group starts (the one running stops as `run` does). No adapters: `run(requests)`."""
+    with weights_held(model):  # from here to the end, no other thread runs on (or merges into) these weights
+        yield from _by_adapter(model, adapters, requests, run, stop, window)
+
+
+def _by_adapter(model: Any, adapters: Adapters | None, requests: Iterable[Request | None],
+                run: Callable[[Iterable[Request | None]], Iterator[T]], stop: threading.Event | None,
+                window: int) -> Iterator[T]:
     if adapters is None:
         yield from run(requests)
         return

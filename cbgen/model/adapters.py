@@ -25,6 +25,8 @@ import json
 import os
 import re
 import struct
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -115,8 +117,20 @@ def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:
         if name is None:
             default = adapter
         else:
-            named[name] = adapter
+            named[name] = _one_per_name(named.get(name), adapter, where)
+    if default is not None:
+        _one_per_name(named.get(default.name), default, where, own=True)
     return Adapters(default, named)
+
+
+def _one_per_name(known: Adapter | None, adapter: Adapter, where: str, own: bool = False) -> Adapter:
+    """`adapter`, unless another adapter already has its name: then rows, the result cache, a resume and run.json
+    could each take one for the other, so the job is refused (the same folder named twice is one adapter)."""
+    if known is None or known.folder.resolve() == adapter.folder.resolve():
+        return adapter
+    this = f"{adapter.spec} (the job's own, named after its folder)" if own else f"{adapter.name}={adapter.spec}"
+    raise CbgenError(f"{where}: two adapters are called {adapter.name!r}: {known.name}={known.spec} and {this}; give "
+                     "each its own name (NAME=PATH)")
 
 
 def section_adapters(settings: Any) -> Adapters | None:
@@ -251,41 +265,46 @@ def applied(model: Any, adapter: Adapter | None) -> Iterator[None]:
     `merge_and_unload()`'s), in place: the model keeps its modules and every tensor its storage (a fused layer's views
     included). On exit each targeted layer's weights are written back as they were, bit for bit. None: the block runs
     on the base model."""
-    if adapter is None:
-        yield
-        return
-    try:
-        from peft import PeftModel
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        raise CbgenError(f"--adapter {adapter.spec}: adapters need PEFT, which is not installed: run "
-                         f"`{INSTALL_PEFT}`") from None
-    import torch
+    with weights_held(model):
+        if adapter is None:
+            yield
+            return
+        try:
+            from peft import PeftModel
+            from peft.tuners.lora import LoraLayer
+        except ImportError:
+            raise CbgenError(f"--adapter {adapter.spec}: adapters need PEFT, which is not installed: run "
+                             f"`{INSTALL_PEFT}`") from None
+        import torch
 
-    from cbgen.model import packs
+        from cbgen.model import packs
 
-    saved: list[_Saved] = []
-    try:
-        with torch.no_grad():
-            wrapped = PeftModel.from_pretrained(model, str(adapter.folder), is_trainable=False)
-            for module in wrapped.modules():
-                if isinstance(module, LoraLayer):
-                    base = module.get_base_layer()
-                    saved += [_Saved(base, name, tensor.data, tensor.detach().clone())
-                              for name in ("weight", "bias") if (tensor := getattr(base, name, None)) is not None]
-            wrapped.merge_and_unload()
-            for entry in saved:
-                entry.keep_storage()
-    except (ValueError, RuntimeError, KeyError, OSError, AttributeError) as e:
-        _restore(saved)
-        _strip(model, LoraLayer)
-        raise CbgenError(f"--adapter {adapter.spec}: cannot be merged into the model: {first_line(e)}") from None
-    packs.clear()  # packed for the values before: the next engine packs the merged ones
-    try:
-        yield
-    finally:
-        _restore(saved)
-        packs.clear()
+        saved: list[_Saved] = []
+        try:
+            with torch.no_grad():
+                wrapped = PeftModel.from_pretrained(model, str(adapter.folder), is_trainable=False)
+                for module in wrapped.modules():
+                    if isinstance(module, LoraLayer):
+                        base = module.get_base_layer()
+                        saved += [_Saved(base, name, tensor.data, tensor.detach().clone())
+                                  for name in ("weight", "bias") if (tensor := getattr(base, name, None)) is not None]
+                wrapped.merge_and_unload()
+                for entry in saved:
+                    entry.keep_storage()
+        except BaseException as e:  # whatever stopped it (a pickled file, a config value, Ctrl-C): the base comes back
+            _restore(saved)
+            _strip(model, LoraLayer)
+            packs.clear()
+            if not isinstance(e, Exception):
+                raise
+            raise CbgenError(f"--adapter {adapter.spec}: cannot be merged into the model: {type(e).__name__}: "
+                             f"{first_line(e)}") from None
+        packs.clear()  # packed for the values before: the next engine packs the merged ones
+        try:
+            yield
+        finally:
+            _restore(saved)
+            packs.clear()
 
 
 @dataclass
@@ -325,3 +344,30 @@ def _restore(saved: list[_Saved]) -> None:
         for entry in saved:
             entry.keep_storage()
             entry.storage.copy_(entry.before)
+
+
+_held_lock = threading.Lock()
+_held: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()  # model -> [thread, depth]
+
+
+@contextmanager
+def weights_held(model: Any) -> Iterator[None]:
+    """The model's weights held by this thread while the block runs (an adapter merged into them, or a run of the
+    base model): another thread that asks meanwhile is refused at once, before it touches them, since a merge
+    changes the weights every engine on the model computes with. The thread holding them may ask again."""
+    me = threading.get_ident()
+    with _held_lock:
+        entry = _held.get(model)
+        if entry is not None and entry[0] != me:
+            raise CbgenError(f"this model is already generating in another thread ({entry[2]!r}); one model runs one "
+                             "engine at a time: give each thread its own cbgen.Generator")
+        if entry is None:
+            entry = _held[model] = [me, 0, threading.current_thread().name]
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        with _held_lock:
+            entry[1] -= 1
+            if entry[1] == 0 and _held.get(model) is entry:
+                del _held[model]

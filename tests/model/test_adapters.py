@@ -98,3 +98,101 @@ def test_a_merge_that_fails_leaves_the_model_as_it_was(tiny_model_dir, lora_adap
         with applied(model, resolve([str(lora_adapters["wide"])]).default):
             pass
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_two_adapters_that_would_share_a_name_are_refused_naming_both(lora_adapters, tmp_path):
+    """The job's own adapter is named after its folder: another adapter given that name would take its place in the
+    job's table (its rows, cache keys, resume fingerprint and run.json would name one and run the other)."""
+    import shutil
+
+    clash = tmp_path / "one" / "x"
+    shutil.copytree(lora_adapters["a"], clash)
+    with pytest.raises(CbgenError) as error:
+        resolve([str(clash), f"x={lora_adapters['b']}"])
+    message = str(error.value)
+    assert "two adapters are called 'x'" in message and f"x={lora_adapters['b']}" in message
+    assert f"{clash} (the job's own, named after its folder)" in message and "\n" not in message
+    with pytest.raises(CbgenError, match="two adapters are called 'y'"):
+        resolve([f"y={lora_adapters['a']}", f"y={lora_adapters['b']}"])
+    same = resolve([str(clash), f"x={clash}"])  # one folder named twice is one adapter
+    assert same is not None and [a.folder for a in same.all] == [clash]
+    both = resolve([str(clash), f"b={lora_adapters['b']}"])
+    assert both is not None and both.pick(None).folder == clash and both.pick("x").folder == clash
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("failure", ["unpickling", "type", "interrupt"])
+def test_a_merge_stopped_by_any_exception_leaves_the_base_model(tiny_model_dir, lora_adapters, monkeypatch, failure):
+    """Whatever stops PEFT midway (a .bin adapter that does not unpickle, a config value of the wrong type, Ctrl-C
+    inside the merge), the model's modules and weights are the base's bit for bit; an Exception is one line."""
+    import pickle
+
+    from peft.tuners.lora import LoraLayer, LoraModel
+
+    model = merged_model(tiny_model_dir, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    raised = {"unpickling": pickle.UnpicklingError("invalid load key, 'x'"),
+              "type": TypeError("'<' not supported between instances of 'str' and 'int'"),
+              "interrupt": _Interrupted()}[failure]
+    merge = LoraModel.merge_and_unload
+
+    def fails_halfway(self, *args, **kwargs):
+        layer = next(m for m in self.model.modules() if isinstance(m, LoraLayer))
+        layer.merge()  # some weights already merged when it stops
+        raise raised
+
+    monkeypatch.setattr(LoraModel, "merge_and_unload", fails_halfway)
+    expected = _Interrupted if failure == "interrupt" else CbgenError
+    with pytest.raises(expected) as error:
+        with applied(model, resolve([str(lora_adapters["a"])]).default):
+            pass
+    if failure != "interrupt":
+        assert "cannot be merged into the model" in str(error.value) and "\n" not in str(error.value)
+    monkeypatch.setattr(LoraModel, "merge_and_unload", merge)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(isinstance(m, LoraLayer) for m in model.modules()) and not hasattr(model, "peft_config")
+
+
+def test_a_second_thread_is_refused_before_it_touches_the_weights(tiny_model_dir, lora_adapters):
+    """One model, two threads: while one holds the weights (an adapter merged), another asking to run with its own
+    adapter (or the base) is refused at once, and the weights come back to the base after; many times over."""
+    import threading
+
+    from cbgen.model.adapters import weights_held
+
+    model = merged_model(tiny_model_dir, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    adapters = resolve([f"a={lora_adapters['a']}", f"b={lora_adapters['b']}"])
+    refused, done = [], []
+    for _ in range(20):
+        inside, leave = threading.Event(), threading.Event()
+
+        def first(inside=inside, leave=leave):
+            with applied(model, adapters.pick("a")):
+                inside.set()
+                leave.wait(5)
+            done.append(True)
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        inside.wait(5)
+        merged = {k: v.clone() for k, v in model.state_dict().items()}
+        for other in (adapters.pick("b"), None):
+            with pytest.raises(CbgenError, match="already generating in another thread"):
+                with applied(model, other):
+                    pass
+            refused.append(other)
+        with pytest.raises(CbgenError, match="already generating in another thread"):
+            with weights_held(model):
+                pass
+        assert all(torch.equal(v, merged[k]) for k, v in model.state_dict().items())  # untouched by the refusals
+        leave.set()
+        thread.join(5)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert len(done) == 20 and len(refused) == 40
+    with applied(model, adapters.pick("b")):  # free again: this thread may hold it, and nest
+        with weights_held(model):
+            pass
