@@ -174,12 +174,15 @@ def test_a_row_naming_an_unknown_adapter_is_its_error_record_and_the_rest_run(ti
     assert found["q0"]["token_ids"] == references["a"][0] and found["q1"]["token_ids"] == references[None][1]
     assert found["q2"]["finish_reason"] == "error"
     assert "names adapter 'c', not one of the job's (a): give it with --adapter c=PATH" in found["q2"]["error"]
-    plain = tmp_path / "plain"  # a job without adapters: a row that names one is not answered by the base model
-    assert cbgen(tiny_model_dir, prompts, "-o", plain, "--max-new-tokens", NEW) == 1
+    # a job without adapters: `adapter` is a column like any other (a dataset may have one for its own reasons), not
+    # a setting: every row runs on the base model, and the column is kept where asked
+    plain = tmp_path / "plain"
+    rows[1]["adapter"] = 7  # not even a name
+    prompts = write_jsonl(tmp_path / "p2.jsonl", rows)
+    assert cbgen(tiny_model_dir, prompts, "-o", plain, "--max-new-tokens", NEW, "--keep-columns", "adapter") == 0
     found = {r["id"]: r for r in read_shards(plain)}
-    assert found["q1"]["token_ids"] == references[None][1]
-    assert [found[k]["finish_reason"] for k in ("q0", "q2")] == ["error", "error"]
-    assert "names adapter 'a', and the job has none: give it with --adapter a=PATH" in found["q0"]["error"]
+    assert all(found[f"q{i}"]["token_ids"] == references[None][i] for i in range(3))
+    assert [found[f"q{i}"]["adapter"] for i in range(3)] == ["a", 7, "c"]
 
 
 def test_adapters_where_they_cannot_run_are_refused_in_one_line(tiny_model_dir, lora_adapters, tmp_path, capsys):

@@ -112,6 +112,7 @@ class Reader(ABC):
         self.render_limits: Limits | None = None  # a row's rendering budget (cbgen.render.templates.render_limits)
         self.stop: threading.Event | None = None  # the job's: set, it ends a render in progress and the reading
         self.score = score  # a scoring job's rows: each also says what to score (cbgen.inputs.scoring)
+        self.row_settings: tuple[str, ...] = ROW_SETTINGS  # a row's own settings (the job sets them: open_job_input)
 
     FORMAT = ""  # the name of the format it reads (--input-format)
 
@@ -222,7 +223,7 @@ class Reader(ABC):
                 record.row = row
             if self.template is not None:
                 self._templated(record, row)
-                record.settings = parse_settings(row)
+                record.settings = parse_settings(row, keys=self.row_settings)
                 if self.score is not None:
                     record.target = self.score.target(row)
                 return record
@@ -232,7 +233,7 @@ class Reader(ABC):
                     record.target = ScoreTarget(text=text)
                     return record
                 if self.score.whole_row:  # no prompt: the kind finds its opening in the row (cbgen.conversations)
-                    record.settings = parse_settings(row)
+                    record.settings = parse_settings(row, keys=self.row_settings)
                     return record
             field, value = self._find_prompt(row)
             if isinstance(value, list) and not value:
@@ -250,7 +251,7 @@ class Reader(ABC):
             else:
                 want = _EXPECTED.get(kind or "", "a string, a list of messages or a list of token ids")
                 raise RowError(f"{field!r} must be {want}, got {describe_type(value)}")
-            record.settings = parse_settings(row)
+            record.settings = parse_settings(row, keys=self.row_settings)
             if self.score is not None:
                 record.target = self.score.target(row)
         except RowError as e:
@@ -330,7 +331,7 @@ class ColumnarReader(Reader):
             for column in columns:
                 if column not in names:
                     raise CbgenError(f"{where} has no column '{column}' ({flag}); its columns are: {shown}")
-        settings = [c for c in ROW_SETTINGS if c in names]  # the rows' own generation settings
+        settings = [c for c in self.row_settings if c in names]  # the rows' own generation settings
         scored = [c for c in self.score.columns if c in names] if self.score is not None else []
         return list(dict.fromkeys([*prompt_columns, *([self.id_column] if self.id_column else []),
                                    *self.keep_columns, *settings, *scored]))

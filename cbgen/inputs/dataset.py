@@ -20,7 +20,6 @@ from cbgen.inputs.base import (
     Reader,
     ReaderOptions,
 )
-from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
@@ -139,7 +138,7 @@ class DatasetReader(ColumnarReader):
         return self._schema
 
     def settings_present(self) -> set[str]:
-        return {c for c in self.columns if c in ROW_SETTINGS}
+        return {c for c in self.columns if c in self.row_settings}
 
     def _batches(self, columns: list[str]) -> Iterator[dict[str, list[Any]]]:
         yield from self.dataset.select_columns(columns).iter(batch_size=BATCH_SIZE)

@@ -18,7 +18,6 @@ from cbgen.config.sections import MAX_LINE_BYTES
 from cbgen.errors import CbgenError, RowError, describe_type
 from cbgen.inputs.base import Reader, ReaderOptions
 from cbgen.inputs.checks import check_id
-from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
@@ -201,7 +200,9 @@ class JsonlReader(Reader):
         if self.path is not None:
             super().check_ids()
 
-    settings_keys: tuple[str, ...] = ROW_SETTINGS
+    @property
+    def settings_keys(self) -> tuple[str, ...]:
+        return self.row_settings
 
     def settings_present(self) -> set[str] | None:
         """Row settings named anywhere in the file, by a byte search for each quoted key (a superset: a key quoted

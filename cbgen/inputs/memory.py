@@ -8,7 +8,6 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cbgen.inputs.base import Reader
-from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
@@ -57,4 +56,5 @@ class MemoryReader(Reader):
         return len(self.items)
 
     def settings_present(self) -> set[str]:
-        return {key for item in self.items if (row := as_row(item)) is not None for key in ROW_SETTINGS if key in row}
+        return {key for item in self.items if (row := as_row(item)) is not None
+                for key in self.row_settings if key in row}

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 
 from cbgen.errors import CbgenError, first_line
 from cbgen.inputs.base import FROM_PATH, ID_FIELD, ColumnarReader
-from cbgen.inputs.settings import ROW_SETTINGS
 
 if TYPE_CHECKING:
     from cbgen.inputs.scoring import ScoreFields
@@ -51,7 +50,7 @@ class ParquetReader(ColumnarReader):
 
     def settings_present(self) -> set[str]:
         """Row settings are columns: known from the schemas."""
-        return {c for columns in self._columns for c in columns if c in ROW_SETTINGS}
+        return {c for columns in self._columns for c in columns if c in self.row_settings}
 
     @property
     def schema(self) -> pa.Schema:

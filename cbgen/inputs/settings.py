@@ -217,6 +217,12 @@ ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed
 SAMPLING_SETTINGS = ("temperature", "top_p", "top_k")  # these need the engine's samplers to exist up front
 
 
+def row_settings(adapters: bool) -> tuple[str, ...]:
+    """The fields a job's rows set: `adapter` picks a row's adapter only in a job that declares adapters (elsewhere
+    it is a column like any other, which the row may carry for its own reasons)."""
+    return ROW_SETTINGS if adapters else tuple(name for name in ROW_SETTINGS if name != "adapter")
+
+
 def parse_settings(values: Mapping[str, Any], names: Mapping[str, str] | None = None,
                    keys: tuple[str, ...] = ROW_SETTINGS) -> dict[str, Any]:
     """Checks the settings `keys` in `values` (null means unset) and returns them normalised.

@@ -25,6 +25,7 @@ from cbgen.config import JobConfig, page_size
 from cbgen.inputs import Reader, open_input
 from cbgen.inputs.base import IdChoice
 from cbgen.inputs.scoring import ScoreFields
+from cbgen.inputs.settings import row_settings
 from cbgen.progress import ProgressSink
 from cbgen.records import Completion, PromptRecord, Request, requests_of
 from cbgen.render.prompts import LOOKAHEAD
@@ -53,6 +54,7 @@ def open_job_input(job: JobConfig, context: int | None, *, detect_id: bool = Tru
     if reader is None:
         reader = open_input(job.input, detect_id=detect_id, score=ScoreFields.of(job))
     reader.render_limits, reader.stop, reader.on_notice = render_limits(job, context), stop, on_notice
+    reader.row_settings = row_settings(job.model.adapter is not None)
     reader.check_ids()
     return reader
 
