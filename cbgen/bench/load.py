@@ -122,7 +122,9 @@ class Watch:
 
     @property
     def busy(self) -> bool:
-        return any(load is not None and load.busy for load in (self.before, self.during))
+        """Others used the cores before or during the block, or the load could not be read while it ran (then
+        nothing says the figure is clean: it counts as taken under load)."""
+        return self.during is None or any(load is not None and load.busy for load in (self.before, self.during))
 
     def to_dict(self) -> dict[str, Any]:
         return {"before": self.before.to_dict() if self.before else None,

@@ -145,5 +145,6 @@ def print_suite(rows: list[Any], meta: dict[str, Any]) -> None:
         out.width = 200  # a log file: do not wrap the table at 80 columns
     out.print(table)
     goals = meta["goals"]
-    out.print(f"goals: {goals['met']} met, {goals['missed']} missed, {goals['void']} void (measured under load), "
-              f"{goals['not_measured']} rows not measured; {meta['suite']['seconds']} s", markup=False)
+    out.print(f"goals: {goals['met']} met, {goals['missed']} missed, {goals['void']} void (measured under load, or "
+              f"where the load could not be read), {goals['not_measured']} not measured, of those that apply here; "
+              f"{meta['suite']['seconds']} s", markup=False)

@@ -23,6 +23,8 @@ from cbgen.bench.machine import Machine
 from cbgen.errors import CbgenError, ExitCode
 
 BF16_KINDS = frozenset({"amx-bf16", "avx512-bf16"})  # CPUs with bfloat16 units
+NOT_MEASURED = "not measured"
+STANDINGS = ("met", "missed", "void", NOT_MEASURED)  # a goal's, on a machine where it applies
 
 
 class MachineBusy(CbgenError):
@@ -123,15 +125,28 @@ class Row:
     note: str = ""
     machine: str = ""
     dtype: str | None = None  # the model's, where a model ran ("" where none did; None: the generator's)
+    exact: float | None = None  # the figure before rounding: what its goal is checked against
 
     @property
     def met(self) -> bool | None:
         if self.goal is None or not self.applies or self.figure is None:
             return None
-        return self.goal.met(self.figure)
+        return self.goal.met(self.exact if self.exact is not None else self.figure)
+
+    @property
+    def standing(self) -> str | None:
+        """Where a row whose goal applies here stands: met, missed, void (measured under load, or where the load
+        could not be read) or not measured (`note` says why); None for a row without a goal that applies."""
+        if self.goal is None or not self.applies:
+            return None
+        if self.figure is None:
+            return NOT_MEASURED
+        if self.busy:
+            return "void"
+        return "met" if self.met else "missed"
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self) | {"met": self.met}
+        data = asdict(self) | {"met": self.met, "standing": self.standing}
         data["goal"] = None if self.goal is None else {"op": self.goal.op, "value": self.goal.value,
                                                        "kinds": sorted(self.goal.kinds) if self.goal.kinds else None,
                                                        "text": self.goal.text()}
@@ -141,20 +156,20 @@ class Row:
 def ratio(section: str, name: str, timings: Timings, top: str, bottom: str, meaning: str,
           goal: Goal | None = None, note: str = "") -> Row:
     """median(top) / median(bottom), from the samples of both paths."""
-    figure = round(timings.median(top) / timings.median(bottom), 3)
-    return _row(section, name, figure, "x", meaning, timings, (top, bottom), goal, note)
+    return _row(section, name, timings.median(top) / timings.median(bottom), "x", meaning, timings, (top, bottom),
+                goal, note)
 
 
 def seconds(section: str, name: str, timings: Timings, path: str, meaning: str, goal: Goal | None = None,
             note: str = "") -> Row:
-    return _row(section, name, round(timings.median(path), 3), "s", meaning, timings, (path,), goal, note)
+    return _row(section, name, timings.median(path), "s", meaning, timings, (path,), goal, note)
 
 
-def _row(section: str, name: str, figure: float, unit: str, meaning: str, timings: Timings, paths: tuple[str, ...],
+def _row(section: str, name: str, exact: float, unit: str, meaning: str, timings: Timings, paths: tuple[str, ...],
          goal: Goal | None, note: str) -> Row:
-    return Row(section, name, figure, unit, meaning, goal, paths={p: [round(s.value, 6) for s in timings.samples[p]]
-                                                                   for p in paths},
-               busy=any(s.busy for p in paths for s in timings.samples[p]), note=note)
+    return Row(section, name, round(exact, 3), unit, meaning, goal,
+               paths={p: [round(s.value, 6) for s in timings.samples[p]] for p in paths},
+               busy=any(s.busy for p in paths for s in timings.samples[p]), note=note, exact=exact)
 
 
 def skipped(section: str, name: str, why: str, goal: Goal | None = None) -> Row:
@@ -189,7 +204,7 @@ def check_quiet(allow_busy: bool, log: Callable[[str], None]) -> dict[str, Any] 
     figure is watched and marked as it goes)."""
     reading, busiest = load.busiest_others(1.0)
     if reading is None:
-        log("the machine's load cannot be read here (no /proc/stat): figures are not checked for it")
+        log("the machine's load cannot be read here (no /proc/stat): every figure is marked void")
         return None
     if reading.busy:
         who = f" ({'; '.join(busiest)})" if busiest else ""
@@ -202,8 +217,10 @@ def check_quiet(allow_busy: bool, log: Callable[[str], None]) -> dict[str, Any] 
 
 
 @contextmanager
-def section(name: str, rows: list[Row], log: Callable[[str], None]) -> Iterator[None]:
-    """A section's rows are kept if it fails: the failure becomes a row of its own, and the suite goes on."""
+def section(name: str, rows: list[Row], log: Callable[[str], None],
+            goals: tuple[tuple[str, Goal], ...] = ()) -> Iterator[None]:
+    """A section's rows are kept if it fails: the failure becomes a row of its own, each goal it would have
+    measured (`goals`: comparison and goal) a row not measured, and the suite goes on."""
     started = time.perf_counter()
     log(f"— {name}")
     try:
@@ -212,13 +229,13 @@ def section(name: str, rows: list[Row], log: Callable[[str], None]) -> Iterator[
         from cbgen.errors import first_line
 
         rows.append(Row(name, f"{name} (failed)", None, "x", "", note=f"failed: {first_line(e)}"))
+        rows += [skipped(name, comparison, f"the {name} section failed ({first_line(e)})", goal)
+                 for comparison, goal in goals]
         log(f"{name} failed: {first_line(e)}")
     log(f"{name}: {time.perf_counter() - started:.0f} s")
 
 
 def summary(rows: list[Row]) -> dict[str, int]:
-    """Goals met, missed, and void (measured under load), over the rows whose goal applies here."""
-    counted = [r for r in rows if r.met is not None]
-    return {"met": sum(bool(r.met) and not r.busy for r in counted), "missed": sum(not r.met and not r.busy
-                                                                                  for r in counted),
-            "void": sum(r.busy for r in counted), "not_measured": sum(r.figure is None for r in rows)}
+    """The rows whose goal applies here, by standing: met, missed, void and not measured."""
+    standings = [r.standing for r in rows]
+    return {standing.replace(" ", "_"): standings.count(standing) for standing in STANDINGS}

@@ -17,7 +17,7 @@ def run(plan: Plan, model: str | None, embed_model: str | None, allow_busy: bool
         only: tuple[str, ...] = ()) -> tuple[list[Row], dict[str, Any]]:
     """Every section (or those in `only`) on this machine: the rows, and what the run was (the machine, the plan,
     the load before it, the goals' summary)."""
-    from cbgen.bench.sections import SECTIONS
+    from cbgen.bench.sections import SECTIONS, section_goals
 
     started = time.perf_counter()
     before = check_quiet(allow_busy, log)
@@ -30,7 +30,7 @@ def run(plan: Plan, model: str | None, embed_model: str | None, allow_busy: bool
         for name, measured in SECTIONS.items():
             if only and name not in only:
                 continue
-            with section(name, rows, log):
+            with section(name, rows, log, section_goals(name, plan)):
                 rows += measured(ctx)
     from cbgen.model import dtype_name
 

@@ -23,15 +23,16 @@ BLOCK = re.compile(r"(<!-- suite:(?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- /su
 
 
 def verdict(row: dict[str, Any]) -> str:
-    """A row's standing against its goal, in a word or three."""
+    """A row's standing against its goal, in a word or three (bench.json files written before rows carried their
+    standing are read the same way)."""
+    if row["goal"] is not None and not row["applies"] and row["figure"] is not None:
+        return row.get("why_not") or "n/a"
     if row["figure"] is None:
         return "not measured"
     if row["busy"]:
         return "void (busy)"
     if row["goal"] is None:
         return ""
-    if not row["applies"]:
-        return row.get("why_not") or "n/a"
     return "met" if row["met"] else "MISSED"
 
 
@@ -129,20 +130,25 @@ def headline(runs: list[tuple[str, dict[str, Any]]]) -> str:
         lines.append(f"- **{_cell(meta['machine']['label'])}**, {meta.get('dtype') or 'float32'}, "
                      f"{meta['suite']['mode']} run of {meta['suite']['measured_at'][:10]} "
                      f"([{stem}](docs/bench/{stem}.json)): {items}. Goals: {g['met']} met, {g['missed']} missed, "
-                     f"{g['void']} void.")
+                     f"{g['void']} void, {_applying_unmeasured(data['rows'])} not measured.")
     return "\n".join(lines) + "\n"
+
+
+def _applying_unmeasured(rows: list[dict[str, Any]]) -> int:
+    """Rows whose goal applies to their run's machine and that have no figure."""
+    return sum(row["goal"] is not None and row["applies"] and row["figure"] is None for row in rows)
 
 
 def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     lines = ["| run | machine | dtype | torch / transformers | matmul bf16 / float32 (GFLOP/s) | mode | took | goals "
-             "met / missed / void |", "|---|---|---|---|---:|---|---:|---|"]
+             "met / missed / void / not measured |", "|---|---|---|---|---:|---|---:|---|"]
     for stem, data in runs:
         meta, m = data["meta"], data["meta"]["machine"]
         g = meta["goals"]
         lines.append(f"| [{stem}](bench/{stem}.json) | {_cell(m['label'])} | {meta.get('dtype', '')} | "
                      f"{m['torch']} / {m['transformers']} | {m['bf16_gflops']:,.0f} / {m['fp32_gflops']:,.0f} | "
                      f"{meta['suite']['mode']}, {meta['suite']['measured_at'][:10]} | {meta['suite']['seconds']} s | "
-                     f"{g['met']} / {g['missed']} / {g['void']} |")
+                     f"{g['met']} / {g['missed']} / {g['void']} / {_applying_unmeasured(data['rows'])} |")
     return "\n".join(lines) + "\n"
 
 

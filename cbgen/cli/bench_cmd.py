@@ -71,7 +71,11 @@ def bench(
         "--allow-busy", help="With --suite: measure even when other processes use the cores (refused otherwise, "
         "exit code 75); every figure taken under load is marked void.", rich_help_panel="Suite")] = False,
     check: Annotated[bool, typer.Option(help="With --suite: exit with code 1 when a goal that applies here is "
-                                        "missed or void.", rich_help_panel="Suite")] = False,
+                                        "missed, void or not measured.", rich_help_panel="Suite")] = False,
+    allow_missing: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--allow-missing", metavar="NAME", help="With --suite --check: comparisons that may go unmeasured without "
+        "failing the check: those whose name (the table's, up to its first comma) starts with NAME, e.g. 'cbgen vs "
+        "llama.cpp'; repeatable.", rich_help_panel="Suite")] = None,
     sections: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="NAMES", help="With --suite: only these sections, comma-separated, from: generation, invariance, "
         "sampling, embedding, dedup, start.", rich_help_panel="Suite")] = None,
@@ -104,7 +108,8 @@ def bench(
     Example: cbgen bench --suite --hold avx512-bf16 -o held/
     """
     if suite:
-        return _suite(quick, size, model, embed_model, allow_busy, check, sections, hold, Path(output_dir))
+        return _suite(quick, size, model, embed_model, allow_busy, check, sections, hold, Path(output_dir),
+                      tuple(allow_missing or ()))
     from cbgen.bench import (
         Bench,
         build_workloads,
@@ -168,7 +173,7 @@ def bench(
 
 
 def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, allow_busy: bool, check: bool,
-           sections: str | None, hold: str | None, output_dir: Path) -> None:
+           sections: str | None, hold: str | None, output_dir: Path, allow_missing: tuple[str, ...] = ()) -> None:
     from cbgen.config.cpu import HOLDS
 
     if hold is not None:
@@ -182,8 +187,8 @@ def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, a
         import subprocess
         import sys
 
-        args = [a for a in sys.argv[1:] if a != "--hold" and a != hold and not a.startswith("--hold=")]
-        code = subprocess.run([sys.executable, "-m", "cbgen", *args], env=os.environ | HOLDS[hold]).returncode
+        code = subprocess.run([sys.executable, "-m", "cbgen", *without_hold(sys.argv[1:])],
+                              env=os.environ | HOLDS[hold]).returncode
         raise typer.Exit(code)
     _hide_gpus()
     from cbgen.bench.report import print_suite, write_suite
@@ -202,8 +207,30 @@ def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, a
     json_path, png_path = write_suite(rows, meta, output_dir)
     print_suite(rows, meta)
     console.print(f"wrote {json_path} and {png_path}", markup=False)
-    if check and (meta["goals"]["missed"] or meta["goals"]["void"]):
-        raise typer.Exit(1)
+    if check:
+        from cbgen.bench.tables import comparison
+
+        failing = [row for row in rows if row.standing in ("missed", "void", "not measured")
+                   and not (row.standing == "not measured"
+                            and any(comparison(row.name).startswith(name) for name in allow_missing))]
+        for row in failing:
+            console.print(f"check: {row.name}: {row.standing}" + (f" ({row.note})" if row.note else ""), markup=False)
+        if failing:
+            raise typer.Exit(1)
+
+
+def without_hold(argv: list[str]) -> list[str]:
+    """The command line without its --hold option and that option's own argument (and nothing else: `--hold avx2 -o
+    avx2` keeps its output folder)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--hold":
+            skip = True
+        elif not arg.startswith("--hold="):
+            kept.append(arg)
+    return kept
 
 
 def _hide_gpus() -> None:

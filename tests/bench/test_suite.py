@@ -49,7 +49,8 @@ def test_goals_and_ratios_read_as_they_say():
     busy = Row("s", "b", 1.0, "x", "", Goal("<=", 1.05), applies=True, busy=True)
     elsewhere = Row("s", "e", 0.5, "x", "", Goal(">=", 1.3), applies=False)
     met = Row("s", "q", 2.5, "x", "", Goal(">=", 2.0), applies=True)
-    assert summary([met, row, missed, busy, elsewhere, Row("s", "n", None, "x", "")]) == {
+    unmeasured = Row("s", "u", None, "x", "", Goal(">=", 1.0), applies=True, note="not measured: no llama.cpp")
+    assert summary([met, row, missed, busy, elsewhere, unmeasured, Row("s", "n", None, "x", "")]) == {
         "met": 1, "missed": 1, "void": 2, "not_measured": 1}
 
 
@@ -163,3 +164,60 @@ def test_a_hold_above_the_machines_own_kind_is_refused_in_one_line(monkeypatch, 
     assert len(err.splitlines()) == 1 and "--hold avx512: this CPU (" in err and "is avx2, without avx512's" in err
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
     assert all(cpu.unholdable_reason(kind) is None for kind in cpu.HOLDS)
+
+
+def test_every_goal_that_applies_is_counted_even_unmeasured(monkeypatch, tmp_path, capsys):
+    """A goal stands met, missed, void or not measured: a section that crashes leaves its goals as rows not measured,
+    a figure is checked against its goal unrounded, a watch that cannot read the load voids its figure, and --check
+    fails on each of them but the comparisons --allow-missing names (when not measured)."""
+    from cbgen.bench import load, suite_runner
+    from cbgen.bench.sections import section_goals
+    from cbgen.bench.suite import Plan, section
+
+    rows: list[Row] = []
+    with section("generation", rows, lambda line: None, section_goals("generation", Plan.of(True, "small"))):
+        raise RuntimeError("llama.cpp crashed")
+    assert [r.name for r in rows] == ["generation (failed)", "cbgen vs generate_batch",
+                                      "cbgen vs llama.cpp in the model's precision", "cbgen vs llama.cpp Q8_0"]
+    for r in rows[1:]:
+        r.applies = True
+    assert summary(rows)["not_measured"] == 3 and rows[1].standing == "not measured"
+    assert "the generation section failed (llama.cpp crashed)" in rows[1].note
+    # a ratio of 1.4996 shows as 1.5, and misses a goal of 1.5
+    t = Timings(watch=lambda: nullcontext(_quiet_watch()))
+    t.record("other", lambda: 1.4996)
+    t.record("cbgen", lambda: 1.0)
+    close = ratio("s", "cbgen vs other", t, "other", "cbgen", "", Goal(">=", 1.5))
+    close.applies = True
+    assert close.figure == 1.5 and close.standing == "missed"
+    # where /proc/stat cannot be read, nothing says the machine was quiet: the figure is void
+    monkeypatch.setattr(load, "snapshot", lambda: None)
+    blind = Timings(watch=lambda: load.watched(0))
+    blind.record("cbgen", lambda: 1.0)
+    assert blind.samples["cbgen"][0].busy
+    # --check: fails on what is not measured, unless allowed by name
+    rows[0:1] = []
+    monkeypatch.setattr(suite_runner, "run", lambda *a, **k: (rows, {"goals": summary(rows)}))
+    from cbgen.bench import report
+
+    monkeypatch.setattr(report, "write_suite", lambda *a: (tmp_path / "bench.json", tmp_path / "bench.png"))
+    monkeypatch.setattr(report, "print_suite", lambda *a: None)
+    base = ["bench", "--suite", "--quick", "--check", "-o", str(tmp_path)]
+    assert run_cli(base) == 1
+    assert "check: cbgen vs llama.cpp Q8_0: not measured" in capsys.readouterr().err
+    assert run_cli([*base, "--allow-missing", "cbgen vs llama.cpp"]) == 1  # generate_batch's is still missing
+    assert run_cli([*base, "--allow-missing", "cbgen vs llama.cpp", "--allow-missing", "cbgen vs generate_batch"]) == 0
+
+
+def _quiet_watch():
+    watch = Watch(0)
+    watch.during = Load(1.0, 2, other=0.0, steal=0.0)
+    return watch
+
+
+def test_hold_takes_only_its_own_argument_off_the_command_line():
+    from cbgen.cli.bench_cmd import without_hold
+
+    assert without_hold(["bench", "--suite", "--hold", "avx2", "-o", "avx2"]) == ["bench", "--suite", "-o", "avx2"]
+    assert without_hold(["bench", "--suite", "--hold=avx2", "--sections", "avx2"]) == \
+        ["bench", "--suite", "--sections", "avx2"]
