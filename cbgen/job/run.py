@@ -33,6 +33,7 @@ from cbgen.config import JobConfig
 from cbgen.errors import CbgenError
 from cbgen.inputs import Reader
 from cbgen.job.sequence import Planned, drain, make_engine, open_job_input, read_ahead
+from cbgen.kernels.build import build_notice
 from cbgen.kinds import Kind, kind_of
 from cbgen.model.source import ModelSource, context_tokens, resolve_source
 from cbgen.outputs.columns import OutputColumns
@@ -156,7 +157,7 @@ class _Run:
 
             simulated_user(self.job.chat)  # its templates parse, before the model loads
         loaded = self._load_model()
-        self.progress.stage("rendering prompts")
+        self.progress.stage((loaded.device == "cpu" and build_notice()) or "rendering prompts")
         if self.kind.runner == "scorer":
             return self._score(loaded, itertools.chain(head, records), total)
         if self.kind.runner == "conversations":

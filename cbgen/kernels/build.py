@@ -4,6 +4,8 @@ torch's version and the CPU capability torch dispatches to), then loaded into to
 
 A warm start loads the cached library directly (no compiler, no ninja); a cold one compiles it (about 30-40 s on 2
 cores), while other processes asking for the same build wait on torch's lock in the build folder and then load it.
+A job says so before it waits (`uncached`). The cache folders cbgen makes are its user's alone (mode 0700), and a
+library in a folder another user owns or can write is never loaded: it is built again in a private folder.
 Where nothing can be built (no compiler, a read-only cache, a failed build) the kernel is unavailable, with the
 reason, and callers keep transformers' or cbgen's eager path.
 
@@ -112,6 +114,31 @@ def _compile(name: str, folder: Path) -> Path:
     return Path(str(library))
 
 
+def unsafe_reason(path: Path) -> str | None:
+    """Why a library in `path` (a file, and each folder above it up to the filesystem's root) could have been put
+    or changed there by another user, or None: each must be this user's (or root's) and writable by no one else.
+    A shared cache folder anyone can write would otherwise run their code in every job that loads from it."""
+    me = os.getuid()
+    for part in [path, *path.parents]:
+        try:
+            info = part.stat()
+        except OSError:
+            continue
+        sticky_root = part == Path("/tmp") or bool(info.st_mode & 0o1000)  # /tmp-like: only owners replace entries
+        if info.st_uid not in (me, 0):
+            return f"{part} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & 0o022 and not (sticky_root and part != path):
+            return f"{part} can be written by other users (mode {oct(info.st_mode & 0o777)})"
+    return None
+
+
+def _private_folder(name: str) -> Path:
+    """A fresh folder only this user can enter, for a build that must not come from (or go to) a shared cache."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"cbgen-kernel-{name}-"))
+
+
 def _load(name: str) -> Built:
     import torch
 
@@ -123,14 +150,22 @@ def _load(name: str) -> Built:
         return Built(name, False, f"no cache folder for the build: {e}")
     library = folder / f"{_module_name(name)}.so"
     start = time.perf_counter()
-    if (folder / _DONE).exists() and library.exists():
+    unsafe = unsafe_reason(library) if library.exists() else None
+    if unsafe is not None:  # never loaded: built again where only this user can write
+        log.warning("not loading cbgen's cached kernel %s: %s; building it in a private folder", library, unsafe)
+        folder = _private_folder(name)
+    elif (folder / _DONE).exists() and library.exists():
         try:
             torch.ops.load_library(str(library))
             return Built(name, True, "cached", time.perf_counter() - start, library)
         except Exception as e:  # noqa: BLE001 - a broken cached library: build it again below
             log.info("cached kernel %s did not load (%s); building it again", library, e)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        _private_mkdir(folder)
+        if (unsafe := unsafe_reason(folder)) is not None:
+            log.warning("not building cbgen's kernel %s in %s: %s; building it in a private folder", name, folder,
+                        unsafe)
+            folder = _private_folder(name)
         library = _compile(name, folder)
     except Exception as e:  # noqa: BLE001 - no compiler, a failed build, an unwritable cache: the eager path runs
         reason = str(e).strip().splitlines()
@@ -141,6 +176,33 @@ def _load(name: str) -> Built:
     except OSError:
         pass
     return Built(name, True, f"built in {seconds:.1f} s", seconds, library)
+
+
+def _private_mkdir(folder: Path) -> None:
+    """`folder` and the folders above it that it makes, each only its user's (mode 0700)."""
+    missing = [part for part in [folder, *folder.parents] if not part.exists()]
+    for part in reversed(missing):
+        part.mkdir(mode=0o700, exist_ok=True)
+
+
+def uncached(names: tuple[str, ...] = GENERATION) -> list[str]:
+    """The kernels of `names` that would be compiled now (not in the cache, and kernels not turned off)."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return []
+    with _lock:
+        started = set(_builds)
+    return [name for name in names if name not in started and not _cached(name)]
+
+
+def build_notice() -> str | None:
+    """What a job says before it builds the generation kernels (once per machine), or None when they are cached."""
+    pending = uncached(GENERATION)
+    if not pending:
+        return None
+    from cbgen.model.gguf import default_cache_dir
+
+    return (f"rendering prompts, and building cbgen's compiled CPU kernels ({', '.join(pending)}): once per machine, "
+            f"about a minute on 2 cores; later jobs load them from {default_cache_dir() / 'kernels'}")
 
 
 def _cached(name: str) -> bool:
