@@ -359,8 +359,8 @@ def weights_held(model: Any) -> Iterator[None]:
     with _held_lock:
         entry = _held.get(model)
         if entry is not None and entry[0] != me:
-            raise CbgenError(f"this model is already generating in another thread ({entry[2]!r}); one model runs one "
-                             "engine at a time: give each thread its own cbgen.Generator")
+            raise CbgenError(f"this model is already generating in another engine (thread {entry[2]!r}); one model "
+                             "runs one engine at a time: give each thread its own cbgen.Generator")
         if entry is None:
             entry = _held[model] = [me, 0, threading.current_thread().name]
         entry[1] += 1

@@ -181,11 +181,11 @@ def test_a_second_thread_is_refused_before_it_touches_the_weights(tiny_model_dir
         inside.wait(5)
         merged = {k: v.clone() for k, v in model.state_dict().items()}
         for other in (adapters.pick("b"), None):
-            with pytest.raises(CbgenError, match="already generating in another thread"):
+            with pytest.raises(CbgenError, match="already generating in another engine"):
                 with applied(model, other):
                     pass
             refused.append(other)
-        with pytest.raises(CbgenError, match="already generating in another thread"):
+        with pytest.raises(CbgenError, match="already generating in another engine"):
             with weights_held(model):
                 pass
         assert all(torch.equal(v, merged[k]) for k, v in model.state_dict().items())  # untouched by the refusals
