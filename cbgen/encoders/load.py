@@ -124,7 +124,10 @@ def _load(job: JobConfig, source: ModelSource, dtype: Any, device: str) -> Loade
     decoder = config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
     kwargs = {"dtype": dtype, "trust_remote_code": remote}
     factory = AutoModel if embed else AutoModelForSequenceClassification
-    model = factory.from_pretrained(location, **kwargs).to(device).eval()
+    from cbgen.model.load import LOADING  # one load at a time in a process (see there)
+
+    with LOADING:
+        model = factory.from_pretrained(location, **kwargs).to(device).eval()
     limit = _max_length(config, tokenizer, st_settings.get("max_seq_length"))
     tokenizer.model_max_length = 1 << 62  # rows are cut to max_length by cbgen, which says so: no warning per row
     section = job.embed if embed else job.reward

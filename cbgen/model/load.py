@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# One load at a time in a process: transformers' loading swaps process-wide functions while it runs (weight tying and
+# initialisation turned off, the default dtype set), so a model another thread builds meanwhile (a second Generator's)
+# could come out with untied weights left on the meta device
+LOADING = threading.RLock()
 
 
 def resolve_device(device: str) -> str:
@@ -272,8 +277,8 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     cache_root = default_cache_dir(settings) if settings.use_cache else None
     cache = None
     try:
-        with quiet("transformers"), parsed_once():  # quiet: its bars would break the job's display; parsed_once:
-            # a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse)
+        with LOADING, quiet("transformers"), parsed_once():  # quiet: its bars would break the job's display;
+            # parsed_once: a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse)
             model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
