@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen.config import SECTIONS, build_config
 from cbgen.config.flat import keyword_overrides
 from cbgen.job.sequence import generate_in_memory
+from cbgen.parallel.launch import launch_of
 from cbgen.progress import NullProgress, ProgressSink
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class Generator:
         overrides = self._defaults | keyword_overrides(settings, set(SECTIONS) - {"model"},
                                                 " here: it is a model setting, given to cbgen.Generator(...)")
         job = build_config(None, overrides)
+        launch_of(job, "the Python API")
         rows = generate_in_memory(job, self.loaded, prompts,
                                   _progress(self.progress if progress is None else progress))
         return [Result.from_row(row) for row in rows]
@@ -148,6 +150,7 @@ class Embedder:
         if model is not None:
             overrides[("model", "model")] = (model, "model")
         self._job = build_config(None, overrides, kind="embed")
+        launch_of(self._job, "the Python API")
         from cbgen.model.source import resolve_source
 
         resolve_source(self._job.model.model, "embedder")  # a model that cannot be found says so before torch loads

@@ -16,6 +16,7 @@ from rich.console import Console
 from cbgen.cli._options import ConfigFile, InputPath, job_options
 from cbgen.config import JobConfig, build_config
 from cbgen.errors import CbgenError, ExitCode
+from cbgen.parallel.launch import RAY, launch_of
 
 if TYPE_CHECKING:
     from cbgen.outputs.summary import RunSummary
@@ -71,7 +72,7 @@ def run(
         raise CbgenError("--estimate-time and --json go with --dry-run")
     if dry_run:
         raise typer.Exit(_dry_run(job, estimate_time, as_json))
-    if job.run.executor == "ray":
+    if launch_of(job, "cbgen run") == RAY:
         from cbgen.executors.ray import run_on_ray
 
         console = Console(stderr=True, log_path=False)

@@ -11,6 +11,7 @@ from cbgen.cli._options import ConfigFile, InputPath, score_options
 from cbgen.cli.display import make_progress
 from cbgen.cli.run import graceful_stop, report
 from cbgen.config import build_config
+from cbgen.parallel.launch import launch_of
 
 EPILOG = (
     "[bold]Examples[/bold]\n\n"
@@ -46,6 +47,7 @@ def score(
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
     job = build_config(config, overrides, kind="score")
+    launch_of(job, "cbgen score")
     console = Console(stderr=True, log_path=False)
     stop = threading.Event()
     with graceful_stop(stop, console):

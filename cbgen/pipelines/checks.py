@@ -21,6 +21,7 @@ from cbgen.config import JobConfig, build_config
 from cbgen.config.flat import flat_overrides
 from cbgen.errors import CbgenError
 from cbgen.kinds import kind_of
+from cbgen.parallel.launch import launch_of
 from cbgen.pipelines.spec import Pipeline, Stage
 from cbgen.pipelines.tables import carried_columns, empty_file, infer_query, infer_stage_table, struct_fields
 
@@ -47,7 +48,9 @@ def stage_job(pipeline: Pipeline, stage: Stage, input_path: str, output_dir: Pat
         ("output", "dir"): (str(output_dir / stage.name), "output"),
         ("output", "format"): ("parquet", "output_format"),
     } | (extra or {})
-    return build_config(None, overrides, kind=stage.kind)
+    job = build_config(None, overrides, kind=stage.kind)
+    launch_of(job, f"pipeline stage {stage.name!r}")
+    return job
 
 
 def plan_pipeline(pipeline: Pipeline, output_dir: Path) -> dict[str, StagePlan]:
