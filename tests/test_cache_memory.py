@@ -28,7 +28,10 @@ def test_mapped_zeros_are_zeros_and_take_no_memory_until_written():
     tensor = LazyCache().serve((256, MiB), torch.uint8)  # 256 MiB
     assert tensor.shape == (256, MiB) and tensor.dtype == torch.uint8 and tensor.is_contiguous()
     as_bf16 = tensor.view(-1).view(torch.bfloat16)  # how the cache's allocators view it
-    assert float(as_bf16.float().abs().sum()) == 0.0  # read whole: still zeros, still not resident
+    # read whole with a reduction that makes no copy: a float copy's freed pages may stay resident (a malloc that
+    # keeps freed memory, as one worker of the suite's had) and would be counted here as the mapping's
+    low, high = as_bf16.aminmax()
+    assert float(low) == 0.0 and float(high) == 0.0  # still zeros, still not resident
     assert resident_bytes() - before < 32 * MiB
     tensor[:64] = 7  # written pages become resident, the rest stay free
     grown = resident_bytes() - before
