@@ -113,8 +113,10 @@ def pytest_collection_modifyitems(config, items):
 def lora_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """LoRA adapters made by PEFT over the tiny model, with random (not zero) updates so that each changes the
     answers: `a` (attention, rank 4), `b` (MLP and output projections, rank 8, rsLoRA scaling), `a2` (a's settings,
-    other weights), `dora` (a DoRA variant of a), and misfits: `wide` (made over a model twice as wide), `deep`
-    (adapts a third layer the tiny model lacks), `rank` (its config's rank is not its factors')."""
+    other weights), `dora` (a DoRA variant of a), `embed` (the token embeddings and q_proj; PEFT saves a copy of the
+    embeddings with it), `embed-other` (the same made over another model of the tiny one's shapes), and misfits:
+    `wide` (made over a model twice as wide), `deep` (adapts a third layer the tiny model lacks), `rank` (its
+    config's rank is not its factors')."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -126,7 +128,12 @@ def lora_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     made = {name: make_adapter(tiny_model_dir, root / name, seed, **settings)
             for name, seed, settings in (("a", 1, attention), ("b", 2, mlp), ("a2", 3, attention),
                                          ("dora", 4, attention | {"use_dora": True}))}
+    embeddings = dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    made["embed"] = make_adapter(tiny_model_dir, root / "embed", 7, **embeddings)
     config = LlamaConfig.from_pretrained(tiny_model_dir)
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(root / "other-base")
+    made["embed-other"] = make_adapter(root / "other-base", root / "embed-other", 7, **embeddings)
     for name, change in (("wide", {"hidden_size": 128, "intermediate_size": 256}), ("deep", {"num_hidden_layers": 3})):
         other = root / f"{name}-base"
         torch.manual_seed(0)

@@ -208,6 +208,34 @@ def test_adapters_where_they_cannot_run_are_refused_in_one_line(tiny_model_dir, 
     assert "at most one without a name" in capsys.readouterr().err
 
 
+def test_an_adapter_made_for_another_model_runs_only_when_told(tiny_model_dir, lora_adapters, references, tmp_path,
+                                                               capsys):
+    renamed = tmp_path / "another-model"  # the same weights under another name: what cbgen cannot tell apart
+    shutil.copytree(tiny_model_dir, renamed)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    assert cbgen(renamed, prompts, "-o", tmp_path / "refused", "--max-new-tokens", NEW, "--adapter",
+                 lora_adapters["a"]) == 2
+    err = capsys.readouterr().err
+    assert f"made for {tiny_model_dir}" in err and "--adapter-any-base" in err and len(err.strip().splitlines()) == 1
+    out = tmp_path / "out"
+    assert cbgen(renamed, prompts, "-o", out, "--max-new-tokens", NEW, "--adapter", lora_adapters["a"],
+                 "--adapter-any-base") == 0
+    rows = {r["id"]: r["token_ids"] for r in read_shards(out)}
+    assert [rows[f"q{i}"] for i in range(len(PROMPTS))] == references["a"]
+
+
+def test_an_embedding_adapter_answers_as_its_merged_model(tiny_model_dir, lora_adapters, tokenizer, references,
+                                                          tmp_path):
+    model = merged_model(tiny_model_dir, lora_adapters["embed"])
+    expected = [greedy(model, chat_ids(tokenizer, p), NEW, tokenizer.eos_token_id) for p in PROMPTS[:4]]
+    assert expected != references[None][:4], "the adapter changes the answers"
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS[:4])])
+    out = tmp_path / "out"
+    assert cbgen(tiny_model_dir, prompts, "-o", out, "--max-new-tokens", NEW, "--adapter", lora_adapters["embed"]) == 0
+    rows = {r["id"]: r["token_ids"] for r in read_shards(out)}
+    assert [rows[f"q{i}"] for i in range(4)] == expected
+
+
 def test_score_takes_the_jobs_adapter(tiny_model_dir, lora_adapters, tokenizer, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "Name a river.", "completion": " The Nile."}])
     out = tmp_path / "out"

@@ -27,6 +27,10 @@ class ModelSettings(TypedDict, total=False):
     # (repeatable): one a row picks by its 'adapter' field (an OpenAI line by its body's 'model'). Merged into the base
     # weights while its rows run: the answers of PEFT's merged model.
     adapter: str | list[str] | None
+    # model.adapter_any_base: Run adapters whose adapter_config.json names another base model (base_model_name_or_path)
+    # than --model. Off: refused before the model loads, since an adapter of the right shapes trained on another model
+    # gives wrong answers without an error; on: for the same model under two names.
+    adapter_any_base: bool
     # model.trust_remote_code: Allow the model folder's own Python code to run. Off unless you trust its author.
     trust_remote_code: bool
     # model.cache_dir: Where GGUF models converted to safetensors are cached, so only the first run dequantizes them.

@@ -72,6 +72,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "device", ("--device",), str, PANEL_MODEL),
     JobOption("model", "attn_implementation", ("--attn-implementation",), str, PANEL_MODEL, metavar="NAME"),
     JobOption("model", "adapter", ("--adapter",), list[str], PANEL_MODEL, metavar="[NAME=]PATH"),
+    JobOption("model", "adapter_any_base", ("--adapter-any-base/--adapter-same-base",), bool, PANEL_MODEL),
     JobOption("model", "trust_remote_code", ("--trust-remote-code/--no-trust-remote-code",), bool, PANEL_MODEL),
     JobOption("model", "cache_dir", ("--model-cache-dir",), str, PANEL_MODEL, metavar="DIR"),
     JobOption("model", "use_cache", ("--model-cache/--no-model-cache",), bool, PANEL_MODEL),

@@ -52,6 +52,10 @@ class ModelSection:
         None, "LoRA adapters (PEFT folders or hub ids). PATH: for every row that names none. NAME=PATH (repeatable): "
         "one a row picks by its 'adapter' field (an OpenAI line by its body's 'model'). Merged into the base weights "
         "while its rows run: the answers of PEFT's merged model.")
+    adapter_any_base: bool = setting(
+        False, "Run adapters whose adapter_config.json names another base model (base_model_name_or_path) than "
+        "--model. Off: refused before the model loads, since an adapter of the right shapes trained on another model "
+        "gives wrong answers without an error; on: for the same model under two names.")
     trust_remote_code: bool = setting(
         False, "Allow the model folder's own Python code to run. Off unless you trust its author.")
     cache_dir: str | None = setting(

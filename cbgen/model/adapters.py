@@ -15,7 +15,7 @@ while an adapter is merged, and an engine start per group of rows (cbgen.engine.
 packed for a kernel (cbgen.model.packs) are dropped at each change, so the next engine packs the new values.
 
 Everything here but `applied` is torch-free (it reads JSON and safetensors headers), so a job's adapters are resolved,
-hashed and checked against the model's structure before any weight loads.
+hashed and checked against the model (cbgen.model.adapter_fit) before any weight loads.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from cbgen.errors import CbgenError, first_line
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 INSTALL_PEFT = "pip install 'cbgen[adapters]'"
+# PEFT's weight names: base_model.model.<path>.lora_A.weight (linear), <path>.lora_embedding_A (embedding)
+FACTOR = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_(embedding_)?([AB])(?:\.[^.]+)?(?:\.weight)?$")
+CARRIED = re.compile(r"^(?:base_model\.model\.)?(.+)\.base_layer\.weight$")  # a copy of a base layer's own weights
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def default_name(location: str) -> str:
 def _folder(location: str, where: str) -> Path:
     path = Path(location).expanduser()
     if path.is_dir():
-        return path
+        return path.absolute()  # the same folder from a worker or stage that runs in another directory
     if path.exists():
         raise CbgenError(f"{where} {location}: not a folder; give the folder PEFT saved the adapter in (it holds "
                          f"{CONFIG_FILE})")
@@ -191,9 +194,6 @@ def _read_config(folder: Path, where: str, location: str) -> dict[str, Any]:
     return config
 
 
-# -- fit ------------------------------------------------------------------------------------------------------------
-
-
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     """Each tensor's shape, from a safetensors file's header alone (no tensor is read)."""
     with open(path, "rb") as f:
@@ -202,58 +202,16 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
 
 
-def _layers(shapes: dict[str, list[int]]) -> dict[str, dict[str, list[int]]]:
-    """Module path -> {"A": shape, "B": shape} from PEFT's weight names (base_model.model.<path>.lora_A.weight)."""
-    found: dict[str, dict[str, list[int]]] = {}
-    for name, shape in shapes.items():
-        match = re.match(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$", name)
-        if match:
-            found.setdefault(match.group(1), {})[match.group(2)] = shape
-    return found
-
-
-def misfit(adapter: Adapter, model: Any) -> str | None:
-    """Why `adapter` cannot be merged into `model` (its structure is enough: a model on torch's meta device does),
-    or None. Checks what PEFT would otherwise fail on mid-job: each adapted layer exists, is a linear layer, and the
-    low-rank factors' shapes fit its inputs and outputs and each other (the rank)."""
-    weights = adapter.weights
-    if weights.suffix != ".safetensors":
-        return None  # a pickled file cannot be read without torch; PEFT checks it when it merges
+def adapted_paths(adapter: Adapter) -> list[str]:
+    """The module paths the adapter's weight file touches (its factors' layers and any base layer it carries a copy
+    of), from the safetensors header; [] for a pickled file (read by PEFT alone)."""
+    if adapter.weights.suffix != ".safetensors":
+        return []
     try:
-        layers = _layers(safetensors_shapes(weights))
-    except (OSError, ValueError, struct.error) as e:
-        return f"its weights file {weights.name} cannot be read ({first_line(e)})"
-    if not layers:
-        return f"its weights file {weights.name} holds no LoRA factors (lora_A / lora_B)"
-    modules = dict(model.named_modules())
-    for path, factors in sorted(layers.items()):
-        layer = modules.get(path)
-        if layer is None:
-            return (f"it adapts {path}, which the model does not have (an adapter for another architecture or size? "
-                    f"its base model: {adapter.config.get('base_model_name_or_path')})")
-        inputs, outputs = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
-        if inputs is None or outputs is None:
-            return f"it adapts {path}, a {type(layer).__name__}: cbgen merges adapters of linear layers only"
-        a, b = factors.get("A"), factors.get("B")
-        if a is None or b is None:
-            return f"{path} has only one of its two LoRA factors"
-        if a[1] != inputs or b[0] != outputs:
-            return (f"its update of {path} maps {a[1]} inputs to {b[0]} outputs, the model's layer {inputs} to "
-                    f"{outputs} (an adapter trained on another model?)")
-        if a[0] != b[1]:
-            return f"the two factors of {path} have different ranks ({a[0]} and {b[1]})"
-        rank = adapter.config.get("r")
-        if not adapter.config.get("rank_pattern") and isinstance(rank, int) and a[0] != rank:
-            return f"its {CONFIG_FILE} says rank {rank}, and its factors of {path} have rank {a[0]}"
-    return None
-
-
-def check_fits(adapters: Adapters, model: Any, where: str = "--adapter") -> None:
-    """Raises CbgenError, naming the adapter and the first layer that does not fit, unless every adapter fits."""
-    for adapter in adapters.all:
-        reason = misfit(adapter, model)
-        if reason is not None:
-            raise CbgenError(f"{where} {adapter.spec}: does not fit the model: {reason}")
+        names = safetensors_shapes(adapter.weights)
+    except (OSError, ValueError, struct.error):
+        return []  # unreadable: PEFT's load says why
+    return sorted({m.group(1) for name in names if (m := FACTOR.match(name) or CARRIED.match(name))})
 
 
 # -- merged ---------------------------------------------------------------------------------------------------------
@@ -279,15 +237,23 @@ def applied(model: Any, adapter: Adapter | None) -> Iterator[None]:
 
         from cbgen.model import packs
 
-        saved: list[_Saved] = []
+        # the layers its file names are saved before PEFT loads it: an adapter of an embedding carries a copy of
+        # the embedding's own weights, which PEFT's load writes over the model's
+        modules = dict(model.named_modules())
+        saved = [entry for path in adapted_paths(adapter) if path in modules for entry in _saved(modules[path])]
+        loaded_over = list(saved)
         try:
             with torch.no_grad():
                 wrapped = PeftModel.from_pretrained(model, str(adapter.folder), is_trainable=False)
+                known = {(id(entry.module), entry.name) for entry in saved}
                 for module in wrapped.modules():
                     if isinstance(module, LoraLayer):
-                        base = module.get_base_layer()
-                        saved += [_Saved(base, name, tensor.data, tensor.detach().clone())
-                                  for name in ("weight", "bias") if (tensor := getattr(base, name, None)) is not None]
+                        saved += [e for e in _saved(module.get_base_layer()) if (id(e.module), e.name) not in known]
+                for entry in loaded_over:
+                    if not torch.equal(getattr(entry.module, entry.name), entry.before):
+                        raise CbgenError(f"--adapter {adapter.spec}: it carries its own copy of a layer's weights, "
+                                         "and they are not this model's (made for another base model, or a resized "
+                                         "vocabulary): run it on its base model")
                 wrapped.merge_and_unload()
                 for entry in saved:
                     entry.keep_storage()
@@ -295,7 +261,7 @@ def applied(model: Any, adapter: Adapter | None) -> Iterator[None]:
             _restore(saved)
             _strip(model, LoraLayer)
             packs.clear()
-            if not isinstance(e, Exception):
+            if not isinstance(e, Exception) or isinstance(e, CbgenError):
                 raise
             raise CbgenError(f"--adapter {adapter.spec}: cannot be merged into the model: {type(e).__name__}: "
                              f"{first_line(e)}") from None
@@ -324,6 +290,12 @@ class _Saved:
         if current.data_ptr() != self.storage.data_ptr():
             self.storage.copy_(current)
             getattr(self.module, self.name).data = self.storage
+
+
+def _saved(layer: Any) -> list[_Saved]:
+    """A layer's weight and bias as they are now."""
+    return [_Saved(layer, name, tensor.data, tensor.detach().clone())
+            for name in ("weight", "bias") if (tensor := getattr(layer, name, None)) is not None]
 
 
 def _strip(model: Any, lora_layer: Any) -> None:

@@ -257,11 +257,12 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     anything the user can fix."""
     source = resolve_source(settings.model)
     if weights and settings.adapter is not None:  # an adapter that does not fit stops before the weights load
-        from cbgen.model.adapters import check_fits, section_adapters
+        from cbgen.model.adapter_fit import check_section
+        from cbgen.model.adapters import section_adapters
 
         adapters = section_adapters(settings)
         if adapters is not None:  # against the structure: its layers on torch's meta device, no weight read
-            check_fits(adapters, load_model(settings, weights=False).model)
+            check_section(adapters, settings, load_model(settings, weights=False).model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     if weights and settings.onednn_linear:  # a setting this machine cannot run stops before the weights load

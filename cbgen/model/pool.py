@@ -22,14 +22,16 @@ class ModelPool:
     def load(self, settings: ModelSection) -> LoadedModel:
         from cbgen.model.load import load_model
 
-        key = json.dumps(dataclasses.asdict(settings) | {"adapter": None}, sort_keys=True)
+        key = json.dumps(dataclasses.asdict(settings) | {"adapter": None, "adapter_any_base": None},
+                         sort_keys=True)
         if key not in self._loaded:
             self._loaded[key] = load_model(settings)  # checks the adapters it names fit the model
             self.loads += 1
         elif settings.adapter is not None:
-            from cbgen.model.adapters import check_fits, section_adapters
+            from cbgen.model.adapter_fit import check_section
+            from cbgen.model.adapters import section_adapters
 
             adapters = section_adapters(settings)
             if adapters is not None:
-                check_fits(adapters, self._loaded[key].model)
+                check_section(adapters, settings, self._loaded[key].model)
         return self._loaded[key]

@@ -9,7 +9,8 @@ import torch
 from cbgen.config.adapters import check_specs, split_spec
 from cbgen.errors import CbgenError
 from cbgen.model import packs
-from cbgen.model.adapters import applied, check_fits, misfit, resolve
+from cbgen.model.adapter_fit import check_fits, misfit, other_base, short_name
+from cbgen.model.adapters import applied, resolve
 from tests.adapters import merged_model
 
 
@@ -70,7 +71,7 @@ def test_misfits_are_found_from_the_structure_alone(tiny_model_dir, lora_adapter
         check_fits(resolve([str(lora_adapters["wide"])]), structure)
 
 
-@pytest.mark.parametrize("name", ["a", "b", "dora"])
+@pytest.mark.parametrize("name", ["a", "b", "dora", "embed"])
 def test_the_merge_is_peft_merge_and_unload_and_is_taken_back_bit_for_bit(tiny_model_dir, lora_adapters, name):
     model = merged_model(tiny_model_dir, None)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -89,6 +90,46 @@ def test_the_merge_is_peft_merge_and_unload_and_is_taken_back_bit_for_bit(tiny_m
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in after)
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear and not hasattr(model, "peft_config")
+
+
+def structure_of(folder, **change):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, **change))
+
+
+def test_an_embedding_adapter_fits_where_its_merge_is_exact(tiny_model_dir, lora_adapters):
+    embed = resolve([str(lora_adapters["embed"])]).default
+    assert misfit(embed, structure_of(tiny_model_dir)) is None  # the tiny model's embeddings are its own
+    tied = misfit(embed, structure_of(tiny_model_dir, tie_word_embeddings=True))  # shared with the output layer
+    assert tied is not None and "model.embed_tokens" in tied and "tie_word_embeddings" in tied
+
+
+def test_an_adapter_carrying_another_models_embeddings_is_refused_and_the_model_kept(tiny_model_dir, lora_adapters):
+    model = merged_model(tiny_model_dir, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CbgenError, match=r"^--adapter .*embed-other: it carries its own copy of a layer's weights"):
+        with applied(model, resolve([str(lora_adapters["embed-other"])]).default):
+            pass
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert type(model.model.embed_tokens) is torch.nn.Embedding and not hasattr(model, "peft_config")
+
+
+@pytest.mark.parametrize(("base", "names", "same"), [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", ["SmolLM2-135M-Instruct.Q4_1.gguf"], True),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", ["/models/smollm2-135m-instruct/"], True),
+    ("Qwen/Qwen3-4B", ["Qwen/Qwen3-4B-GGUF", "Qwen3-4B-Q8_0.gguf"], True),
+    ("meta-llama/Llama-3.2-1B", ["meta-llama/Llama-3.2-1B-Instruct"], False),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", ["llama-1b"], False),
+    ("", ["anything"], True),  # an adapter that names no base: nothing to compare
+])
+def test_an_adapters_base_model_is_compared_by_name(lora_adapters, base, names, same):
+    adapter = resolve([str(lora_adapters["a"])]).default
+    config = adapter.config | {"base_model_name_or_path": base}
+    named = type(adapter)(adapter.name, adapter.spec, adapter.folder, config)
+    assert (other_base(named, names) is None) == same
+    assert short_name("SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct"
 
 
 def test_a_merge_that_fails_leaves_the_model_as_it_was(tiny_model_dir, lora_adapters):
@@ -196,3 +237,21 @@ def test_a_second_thread_is_refused_before_it_touches_the_weights(tiny_model_dir
     with applied(model, adapters.pick("b")):  # free again: this thread may hold it, and nest
         with weights_held(model):
             pass
+
+
+def test_a_relative_path_with_one_slash_is_a_folder_first_then_a_hub_id_that_must_resolve(lora_adapters, tmp_path,
+                                                                                           monkeypatch):
+    import shutil
+
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CbgenError, match=r"^--adapter adapters/legal: no such folder, and not a hub adapter found"):
+        resolve(["adapters/legal"])  # not on disk, and no hub repo of that name in reach: named, not a silent download
+    shutil.copytree(lora_adapters["a"], tmp_path / "adapters" / "legal")
+    assert resolve(["adapters/legal"]).default.folder == tmp_path / "adapters" / "legal"  # the folder wins
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.append(repo) or str(lora_adapters["b"]))
+    assert resolve(["owner/repo"]).default.folder == lora_adapters["b"] and asked == ["owner/repo"]  # a hub id
