@@ -17,6 +17,7 @@ from cbgen.errors import CbgenError, first_line
 from cbgen.model.adapters import CONFIG_FILE, FACTOR, Adapter, Adapters, safetensors_shapes
 
 ANY_BASE_FLAG = "--adapter-any-base"
+HUB_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/")
 QUANTIZED_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|f16|f32|bf16|fp16|gguf)$")
 
 
@@ -93,9 +94,13 @@ def model_names(model_setting: str | None, structure: Any) -> list[str]:
     from cbgen.model.source import resolve_source
 
     source = resolve_source(model_setting)
-    names = [model_setting, source.location, source.gguf_file,
-             getattr(getattr(structure, "config", None), "_name_or_path", None)]
-    return [n for n in names if n]
+    return with_hub_ids([n for n in (model_setting, source.location, source.gguf_file,
+                                     getattr(getattr(structure, "config", None), "_name_or_path", None)) if n])
+
+
+def with_hub_ids(names: list[str]) -> list[str]:
+    """`names`, and the hub id of each that is a folder of the hub's cache (.../models--owner--name/snapshots/...)."""
+    return names + [f"{m.group(1)}/{m.group(2)}" for n in names if (m := HUB_SNAPSHOT.search(str(n)))]
 
 
 def short_name(name: str) -> str:

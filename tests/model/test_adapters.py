@@ -9,7 +9,7 @@ import torch
 from cbgen.config.adapters import check_specs, split_spec
 from cbgen.errors import CbgenError
 from cbgen.model import packs
-from cbgen.model.adapter_fit import check_fits, misfit, other_base, short_name
+from cbgen.model.adapter_fit import check_fits, misfit, other_base, short_name, with_hub_ids
 from cbgen.model.adapters import applied, resolve
 from tests.adapters import merged_model
 
@@ -123,12 +123,13 @@ def test_an_adapter_carrying_another_models_embeddings_is_refused_and_the_model_
     ("meta-llama/Llama-3.2-1B", ["meta-llama/Llama-3.2-1B-Instruct"], False),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", ["llama-1b"], False),
     ("", ["anything"], True),  # an adapter that names no base: nothing to compare
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", ["/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/ab12"], True),
 ])
 def test_an_adapters_base_model_is_compared_by_name(lora_adapters, base, names, same):
     adapter = resolve([str(lora_adapters["a"])]).default
     config = adapter.config | {"base_model_name_or_path": base}
     named = type(adapter)(adapter.name, adapter.spec, adapter.folder, config)
-    assert (other_base(named, names) is None) == same
+    assert (other_base(named, with_hub_ids(names)) is None) == same
     assert short_name("SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct"
 
 
