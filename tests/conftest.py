@@ -27,6 +27,9 @@ if _RUN:
     os.environ["CBGEN_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"cbgen-test-cache-{_RUN}")
 else:
     os.environ["CBGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-cache-")
+# compiled kernels are built once per run, in the run's cache: a test that points CBGEN_CACHE_DIR elsewhere (its own
+# model or result cache) still loads them; the tests of a fresh build name a kernel folder of their own
+os.environ["CBGEN_KERNEL_CACHE_DIR"] = str(Path(os.environ["CBGEN_CACHE_DIR"]) / "kernels")
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="cbgen-test-datasets-")  # datasets' Arrow caches
 # the result cache stays off, so that every test computes what it checks; the cache's own tests name a directory
 # (--cache DIR, run.cache), which turns it on for them alone (cbgen.result_cache)

@@ -96,8 +96,8 @@ class ModelSection:
         None, "On CPU, attend with cbgen's compiled kernel: every query row of a step in one call per layer, keys "
         "and values read where they lie in the paged cache, each row's result depending on its own keys only "
         "(batch-invariant by construction). Built from C++ on first use (about 20 s with g++, cached under "
-        "$CBGEN_CACHE_DIR/kernels). Default: on where it builds and fits the model; without a compiler, or for "
-        "a model it does not fit, cbgen's eager CPU attention runs and run.json says why.")
+        "$CBGEN_KERNEL_CACHE_DIR, else $CBGEN_CACHE_DIR/kernels). Default: on where it builds and fits the model; "
+        "without a compiler, or for a model it does not fit, cbgen's eager CPU attention runs and run.json says why.")
     batch_invariant: bool | None = setting(
         None, "Batch-invariant numerics: every linear layer in fixed-shape row tiles and every token's attention in a "
         "call shaped by its own position, so a sequence's tokens and logprobs are bitwise the same whatever shares "

@@ -87,9 +87,9 @@ def build_key(name: str) -> str:
 
 
 def build_folder(name: str) -> Path:
-    from cbgen.model.gguf import default_cache_dir
+    from cbgen.model import kernel_cache_dir
 
-    return default_cache_dir() / "kernels" / f"{name}-{build_key(name)}"
+    return kernel_cache_dir() / f"{name}-{build_key(name)}"
 
 
 def _module_name(name: str) -> str:
@@ -199,10 +199,10 @@ def build_notice() -> str | None:
     pending = uncached(GENERATION)
     if not pending:
         return None
-    from cbgen.model.gguf import default_cache_dir
+    from cbgen.model import kernel_cache_dir
 
     return (f"rendering prompts, and building cbgen's compiled CPU kernels ({', '.join(pending)}): once per machine, "
-            f"about a minute on 2 cores; later jobs load them from {default_cache_dir() / 'kernels'}")
+            f"about a minute on 2 cores; later jobs load them from {kernel_cache_dir()}")
 
 
 def _cached(name: str) -> bool:

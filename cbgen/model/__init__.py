@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from cbgen.config import ModelSection
 
 CACHE_ENV = "CBGEN_CACHE_DIR"
+KERNEL_CACHE_ENV = "CBGEN_KERNEL_CACHE_DIR"
 
 
 def dtype_name(dtype: Any) -> str:
@@ -27,3 +28,12 @@ def default_cache_dir(settings: ModelSection | None = None) -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "cbgen"
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels and the linear layers' tile probes are kept: $CBGEN_KERNEL_CACHE_DIR, else `kernels` in
+    the cache folder. Its own setting, so that a job with another model or result cache (--model-cache-dir, a test's
+    folder) loads the kernels this machine already built instead of building them again."""
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return Path(os.environ[KERNEL_CACHE_ENV]).expanduser()
+    return default_cache_dir() / "kernels"

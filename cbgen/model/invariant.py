@@ -225,10 +225,10 @@ def _probe_name(weight: torch.Tensor, threads: int) -> str:
 @functools.lru_cache(maxsize=1)
 def _probed_before() -> dict[str, Any]:
     from cbgen.files import read_json_or_none
-    from cbgen.model import default_cache_dir
+    from cbgen.model import kernel_cache_dir
 
     try:
-        known = read_json_or_none(default_cache_dir() / "kernels" / PROBES_FILE)
+        known = read_json_or_none(kernel_cache_dir() / PROBES_FILE)
     except Exception:  # noqa: BLE001 - no cache folder: every process probes
         return {}
     return known if isinstance(known, dict) else {}
@@ -238,11 +238,11 @@ def _remember(name: str, sizes: tuple[int, ...]) -> None:
     """Keeps a probe's answer for the next process (a warm start then probes nothing); an unwritable cache only
     costs the next process its probe."""
     from cbgen.files import read_json_or_none, write_json_atomic
-    from cbgen.model import default_cache_dir
+    from cbgen.model import kernel_cache_dir
 
     _probed_before()[name] = list(sizes)
     try:
-        path = default_cache_dir() / "kernels" / PROBES_FILE
+        path = kernel_cache_dir() / PROBES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         known = read_json_or_none(path)
         write_json_atomic(path, (known if isinstance(known, dict) else {}) | {name: list(sizes)}, durable=False)

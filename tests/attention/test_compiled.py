@@ -104,7 +104,8 @@ def _run(tmp_path, model_dir, *extra, env=None):
 @pytest.mark.slow
 def test_without_a_compiler_the_eager_attention_runs_and_says_why(tmp_path, tiny_model_dir):
     # a fresh kernel cache and a compiler that does not exist: the build fails, the job runs on the eager path
-    env = {"CBGEN_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-c++")}
+    env = {"CBGEN_CACHE_DIR": str(tmp_path / "cache"), "CBGEN_KERNEL_CACHE_DIR": str(tmp_path / "cache" / "kernels"),
+           "CXX": str(tmp_path / "no-such-c++")}
     done, out = _run(tmp_path, tiny_model_dir, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     scope = json.loads((out / "run.json").read_text())["engine_scope"]
@@ -128,7 +129,7 @@ def test_without_a_compiler_the_eager_attention_runs_and_says_why(tmp_path, tiny
 
 @pytest.mark.slow
 def test_a_job_names_the_kernel_and_a_warm_start_loads_it_cached(tmp_path, tiny_model_dir):
-    env = {"CBGEN_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"CBGEN_CACHE_DIR": str(tmp_path / "cache"), "CBGEN_KERNEL_CACHE_DIR": str(tmp_path / "cache" / "kernels")}
     for expected in ("built in", "cached"):
         done, out = _run(tmp_path, tiny_model_dir, env=env)
         assert done.returncode == 0, done.stderr[-2000:]

@@ -17,6 +17,7 @@ from cbgen.kernels import build
 def cache(tmp_path, monkeypatch):
     root = tmp_path / "shared-cache"
     monkeypatch.setenv("CBGEN_CACHE_DIR", str(root))
+    monkeypatch.delenv("CBGEN_KERNEL_CACHE_DIR", raising=False)  # the kernels under the cache folder, as by default
     return root
 
 
@@ -76,3 +77,13 @@ def test_a_job_says_it_builds_the_kernels_before_it_waits(cache, monkeypatch):
     monkeypatch.setattr(build, "_cached", lambda name: False)
     monkeypatch.setenv(build.DISABLE_ENV, "1")
     assert build.build_notice() is None
+
+
+def test_the_kernels_folder_is_its_own_setting(tmp_path, monkeypatch):
+    """A job with its own model cache (--model-cache-dir, CBGEN_CACHE_DIR) loads the kernels the machine built where
+    CBGEN_KERNEL_CACHE_DIR says, instead of building them again under its cache."""
+    monkeypatch.setenv("CBGEN_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("CBGEN_KERNEL_CACHE_DIR", str(tmp_path / "kernels-here"))
+    assert build.build_folder("sampling").parent == tmp_path / "kernels-here"
+    monkeypatch.delenv("CBGEN_KERNEL_CACHE_DIR")
+    assert build.build_folder("sampling").parent == tmp_path / "models" / "kernels"

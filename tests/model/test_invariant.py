@@ -136,7 +136,7 @@ def test_the_probe_tells_apart_a_kernel_that_only_adds_in_another_order(monkeypa
 def test_a_warm_start_reads_the_probes_answer(monkeypatch, tmp_path):
     """The answer is kept in the kernels cache under what it depends on: the next process reads it and probes
     nothing; another thread count (or machine, torch, oneDNN setting) is another name, and is probed."""
-    monkeypatch.setenv("CBGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CBGEN_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
     dtype = torch.bfloat16 if cpu_row().dtype == "bfloat16" else torch.float32
     weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed = pack(weight)
