@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from cbgen.control.penalties import History
+
+class History(Protocol):
+    """What the device side reads of one sequence's host history (cbgen.control.penalties.History, a slot's key by
+    identity): its tokens, prompt first, and how many of them are the prompt."""
+
+    tokens: list[int]
+    prompt_length: int
 
 
 class Lists:
