@@ -2,7 +2,7 @@
 with `model.generate`, measured side by side in one process, model load excluded from all.
 
 Paths: `cbgen` (prefix-gated admission, the default), `cbgen-ordered` (the same order, no gate), `cbgen-input-order`
-(input order, no gate), the `cbgen` path with one setting changed on the same loaded model (VARIANTS:
+(input order, no gate), the `cbgen` path with one setting changed on the same loaded model (cbgen.bench.registry:
 `cbgen-invariant`, `cbgen-variant`, `cbgen-eager`, `cbgen-onednn`), `generate_batch` (transformers' entry point,
 same ContinuousBatchingConfig), `static-B` (`model.generate` on left-padded batches of B prompts, in input order) and
 `llamacpp` (the same token ids through llama.cpp: cbgen.bench.llamacpp).
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from cbgen.bench.registry import BENCH_PATHS
 from cbgen.bench.workloads import BenchWorkload, Measurement
 from cbgen.config import JobConfig, ModelSection
 from cbgen.engine.scope import ScopePlan
@@ -27,24 +28,6 @@ from cbgen.inputs.base import IdChoice
 from cbgen.job.sequence import Planned, make_engine, plan_input, prepared
 from cbgen.model.load import LoadedModel
 from cbgen.records import PromptRecord
-
-LLAMACPP_QUANTIZED = "llamacpp-q8_0"  # llama.cpp on the Q8_0 GGUF: the quantization a llama.cpp user would run
-
-# The cbgen path with settings changed, on the same loaded model: path -> (what it measures, the `Bench.cbgen`
-# keywords). Each runs after a warm-up of its own and adds the share of requests whose greedy tokens equal the
-# cbgen path's, when that ran earlier on the workload.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "cbgen-invariant": ("--batch-invariant", {"invariant": True}),
-    "cbgen-variant": ("--no-batch-invariant: stock linear layers (the compiled attention stays)", {"invariant": False}),
-    "cbgen-eager": ("--no-compiled-attention --no-batch-invariant: cbgen's eager CPU attention, stock linear layers",
-                    {"invariant": False, "compiled": False}),
-    "cbgen-onednn": ("--onednn-linear: every float32 or bfloat16 linear layer through oneDNN, weights prepacked",
-                     {"onednn": True}),
-    "cbgen-tiles": ("--no-compiled-linear: the invariant linear layers in oneDNN's fixed tiles, not cbgen's kernel",
-                    {"linear_kernel": False}),
-    "cbgen-eager-ops": ("--no-compiled-ops: the fused layers' norms, rotary and SiLU as torch's eager operators",
-                        {"ops": False}),
-}
 
 # the sampling workload's variants: path suffix, temperature, seed, --batch-invariant
 SAMPLING = (("", None, None, None), ("-sampled", 0.8, None, None), ("-seeded", 0.8, 1, False),
@@ -167,10 +150,10 @@ class Bench:
                            sum(map(len, workload.prompts)), generated, extra)
 
     def variant(self, workload: BenchWorkload, path: str, earlier: Sequence[Measurement]) -> list[Measurement]:
-        """The cbgen path with the settings of VARIANTS[path], after a warm-up of its own (under a schema only for
+        """The cbgen path with the settings of BENCH_PATHS[path], after a warm-up of its own (under a schema only for
         cbgen-onednn); each row adds the share of requests whose greedy tokens equal those of the same path without
         the change, when it ran earlier on this workload (`earlier`)."""
-        settings = VARIANTS[path][1]
+        settings = BENCH_PATHS[path].settings
         if workload.schema is not None and path != "cbgen-onednn":
             return []
         self.cbgen(BenchWorkload("warm-up", workload.prompts[:8], 4), "input", **settings)
@@ -198,7 +181,7 @@ class Bench:
     def structured(self, workload: BenchWorkload, order: str = "gated", **settings: Any) -> list[Measurement]:
         """The workload under its schema, then as free text capped request by request at the constrained answer's
         length: the same prompts and (up to early end-of-sequence) the same tokens, with and without the masks.
-        `settings`: `cbgen`'s keywords (a VARIANTS path's)."""
+        `settings`: `cbgen`'s keywords (a variant path's)."""
         constrained = self.cbgen(workload, order, constrained=True, **settings)
         caps = [len(tokens) for tokens in constrained.extra["tokens"]]
         free = BenchWorkload(workload.name, workload.prompts, workload.max_new_tokens, caps=caps)
@@ -327,23 +310,24 @@ def run_suite(
         for path in paths:
             if (workload.schema is not None or workload.sampling) and not path.startswith("cbgen"):
                 continue  # only cbgen can follow a schema; the structured workload compares cbgen with itself
+            spec = BENCH_PATHS[path]
+            earlier = [m for m in results if m.workload == workload.name]
             if workload.sampling:  # cbgen with itself, greedy against sampled
                 measured = bench.sampling(workload) if path == "cbgen" else []
-            elif path == "static":
+            elif spec.runs == "static":
                 measured = [bench.static(workload, b) for b in static_batch_sizes]
-            elif path == "generate_batch":
+            elif spec.runs == "generate_batch":
                 measured = [bench.generate_batch(workload)]
-            elif path in VARIANTS:
-                measured = bench.variant(workload, path, [m for m in results if m.workload == workload.name])
-            elif path in ("llamacpp", LLAMACPP_QUANTIZED):
-                gguf = llamacpp_model if path == "llamacpp" else llamacpp_quantized
+            elif spec.runs == "variant":
+                measured = bench.variant(workload, path, earlier)
+            elif spec.runs == "llamacpp":
+                gguf = llamacpp_model if spec.gguf_flag == "--llamacpp-model" else llamacpp_quantized
                 if gguf is None:
-                    flag = "--llamacpp-model" if path == "llamacpp" else "--llamacpp-q8-model"
-                    raise CbgenError(f"the {path} path needs the GGUF file llama.cpp runs ({flag})")
-                reference = next((m for m in results if m.workload == workload.name and m.path == "cbgen"), None)
+                    raise CbgenError(f"the {path} path needs the GGUF file llama.cpp runs ({spec.gguf_flag})")
+                reference = next((m for m in earlier if m.path == "cbgen"), None)
                 measured = [bench.llamacpp(workload, gguf, llamacpp_parallel, reference, path)]
             else:
-                order = {"cbgen": "gated", "cbgen-ordered": "ordered", "cbgen-input-order": "input"}[path]
+                order = spec.order or "gated"
                 measured = ([bench.cbgen(workload, order)] if workload.schema is None
                             else bench.structured(workload, order))
             for m in measured:

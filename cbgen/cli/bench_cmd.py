@@ -9,11 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cbgen.bench.registry import BENCH_PATHS
 from cbgen.errors import CbgenError
 
-# the cbgen-* variants are cbgen.bench.paths.VARIANTS (kept equal by a test; that module imports torch)
-PATHS = ("cbgen", "cbgen-ordered", "cbgen-input-order", "cbgen-invariant", "cbgen-variant", "cbgen-eager",
-         "cbgen-onednn", "cbgen-eager-ops", "cbgen-tiles", "generate_batch", "static", "llamacpp", "llamacpp-q8_0")
+PATHS = tuple(BENCH_PATHS)
 
 
 def _split(value: str) -> list[str]:
