@@ -12,9 +12,8 @@ from hypothesis import settings
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # pytest-xdist runs a worker per core: each computes on one thread (and so do the cbgen processes tests start), so
-# that the workers' OpenMP pools do not contend for the same cores (measured on a 2-core AMD EPYC Zen 4: 40 tests of
-# tests/test_run_tiny.py, test_row_settings.py and control/test_structured.py in 69.8 s on 2 threads a worker, 61.2 s
-# on 1). Set before torch loads its OpenMP runtime; tests about thread counts set theirs
+# that the workers' OpenMP pools do not contend for the same cores (faster: docs/performance.md, the constants). Set
+# before torch loads its OpenMP runtime; tests about thread counts set theirs
 # (tests.helpers.torch_threads).
 if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (
         os.cpu_count() or 1):

@@ -5,6 +5,8 @@ here."""
 from __future__ import annotations
 
 import ast
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,19 @@ def test_the_kind_check_sees_comparisons(tmp_path):
     module.write_text("if job.kind == 'score':\n    pass\nok = kind in ('generate', 'sql')\n"
                       "fine = {'score': 1}['score'] is None\n")
     assert [line.split(":")[0] for line in kind_comparisons(module)] == ["line 1", "line 3"]
+
+
+TIMING = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms|µs|us|min)\b|\b\d+(?:\.\d+)?x\b")
+
+
+def test_no_timing_in_a_code_comment():
+    """A figure in a comment goes stale where nobody measures it again: the figures behind a constant live in
+    docs/performance.md ('Why the constants are what they are'), and the comment says what the constant does."""
+    found = []
+    for name, path in MODULES.items():
+        if name in GENERATED:  # repeats the settings' help text, which may give figures
+            continue
+        with open(path, "rb") as f:
+            found += [f"{name}:{t.start[0]}: {t.string}" for t in tokenize.tokenize(f.readline)
+                      if t.type == tokenize.COMMENT and TIMING.search(t.string)]
+    assert not found, "timings in code comments (move them to docs/performance.md):\n" + "\n".join(found)

@@ -52,7 +52,7 @@ def _allocator(cache: Any, layer_idx: int) -> FullAttentionCacheAllocator | None
 
 # Attend over the whole range of the requests' pages, in place, while it holds at most this many pages per request:
 # a page in the range that no request of the batch owns costs SDPA about what gathering a request's page costs
-# (measured on a 2-core AVX2 CPU, 64 requests of 192 tokens: 3.6 ms per layer for SDPA, 3.5 ms for the gather)
+# (figures: docs/performance.md, 'Why the constants are what they are')
 _SPAN_PER_REQUEST = 1.5
 
 

@@ -50,7 +50,8 @@ class CpuRow:
 
 
 _STOCK = {"max_requests_per_batch": 16, "max_batch_tokens": 1024}
-_PER_SEQUENCE = {"max_requests_per_batch": 64, "max_batch_tokens": 1024}  # measured best on both amx and avx2
+# the best limits for the per-sequence attention on AMX and AVX2 alike (docs/performance.md, the constants)
+_PER_SEQUENCE = {"max_requests_per_batch": 64, "max_batch_tokens": 1024}
 CPU_ROWS: dict[str, CpuRow] = {
     "amx-bf16": CpuRow("amx-bf16", "bfloat16", _PER_SEQUENCE, _STOCK,
                        "2-core Intel Xeon with AVX-512 and AMX, bf16: 540 tok/s at 64 requests per batch against 356 "

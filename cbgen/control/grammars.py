@@ -24,7 +24,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, response_template: ResponseTemplate | None = None) -> None:
         import llguidance.hf
 
-        self.tokenizer_info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)  # about 1 s, once
+        self.tokenizer_info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)  # once per tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self._grammars: dict[str, str] = {}
         self._lock = threading.Lock()

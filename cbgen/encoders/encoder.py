@@ -65,8 +65,8 @@ class Encoder:
         else:
             why = packed.unfit_reason(loaded.model, self.device.type)
         self.stats.packed, self.stats.packed_why = why is None, why or "each text's own tokens, no padding"
-        # float32 on CPU: the linear layers through oneDNN with prepacked weights, 1.1-1.2x torch's MKL matmul at an
-        # embedding batch's 700-2,048 rows (all-MiniLM-L6-v2's shapes, 2-core Zen 4); a vector's last bits may move
+        # float32 on CPU: the linear layers through oneDNN with prepacked weights, faster than torch's MKL matmul at
+        # an embedding batch's rows (docs/performance.md, the constants); a vector's last bits may move
         dtype = next(loaded.model.parameters()).dtype
         if self.device.type == "cpu" and dtype == torch.float32 and linear.onednn_available():
             self.stats.linear = linear.LINEAR_KINDS[linear.ONEDNN]

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
 
     from cbgen.control.needs import StepPlan
 
-# KV page size on CPU for requests that continue each other (a chat stage's turns): only whole pages are shared.
-# Measured on the conversations example (24 two-turn chats, 2-core AMD EPYC Zen 4, bf16): prompt tokens served from
-# the cache 0 / 2,496 / 2,720 of 9,425 at pages of 256 / 64 / 32, generation 29.8 / 29.8 / 26.9 s, the same tokens
+# KV page size on CPU for requests that continue each other (a chat stage's turns): only whole pages are shared, so
+# small pages serve more of each turn's prompt from the cache, the same tokens (figures: docs/performance.md, 'Why
+# the constants are what they are')
 CONTINUED_PAGE_SIZE = 32
 
 

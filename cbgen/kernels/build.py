@@ -56,7 +56,7 @@ class Built:
 
     name: str
     loaded: bool
-    detail: str  # "built in 34.2 s", "cached", or why it is unavailable
+    detail: str  # "built in N s", "cached", or why it is unavailable
     seconds: float = 0.0
     library: Path | None = None
 

@@ -46,23 +46,19 @@ from cbgen.config.cpu import cpu_row
 from cbgen.model import packs, tiles_kernel
 from cbgen.model.linear import MergedLinears, onednn_available, onednn_unfit, replaced_forwards
 
-TILE_ROWS = 64  # rows per matmul: a decode step's size; measured cheaper than 32-row tiles (1.2x vs 1.7x at 64 rows)
+TILE_ROWS = 64  # rows per matmul: a decode step's size, cheaper than 32-row tiles
 # Other tile sizes, per layer, where a probe finds a row's bits in them those of a 64-row tile (`tile_sizes`): larger
 # ones for a long call (a prompt chunk), smaller ones for the rest of a call, so that few rows are padded. Which sizes
-# qualify is the kernel's choice, per shape and dtype, measured on a Sapphire Rapids: in bfloat16 (AMX) the 128- and
-# 256-row tiles of the embedded model's projections but not the down projection's 256-row one, and no tile under 64
-# rows (another AMX kernel); in float32 (oneDNN's AVX-512 or AVX2 kernels over prepacked weights) every size tried.
-# With AMX a 64-row tile's arithmetic is cheap and its oneDNN call is not (at 1,024 rows the qkv, output and gate/up
-# projections cost 1.8-3.6x one stock call in 64-row tiles, 1.1-1.45x in 256-row ones); in float32 under AVX2 the
-# arithmetic is the cost, and a call of 200 rows in four 64-row tiles computed 56 rows of padding. Layers above
+# qualify is the kernel's choice, per shape and dtype: with AMX a 64-row tile's arithmetic is cheap and its oneDNN
+# call is not, so larger tiles pay; in float32 under AVX2 the arithmetic is the cost, and smaller tiles pad less
+# (figures: docs/performance.md, 'Why the constants are what they are'). Layers above
 # TILE_PROBE_MAX_WEIGHTS parameters are not probed: their arithmetic dominates the call, the probe would cost
 # start-up time, and the largest (the vocabulary projection) only sees a row per request in continuous batching.
 TILE_SIZES = (8, 16, 32, 128, 256)
 TILE_PROBE_MAX_WEIGHTS = 4 * 1024 * 1024
 # What a tile's call costs beyond its arithmetic, in rows of arithmetic, by dtype: the plan of a call (`tile_plan`)
-# weighs padded rows against calls with it. Measured on a Sapphire Rapids: bfloat16 with AMX (a 64-row tile of the
-# qkv projection 0.07 ms, a 256-row one 0.15 ms) about 100 rows; float32 under AVX2 (a 64-row tile 0.37 ms, 4.7 us a
-# row) about 15. A plan only moves time, never a row's bits.
+# weighs padded rows against calls with it (about 100 rows in bfloat16 with AMX, about 15 in float32 under AVX2
+# (figures: docs/performance.md, 'Why the constants are what they are')). A plan only moves time, never a row's bits.
 CALL_ROWS = {torch.bfloat16: 96, torch.float16: 96, torch.float32: 16}
 _tile_sizes: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (shape, dtype, threads) -> the probe's sizes, per process
 PROBE_PEAK = 2.0**16  # how large the cancelling pair of a probe row makes one output's partial sums

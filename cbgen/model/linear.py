@@ -56,8 +56,10 @@ import torch
 
 from cbgen.errors import first_line
 
-VOCAB_CHUNK = 2048  # output columns per matmul (measured best of 2,048 / 4,096 / 8,192 at 64 rows)
-CHUNK_ROWS = 128  # chunk only batches of at most this many rows: decode-sized, where chunks were measured faster
+# output columns per matmul, and chunks only for batches of at most CHUNK_ROWS rows (decode-sized), where they pay
+# (figures: docs/performance.md, 'Why the constants are what they are')
+VOCAB_CHUNK = 2048
+CHUNK_ROWS = 128
 PROBE_ROWS = (1, 3, 17, 64, CHUNK_ROWS)
 
 PACK_ROWS = 64  # the batch-size hint oneDNN packs for: a decode step's rows; results do not depend on it
