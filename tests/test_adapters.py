@@ -236,6 +236,25 @@ def test_an_embedding_adapter_answers_as_its_merged_model(tiny_model_dir, lora_a
     assert [rows[f"q{i}"] for i in range(4)] == expected
 
 
+def test_a_jobs_adapters_are_resolved_once(tiny_model_dir, lora_adapters, references, tmp_path, monkeypatch):
+    """The engine, the result cache, the resume fingerprint, run.json and the card read one table: a hub adapter is
+    looked up once for the whole job (each used to look it up again)."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.append(repo) or str(lora_adapters["a"]))
+    hub_id = f"tests/{tmp_path.name}"  # a name no other test asks for
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    out = tmp_path / "out"
+    assert cbgen(tiny_model_dir, prompts, "-o", out, "--max-new-tokens", NEW, "--adapter", hub_id) == 0
+    assert asked == [hub_id]
+    rows = {r["id"]: r["token_ids"] for r in read_shards(out)}
+    assert [rows[f"q{i}"] for i in range(len(PROMPTS))] == references["a"]
+    (adapter,) = json.loads((out / "run.json").read_text())["model"]["adapters"]
+    assert adapter["source"] == hub_id and adapter["name"] == tmp_path.name
+
+
 def test_score_takes_the_jobs_adapter(tiny_model_dir, lora_adapters, tokenizer, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "Name a river.", "completion": " The Nile."}])
     out = tmp_path / "out"

@@ -108,14 +108,46 @@ class Adapters:
 
 def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:
     """The job's adapters, each found on disk (a folder, or a hub id from the hub or its local cache) and its config
-    read; None when it names none. Raises CbgenError naming the adapter and the way out."""
+    read; None when it names none. Raises CbgenError naming the adapter and the way out.
+
+    Resolved once: every part of a job that asks (its engine, the result cache, the resume fingerprint, run.json, the
+    card) gets the same table, and a hub id is looked up once per process. The table is made again only when an
+    adapter's files change (their sizes and modification times), so a resume still sees new weights."""
     if not specs:
         return None
+    found = [(spec, *split_spec(spec)) for spec in specs]
+    folders = [(spec, name, location, _folder(location, where)) for spec, name, location in found]
+    key = (where, tuple((spec, str(folder), _files_state(folder)) for spec, _, _, folder in folders))
+    with _resolved_lock:
+        known = _resolved.get(key)
+    if known is None:
+        known = _table(folders, where)
+        with _resolved_lock:
+            _resolved[key] = known
+    return known
+
+
+_resolved: dict[tuple[Any, ...], Adapters] = {}
+_resolved_lock = threading.Lock()
+_hub_folders: dict[str, Path] = {}  # hub id -> its snapshot folder, looked up once per process
+
+
+def _files_state(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """What changes when an adapter's files do: each one's name, size and modification time."""
+    state = []
+    for name in (CONFIG_FILE, *WEIGHT_FILES):
+        try:
+            info = (folder / name).stat()
+        except OSError:
+            continue
+        state.append((name, info.st_size, info.st_mtime_ns))
+    return tuple(state)
+
+
+def _table(folders: list[tuple[str, str | None, str, Path]], where: str) -> Adapters:
     default = None
     named: dict[str, Adapter] = {}
-    for spec in specs:
-        name, location = split_spec(spec)
-        folder = _folder(location, where)
+    for _spec, name, location, folder in folders:
         adapter = Adapter(name or default_name(location), location, folder, _read_config(folder, where, location))
         if name is None:
             default = adapter
@@ -160,11 +192,14 @@ def _folder(location: str, where: str) -> Path:
                          f"{CONFIG_FILE})")
     looks_local = location.startswith((".", "/", "~")) or location.count("/") != 1
     if not looks_local:
+        if location in _hub_folders:
+            return _hub_folders[location]
         try:
             from huggingface_hub import snapshot_download
 
             offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-            return Path(snapshot_download(location, local_files_only=offline))
+            folder = _hub_folders[location] = Path(snapshot_download(location, local_files_only=offline))
+            return folder
         except Exception as e:  # noqa: BLE001 - unknown repo, no network, offline and not cached: one line
             raise CbgenError(f"{where} {location}: no such folder, and not a hub adapter found ({first_line(e)}); "
                              "give the folder PEFT saved the adapter in") from None
