@@ -174,6 +174,28 @@ def test_the_kind_check_sees_comparisons(tmp_path):
     assert [line.split(":")[0] for line in kind_comparisons(module)] == ["line 1", "line 3"]
 
 
+def runner_comparisons(path: Path) -> list[str]:
+    """Comparisons that read a kind's runner name (`kind.runner == ...`, `x.runner in (...)`)."""
+    return [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Compare) and any(isinstance(part, ast.Attribute) and part.attr == "runner"
+                                                     for part in [node.left, *node.comparators])]
+
+
+def test_runners_are_told_apart_only_by_their_registry():
+    """How a kind's rows run is its runner (cbgen.job.runners): the run asks the runner its kind names, and nothing
+    else compares a runner's name."""
+    found = {name: lines for name, path in MODULES.items()
+             if name not in ("cbgen.job.runners",) and not name.startswith("cbgen.kinds")
+             and (lines := runner_comparisons(path))}
+    assert not found, f"runner names compared outside cbgen.job.runners: {found}"
+
+
+def test_the_runner_check_sees_comparisons(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("if kind.runner == 'scorer':\n    pass\nok = kind_of(k).runner in ('encoder',)\nfine = runner\n")
+    assert [line.split(":")[0] for line in runner_comparisons(module)] == ["line 1", "line 3"]
+
+
 TIMING = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms|µs|us|min)\b|\b\d+(?:\.\d+)?x\b")
 
 

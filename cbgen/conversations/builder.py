@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from cbgen.conversations.state import ASSISTANT, USER, Conversation
-from cbgen.errors import RowError, first_line
+from cbgen.errors import CbgenError, RowError, first_line
 from cbgen.records import PromptRecord, Request
 
 if TYPE_CHECKING:
@@ -41,6 +41,20 @@ def simulated_user(chat: Any) -> PromptTemplate | None:
     from cbgen.render.templates import PromptTemplate
 
     return PromptTemplate.of(chat.user_template, chat.user_system, ("user_template", "user_system"))
+
+
+def check_conversation_columns(job: Any, schema: Any) -> None:
+    """A chat stage's input schema (a pyarrow.Schema), before the pipeline runs: the simulated user's templates parse
+    and read columns the input has, and its user turns column is one of them."""
+    user = simulated_user(job.chat)
+    missing = sorted(v for v in (user.variables if user is not None else ()) if v not in {*schema.names, "messages"})
+    if missing:
+        raise CbgenError(f"user_template reads {missing[0]!r}, and its input has no such column; its columns are: "
+                         f"{', '.join(schema.names)}")
+    column = job.chat.user_turns_column
+    if column is not None and column.split(".")[0] not in schema.names:
+        raise CbgenError(f"user_turns_column {column!r}: its input has no such column; its columns are: "
+                         f"{', '.join(schema.names)}")
 
 
 def user_settings(chat: Any) -> dict[str, Any]:

@@ -20,7 +20,6 @@ rank 0 sends them.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from cbgen import result_cache
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError
 from cbgen.inputs import Reader
+from cbgen.job.runners import runner_of
 from cbgen.job.sequence import Planned, drain, make_engine, open_job_input, read_ahead
 from cbgen.kernels.build import build_notice
 from cbgen.kinds import Kind, kind_of
@@ -132,7 +132,6 @@ class _Run:
 
     def execute(self) -> RunSummary:
         from cbgen.job.plan import used_settings
-        from cbgen.job.sequence import output_rows, plan_input, prepared
 
         total = self._count_pending()
         if total == 0:
@@ -150,35 +149,9 @@ class _Run:
         if whole and all(record.error is not None for record in head):
             self._refuse_all(head, used, total)  # no row can run: no model is loaded
             return self.summary
-        if self.kind.runner == "encoder":
-            return self._encode(itertools.chain(head, records), total)
-        if self.kind.runner == "conversations":
-            from cbgen.conversations.builder import simulated_user
+        return runner_of(self.kind).execute(self, head, records, used, total, whole)
 
-            simulated_user(self.job.chat)  # its templates parse, before the model loads
-        loaded = self._load_model()
-        self.progress.stage((loaded.device == "cpu" and build_notice()) or "rendering prompts")
-        if self.kind.runner == "scorer":
-            return self._score(loaded, itertools.chain(head, records), total)
-        if self.kind.runner == "conversations":
-            from cbgen.job.converse import plan_conversations
-
-            talks = plan_conversations(self.job, loaded, head, used, total, self.reader.ids, whole, self.stop,
-                                       self.directory.path, self.directory.done.ids)
-            if talks.conversations.resumed:
-                self.progress.stage(f"resuming {plural(len(talks.conversations.resumed), 'conversation')} from "
-                                    "the turns an earlier run finished")
-            self._generate(loaded, Planned(talks.plan, iter(()), None), talks.rows, total,
-                           lambda compute: talks.conversations.run(itertools.chain(head, records), compute))
-            talks.close(complete=self.summary.status == Status.COMPLETE)
-        else:
-            planned = plan_input(self.job, loaded, head, records, used, total, self.reader.ids, whole)
-            self._generate(loaded, planned, output_rows(self.job, planned.plan, loaded, self.source.name), total,
-                           lambda compute: compute(prepared(self.job, planned)))
-        self._input_cut()
-        return self.summary
-
-    def _generate(self, loaded: LoadedModel, planned: Planned, rows: Rows, total: int | None,
+    def generate(self, loaded: LoadedModel, planned: Planned, rows: Rows, total: int | None,
                   stream: Callable[[Callable[[Iterator[Any]], Iterator[list[Completion]]]], Iterator[Any]]) -> None:
         """Runs the plan's engine on the requests `stream` hands it (through the result cache), writing `rows`."""
         plan = planned.plan
@@ -200,7 +173,7 @@ class _Run:
         self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(plan, engine, loaded, planned.grammars)
 
-    def _score(self, loaded: LoadedModel, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
+    def score(self, loaded: LoadedModel, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
         """A scoring job: the scorer in the engine's place, score rows for output rows (cbgen.score)."""
         from cbgen.job.sequence import make_scorer, plan_scores, score_rows
 
@@ -214,10 +187,10 @@ class _Run:
         self.summary.scorer = scorer.stats.to_dict()
         self.summary.result_cache = result_cache.report(cache, self.job)
         self._finish(None, None, loaded, None)
-        self._input_cut()
+        self.input_cut()
         return self.summary
 
-    def _encode(self, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
+    def encode(self, records: Iterator[PromptRecord], total: int | None) -> RunSummary:
         """An embed or reward job: the encoder in the engine's place (cbgen.job.encode)."""
         from cbgen.encoders.load import load_encoder
         from cbgen.job.encode import plan_encoding
@@ -231,10 +204,10 @@ class _Run:
         self._write((g for g in planned.encoder.run(planned.requests, self.stop)), planned.rows, total)
         self.summary.scorer = planned.encoder.stats.to_dict()
         self._finish(None, None, None, None)
-        self._input_cut()
+        self.input_cut()
         return self.summary
 
-    def _input_cut(self) -> None:
+    def input_cut(self) -> None:
         """After a run whose input ended at a cut (a truncated gzip file): the rows before it are written; the run
         records the cut file as its input, so that the file made whole resumes it, and says so (exit 2)."""
         broken = self.reader.broken
@@ -278,26 +251,12 @@ class _Run:
     def _refuse_all(self, head: list[PromptRecord], used: frozenset[str], total: int | None) -> None:
         """Every row read is an error record, and there are no more: they are written without a model."""
         from cbgen.engine.admission import rejection
-        from cbgen.outputs.rows import OutputRows
 
         columns = OutputColumns.decide(self.job, used, replies=False)
         self.directory.record_columns(columns)
         n = self.kind.samples_per_row(self.job)
         refused = (rejection(Request(r, error=r.error), r.error or "refused", n) for r in head)
-        if self.kind.runner == "encoder":
-            from cbgen.encoders.rows import EncodedRows
-
-            self._write(refused, EncodedRows(columns), total)
-        elif self.kind.runner == "conversations":
-            from cbgen.conversations.rows import ChatRows
-
-            self._write(refused, ChatRows(columns), total)
-        elif self.kind.runner == "scorer":
-            from cbgen.job.sequence import score_rows
-
-            self._write(refused, score_rows(columns, None), total)
-        else:
-            self._write(refused, OutputRows(self.job, columns, None, self.source.name), total)
+        self._write(refused, runner_of(self.kind).refused_rows(self, columns), total)
         self._finish(None, None, None, None)
 
     def _settle(self, complete: bool) -> None:
@@ -321,7 +280,7 @@ class _Run:
                 positions.setdefault(record.id, len(positions))
         return positions
 
-    def _load_model(self) -> LoadedModel:
+    def load_model(self) -> LoadedModel:
         tp = self.tp
         # said before importing torch and transformers, which take seconds of their own
         self.progress.stage("loading the model" + (f" (tensor parallel over {tp.size} processes)" if tp else ""))
@@ -339,6 +298,7 @@ class _Run:
             else load_model(self.job.model, tp, weights=not replicas_only)
         release_gc()  # the libraries and the model exist now: later collections skip them
         self.summary.timings["model_load_s"] = round(loaded.load_seconds, 3)
+        self.progress.stage((loaded.device == "cpu" and build_notice()) or "rendering prompts")
         return loaded
 
     def _open_writer(self, rows: Rows) -> ShardWriter:

@@ -20,6 +20,7 @@ import pyarrow as pa
 from cbgen.config import JobConfig, build_config
 from cbgen.config.flat import flat_overrides
 from cbgen.errors import CbgenError
+from cbgen.job.runners import check_stage_input
 from cbgen.kinds import kind_of
 from cbgen.parallel.launch import launch_of
 from cbgen.pipelines.spec import Pipeline, Stage
@@ -163,8 +164,7 @@ def _check_fields(job: JobConfig, schema: pa.Schema) -> None:
     from cbgen.render.templates import PromptTemplate
 
     template = PromptTemplate.from_input(job.input)
-    if kind_of(job.kind).runner == "conversations":
-        _check_conversations(job, schema)
+    check_stage_input(kind_of(job.kind), job, schema)  # what its runner checks of its input (a chat stage's user)
     for column, names in (template.attributes.items() if template is not None else ()):
         fields = struct_fields(schema, column) if column in schema.names else None
         for name in sorted(names):
@@ -185,19 +185,3 @@ def _check_fields(job: JobConfig, schema: pa.Schema) -> None:
             if fields is not None and rest.split(".")[0] not in fields:
                 raise CbgenError(f"{flag} {path!r}: column {head!r} has no field {rest.split('.')[0]!r}; its fields "
                                  f"are: {', '.join(fields)}")
-
-
-def _check_conversations(job: JobConfig, schema: pa.Schema) -> None:
-    """A chat stage's simulated user's templates parse and read columns its input has; its user turns column is
-    one of them."""
-    from cbgen.conversations.builder import simulated_user
-
-    user = simulated_user(job.chat)
-    missing = sorted(v for v in (user.variables if user is not None else ()) if v not in {*schema.names, "messages"})
-    if missing:
-        raise CbgenError(f"user_template reads {missing[0]!r}, and its input has no such column; its columns are: "
-                         f"{', '.join(schema.names)}")
-    column = job.chat.user_turns_column
-    if column is not None and column.split(".")[0] not in schema.names:
-        raise CbgenError(f"user_turns_column {column!r}: its input has no such column; its columns are: "
-                         f"{', '.join(schema.names)}")
