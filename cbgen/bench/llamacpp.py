@@ -35,7 +35,7 @@ def llamacpp_dir() -> Path:
     cbgen's cache directory ($CBGEN_CACHE_DIR, else $XDG_CACHE_HOME/cbgen, else ~/.cache/cbgen)."""
     if os.environ.get("CBGEN_LLAMACPP_DIR"):
         return Path(os.environ["CBGEN_LLAMACPP_DIR"]).expanduser()
-    from cbgen.model.gguf import default_cache_dir
+    from cbgen.cache_root import default_cache_dir
 
     return default_cache_dir() / "llamacpp"
 

@@ -87,7 +87,7 @@ def build_key(name: str) -> str:
 
 
 def build_folder(name: str) -> Path:
-    from cbgen.model import kernel_cache_dir
+    from cbgen.cache_root import kernel_cache_dir
 
     return kernel_cache_dir() / f"{name}-{build_key(name)}"
 
@@ -199,7 +199,7 @@ def build_notice() -> str | None:
     pending = uncached(GENERATION)
     if not pending:
         return None
-    from cbgen.model import kernel_cache_dir
+    from cbgen.cache_root import kernel_cache_dir
 
     return (f"rendering prompts, and building cbgen's compiled CPU kernels ({', '.join(pending)}): once per machine, "
             f"about a minute on 2 cores; later jobs load them from {kernel_cache_dir()}")

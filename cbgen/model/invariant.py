@@ -220,8 +220,8 @@ def _probe_name(weight: torch.Tensor, threads: int) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _probed_before() -> dict[str, Any]:
+    from cbgen.cache_root import kernel_cache_dir
     from cbgen.files import read_json_or_none
-    from cbgen.model import kernel_cache_dir
 
     try:
         known = read_json_or_none(kernel_cache_dir() / PROBES_FILE)
@@ -233,8 +233,8 @@ def _probed_before() -> dict[str, Any]:
 def _remember(name: str, sizes: tuple[int, ...]) -> None:
     """Keeps a probe's answer for the next process (a warm start then probes nothing); an unwritable cache only
     costs the next process its probe."""
+    from cbgen.cache_root import kernel_cache_dir
     from cbgen.files import read_json_or_none, write_json_atomic
-    from cbgen.model import kernel_cache_dir
 
     _probed_before()[name] = list(sizes)
     try:

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cbgen.cache_root import default_cache_dir
 from cbgen.config import ModelSection
 from cbgen.config.cpu import cpu_row
 from cbgen.errors import CbgenError, first_line
-from cbgen.model.gguf import GgufCache, default_cache_dir, gguf_tokenizer, load_gguf, model_entry
+from cbgen.model.gguf import GgufCache, gguf_tokenizer, load_gguf, model_entry
 from cbgen.model.gguf_parse import parsed_once
 from cbgen.model.source import INSTALL_EMBEDDED, ModelSource, embedded_model_path, random_model_config, resolve_source
 from cbgen.process.quiet import quiet

@@ -172,7 +172,7 @@ def embedded_embedder_path() -> Path | None:
     import secrets
     import zipfile
 
-    from cbgen.model import default_cache_dir
+    from cbgen.cache_root import default_cache_dir
 
     spec = importlib.util.find_spec(EMBEDDER_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

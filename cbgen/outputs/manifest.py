@@ -72,8 +72,8 @@ def cut_identity(path: str, size: int | None = None) -> dict[str, Any]:
 def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, int] | None) -> dict[str, Any]:
     """The settings that change what a run writes. Batching and run settings change speed, not results, so a
     resume may change them; bf16 greedy tokens can still drift with batch composition (docs/generation.md)."""
+    from cbgen.cache_root import default_cache_dir
     from cbgen.model.adapters import job_adapters
-    from cbgen.model.gguf import default_cache_dir
     from cbgen.render.templates import PromptTemplate
 
     g, i = job.generation, job.input
@@ -172,8 +172,8 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
 def adapters_record(job: JobConfig) -> list[dict[str, Any]]:
     """run.json's and the dataset card's account of the job's LoRA adapters: each one's name, source, rank, targets
     and digests, the job's own (the rows that name none run with it) marked `default`."""
+    from cbgen.cache_root import default_cache_dir
     from cbgen.model.adapters import job_adapters
-    from cbgen.model.gguf import default_cache_dir
 
     adapters = job_adapters(job)
     if adapters is None:

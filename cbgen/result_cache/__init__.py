@@ -37,7 +37,7 @@ def default_cache_dir(chosen: str | None = None) -> Path:
     """--cache DIR, else $CBGEN_CACHE_DIR/results, else $XDG_CACHE_HOME/cbgen/results (~/.cache/cbgen/results)."""
     if chosen:
         return Path(chosen).expanduser()
-    from cbgen.model.gguf import default_cache_dir as models
+    from cbgen.cache_root import default_cache_dir as models
 
     return models() / "results"
 
