@@ -3,16 +3,10 @@ by default)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from rich.console import Console
-
 from cbgen.cli._options import ConfigFile, InputPath, embed_options
-from cbgen.cli.display import make_progress
-from cbgen.cli.run import graceful_stop, report
-from cbgen.config import build_config
-from cbgen.parallel.launch import launch_of
+from cbgen.cli.run import job_command
 
 EPILOG = (
     "[bold]Examples[/bold]\n\n"
@@ -42,14 +36,4 @@ def embed(
     overrides: dict[tuple[str, str], tuple[Any, str]],
 ):
     """Embed text with an embedding model: one pooled vector per row."""
-    from cbgen.job.run import run_job  # imports torch and transformers: only once the arguments are known to be good
-
-    if input_path is not None:
-        overrides[("input", "path")] = (input_path, "INPUT")
-    job = build_config(config, overrides, kind="embed")
-    launch_of(job, "cbgen embed")
-    console = Console(stderr=True, log_path=False)
-    stop = threading.Event()
-    with graceful_stop(stop, console):
-        summary = run_job(job, make_progress(console, job.run.quiet), stop)
-    report(console, job, summary)
+    job_command(input_path, config, overrides, "embed", "cbgen embed")

@@ -63,11 +63,7 @@ def run(
     overrides: dict[tuple[str, str], tuple[Any, str]],
 ):
     """Generate an answer for every prompt in INPUT with continuous batching."""
-    from cbgen.job.run import run_job  # imports torch and transformers: only once the arguments are known to be good
-
-    if input_path is not None:
-        overrides[("input", "path")] = (input_path, "INPUT")
-    job = build_config(config, overrides)
+    job = job_of(input_path, config, overrides)
     if (estimate_time or as_json) and not dry_run:
         raise CbgenError("--estimate-time and --json go with --dry-run")
     if dry_run:
@@ -86,7 +82,31 @@ def run(
             raise typer.Exit(follow_job(job, tp))  # rank 0 reads, writes and reports; this rank runs its model shard
         finally:
             tp.close()
+    run_reported(job, tp)
+
+
+def job_command(input_path: str | None, config: str | None, overrides: dict[tuple[str, str], tuple[Any, str]],
+                kind: str, command: str) -> None:
+    """The body of a command that runs one job of `kind` in this process (cbgen score, cbgen embed): the job from
+    its file and flags, where it runs checked (cbgen.parallel.launch), run, reported."""
+    job = job_of(input_path, config, overrides, kind)
+    launch_of(job, command)
+    run_reported(job)
+
+
+def job_of(input_path: str | None, config: str | None, overrides: dict[tuple[str, str], tuple[Any, str]],
+           kind: str | None = None) -> JobConfig:
+    """The job a command's INPUT, --config file and flags make."""
+    if input_path is not None:
+        overrides[("input", "path")] = (input_path, "INPUT")
+    return build_config(config, overrides) if kind is None else build_config(config, overrides, kind=kind)
+
+
+def run_reported(job: JobConfig, tp: Any = None) -> None:
+    """Runs `job` here (rank 0 under `tp`), stopping gracefully on SIGTERM or Ctrl-C, and ends the command with its
+    report and exit code."""
     from cbgen.cli.display import make_progress  # the display's imports are not paid by `cbgen run --help`
+    from cbgen.job.run import run_job  # imports torch and transformers: only once the arguments are known to be good
 
     console = Console(stderr=True, log_path=False)
     stop = threading.Event()
