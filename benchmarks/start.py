@@ -37,7 +37,7 @@ note("interpreter")
 from cbgen.process.startup import hold_gc
 hold_gc()  # as `cbgen` itself does before its heavy imports
 from cbgen.cli import main
-import cbgen.job.run, cbgen.engine.engine, cbgen.model.load as load, cbgen.outputs.writers as writers
+import cbgen.job.run, cbgen.engine.engine, cbgen.model.load as load, cbgen.rows.writers as writers
 note("imported")
 real_load = load.load_model
 def load_model(*args, **kwargs):

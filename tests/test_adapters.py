@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.adapters import greedy, merged_model
 from tests.helpers import write_jsonl
 

@@ -25,7 +25,7 @@ from cbgen.cli import run_cli
 from cbgen.config.cpu import cpu_row
 from cbgen.model.invariant import batch_invariant_linear
 from cbgen.model.linear import LINEAR_KINDS, TILES
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import property_examples, write_jsonl
 from tests.model.test_architectures import ARCHITECTURES, BASE
 

@@ -57,7 +57,7 @@ def test_gated_and_ungated_runs_give_the_same_tokens(tiny_model_dir, tmp_path):
         out = tmp_path / gating
         assert run_cli(["run", str(path), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
                         "--page-size", "16", "--max-new-tokens", "6", "--max-in-flight", "8", gating, "-q"]) == 0
-        from cbgen.outputs import read_shards
+        from cbgen.rows import read_shards
 
         outputs[gating] = {r["id"]: r["token_ids"] for r in read_shards(out)}
     assert len(outputs["--prefix-gating"]) == len(rows)

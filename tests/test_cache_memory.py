@@ -12,7 +12,7 @@ import torch
 from cbgen.cli import run_cli
 from cbgen.engine import kv_memory as cache_memory
 from cbgen.engine.kv_memory import LazyCache, lazy_cache_memory
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 MiB = 1024**2

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 # Columns a row has besides the base fields, by how the job asks for them.

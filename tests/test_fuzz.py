@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from cbgen.cli import run_cli
 from cbgen.inputs import open_reader
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 
 pytestmark = pytest.mark.slow  # hundreds of generated inputs, and jobs on them
 

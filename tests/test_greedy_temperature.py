@@ -10,7 +10,7 @@ import yaml
 
 import cbgen
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 PROMPTS = ["Name a river.", "Count to three.", "What is rain?"]

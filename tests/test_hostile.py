@@ -7,7 +7,7 @@ import json
 import random
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 GOOD = [{"prompt": "What is the capital of France?"}, {"prompt": "Name a colour."}]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
-from cbgen.outputs.rundir import DirectoryLock
+from cbgen.rows import read_shards
+from cbgen.rows.rundir import DirectoryLock
 from tests.helpers import disk_full_at_shard, write_jsonl
 
 

@@ -13,7 +13,7 @@ from openai.types.shared import ErrorObject
 from cbgen.cli import run_cli
 from cbgen.inputs import open_reader
 from cbgen.inputs.openai import OpenAIBatchReader
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import read_jsonl, write_jsonl
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 pytestmark = pytest.mark.slow  # a real Ray cluster

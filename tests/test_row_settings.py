@@ -11,7 +11,7 @@ from cbgen.config import JobConfig
 from cbgen.control.sampling import SamplingPlan
 from cbgen.errors import RowError
 from cbgen.inputs.settings import parse_settings
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 PROMPTS = ["Tell me a story.", "List some fruits.", "Why is the sky blue?"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import read_jsonl, write_jsonl
 
 CHATS = [

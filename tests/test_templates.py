@@ -18,9 +18,9 @@ import pytest
 from cbgen.cli import run_cli
 from cbgen.config import InputSection
 from cbgen.errors import CbgenError, RowError
-from cbgen.outputs import read_shards
 from cbgen.render.sandbox import Limits, RenderStopped
 from cbgen.render.templates import PromptTemplate, syntax_error_position
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 SEED = [

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import torchrun_cbgen, write_jsonl
 
 pytestmark = pytest.mark.slow  # every test starts torchrun

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate
     from cbgen.control.grammars import Grammars
     from cbgen.control.processor import StepControl
-    from cbgen.outputs.columns import OutputColumns
+    from cbgen.rows.columns import OutputColumns
 
 
 @dataclass(frozen=True)

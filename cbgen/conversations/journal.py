@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from cbgen.conversations.state import Turn
-from cbgen.outputs.rundir import TURNS_FILE
+from cbgen.rows.rundir import TURNS_FILE
 
 
 class TurnJournal:

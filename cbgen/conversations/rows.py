@@ -9,8 +9,8 @@ from cbgen.conversations.state import Conversation
 
 if TYPE_CHECKING:
     from cbgen.conversations.driver import Finished
-    from cbgen.outputs.columns import OutputColumns
     from cbgen.records import Completion
+    from cbgen.rows.columns import OutputColumns
 
 
 def message(entry: dict[str, Any]) -> dict[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cbgen.outputs.columns import OutputColumns
 from cbgen.records import Completion
+from cbgen.rows.columns import OutputColumns
 
 
 class EncodedRows:

@@ -13,9 +13,9 @@ from cbgen.encoders.encoder import Encoder
 from cbgen.encoders.load import LoadedEncoder
 from cbgen.encoders.requests import EncodeRenderer
 from cbgen.encoders.rows import EncodedRows
-from cbgen.outputs.columns import OutputColumns
 from cbgen.progress import ProgressSink
 from cbgen.records import Completion, PromptRecord, Request
+from cbgen.rows.columns import OutputColumns
 
 
 @dataclass

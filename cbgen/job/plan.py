@@ -20,9 +20,9 @@ from cbgen.config import JobConfig
 from cbgen.control.needs import StepPlan
 from cbgen.control.sampling import SamplingPlan
 from cbgen.inputs.base import IdChoice
-from cbgen.outputs.columns import OutputColumns
 from cbgen.records import PromptRecord, Request
 from cbgen.render.prompts import RenderPlan
+from cbgen.rows.columns import OutputColumns
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate

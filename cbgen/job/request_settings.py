@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from cbgen.config import JobConfig
 from cbgen.errors import RowError
-from cbgen.outputs.columns import top_logprobs_of
 from cbgen.records import PromptRecord, Request
+from cbgen.rows.columns import top_logprobs_of
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars

@@ -8,7 +8,7 @@ A job is a pipeline of plain iterators, each stage in its own module:
     settings  cbgen.job.request_settings   the row's own sampling, caps and stop strings over the job's
     order     cbgen.render.prompts            prefix-aware order, longest generations first
     generate  cbgen.engine             transformers' continuous batching, a bounded window in flight
-    write     cbgen.outputs            rows or OpenAI lines into atomic shards, resume index, run.json
+    write     cbgen.rows, cbgen.outputs   rows or OpenAI lines into atomic shards, resume index; run.json
 
 A scoring job (cbgen score) reads, writes and resumes the same way, with cbgen.score's scorer in the engine's place
 and score rows for output rows; an embed or reward job with cbgen.encoders' encoder (cbgen.job.encode).
@@ -36,14 +36,14 @@ from cbgen.job.sequence import Planned, drain, make_engine, open_job_input, read
 from cbgen.kernels.build import build_notice
 from cbgen.kinds import Kind, kind_of
 from cbgen.model.source import ModelSource, context_tokens, resolve_source
-from cbgen.outputs.columns import OutputColumns
 from cbgen.outputs.manifest import cut_identity, job_fingerprint, stored_job, write_manifest
-from cbgen.outputs.rundir import MANIFEST_FILE, RunDirectory
 from cbgen.outputs.summary import RunSummary, Status
 from cbgen.parallel.sharding import Sharding, resolve_sharding, shard_directory, shard_of
 from cbgen.process.startup import release_gc
 from cbgen.progress import NullProgress, ProgressSink, plural
 from cbgen.records import Completion, PromptRecord, Request
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.rundir import MANIFEST_FILE, RunDirectory
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
@@ -54,9 +54,9 @@ if TYPE_CHECKING:
     from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
     from cbgen.model.pool import ModelPool
-    from cbgen.outputs.rows import OutputRows
-    from cbgen.outputs.writers import ShardWriter
     from cbgen.parallel.tensor import TensorParallel
+    from cbgen.rows.request_rows import OutputRows
+    from cbgen.rows.writers import ShardWriter
     from cbgen.score.rows import ScoreRows
 
     # what a finished request becomes: generated rows (or OpenAI lines), scores, embeddings, rewards, conversations
@@ -302,7 +302,7 @@ class _Run:
         return loaded
 
     def _open_writer(self, rows: Rows) -> ShardWriter:
-        from cbgen.outputs.writers import open_writer
+        from cbgen.rows.writers import open_writer
 
         output = self.job.output
         return open_writer(output.format, self.summary.output_dir, rows_per_shard=output.rows_per_shard,

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
     from cbgen.inputs import Reader
     from cbgen.model.load import LoadedModel
     from cbgen.model.source import ModelSource
-    from cbgen.outputs.columns import OutputColumns
-    from cbgen.outputs.rundir import RunDirectory
     from cbgen.outputs.summary import RunSummary
     from cbgen.progress import ProgressSink
     from cbgen.records import PromptRecord
+    from cbgen.rows.columns import OutputColumns
+    from cbgen.rows.rundir import RunDirectory
 
 
 class Run(Protocol):
@@ -76,7 +76,7 @@ class Runner:
         return run.summary
 
     def refused_rows(self, run: Run, columns: OutputColumns) -> Any:
-        from cbgen.outputs.rows import OutputRows
+        from cbgen.rows.request_rows import OutputRows
 
         return OutputRows(run.job, columns, None, run.source.name)
 

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from cbgen.engine.scope import ScopePlan
     from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
-    from cbgen.outputs.columns import OutputColumns
-    from cbgen.outputs.rows import OutputRows
+    from cbgen.rows.columns import OutputColumns
+    from cbgen.rows.request_rows import OutputRows
     from cbgen.score.requests import ScoreRequest
     from cbgen.score.rows import ScoreRows
     from cbgen.score.scorer import Scorer
@@ -135,7 +135,7 @@ def make_engine(job: JobConfig, planned: Planned, loaded: LoadedModel, *, restar
 def output_rows(job: JobConfig, plan: JobPlan, loaded: LoadedModel, model_name: str) -> OutputRows:
     """What each finished request becomes: rows with the plan's columns (or OpenAI lines)."""
     from cbgen.chat.responses import ReplyParser
-    from cbgen.outputs.rows import OutputRows
+    from cbgen.rows.request_rows import OutputRows
 
     replies = ReplyParser(loaded.tokenizer, plan.template) if plan.template is not None else None
     return OutputRows(job, plan.columns, loaded.tokenizer, model_name, replies)
@@ -154,8 +154,8 @@ def plan_scores(job: JobConfig, loaded: LoadedModel, records: Iterator[PromptRec
     """Renders a scoring job's records as `cbgen run` renders prompts, each with what it scores after them."""
     from cbgen.engine.setup import plan_scoring_scope
     from cbgen.job.plan import plan_rendering
-    from cbgen.outputs.columns import OutputColumns
     from cbgen.render.prompts import Renderer
+    from cbgen.rows.columns import OutputColumns
     from cbgen.score.requests import ScoreRenderer
 
     renderer = ScoreRenderer(Renderer(loaded.tokenizer, plan_rendering(job, loaded).render))

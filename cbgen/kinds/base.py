@@ -7,7 +7,7 @@ plan and show a job read these answers; none of them names a kind.
 
 This module and the kinds' own import only cbgen's bottom layer (records, errors, progress), not even for types, so
 that any room may ask them without an import running back up: a hook's `job` is a cbgen.config.JobConfig, its
-`columns` a cbgen.outputs.columns.OutputColumns, its `summary` a cbgen.outputs.summary.RunSummary.
+`columns` a cbgen.rows.columns.OutputColumns, its `summary` a cbgen.outputs.summary.RunSummary.
 """
 
 from __future__ import annotations

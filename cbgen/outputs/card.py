@@ -1,7 +1,7 @@
 """The dataset card: a `README.md` in every output directory (and every merged one) that makes it a dataset.
 
 Its YAML metadata names the data files in order, so `datasets.load_dataset(DIR)` loads the shards as one `train`
-split (in input order, once the run is complete: cbgen.outputs.order), and records how the rows were made: the
+split (in input order, once the run is complete: cbgen.rows.order), and records how the rows were made: the
 model, the generation settings, the templates, the counts, the cbgen version and the command line. The hub reads
 the same card when the folder is uploaded (`hf upload NAME DIR --repo-type dataset`); huggingface_hub's DatasetCard
 parses it.
@@ -19,7 +19,7 @@ import yaml
 from cbgen import __version__
 from cbgen.files import write_text_atomic
 from cbgen.kinds import kind_of
-from cbgen.outputs.columns import OutputColumns
+from cbgen.rows.columns import OutputColumns
 
 CARD_FILE = "README.md"
 

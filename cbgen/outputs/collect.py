@@ -18,9 +18,10 @@ from cbgen.inputs import open_input
 from cbgen.inputs.scoring import ScoreFields
 from cbgen.kinds import kind_of
 from cbgen.outputs.card import write_card
-from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.order import rows_in_order
-from cbgen.outputs.rundir import (
+from cbgen.parallel.sharding import parse_shard_directory, shard_directory, shard_of
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.order import rows_in_order
+from cbgen.rows.rundir import (
     FINGERPRINT_FILE,
     LOCK_FILE,
     MANIFEST_FILE,
@@ -30,9 +31,8 @@ from cbgen.outputs.rundir import (
     read_stored_run,
     stored_columns,
 )
-from cbgen.outputs.shards import done_index, read_shards, shard_paths
-from cbgen.outputs.writers import open_writer
-from cbgen.parallel.sharding import parse_shard_directory, shard_directory, shard_of
+from cbgen.rows.shards import done_index, read_shards, shard_paths
+from cbgen.rows.writers import open_writer
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -357,8 +357,8 @@ def save_dataset(directories: list[RunDirectory], target: Path, job: dict[str, A
     import datasets
     import pyarrow as pa
 
-    from cbgen.outputs.schema import arrow_schema, for_arrow, infer_kept_schema
     from cbgen.process.quiet import quiet
+    from cbgen.rows.schema import arrow_schema, for_arrow, infer_kept_schema
 
     paths = [d.path for d in directories]
     features, columns = None, None

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from cbgen.config import JobConfig
 from cbgen.errors import CbgenError
 from cbgen.outputs.card import write_card
-from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.order import put_in_input_order
-from cbgen.outputs.rundir import MANIFEST_FILE, read_json, read_stored_run, stored_columns
-from cbgen.outputs.shards import read_shards, shard_paths
 from cbgen.process.quiet import quiet
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.order import put_in_input_order
+from cbgen.rows.rundir import MANIFEST_FILE, read_json, read_stored_run, stored_columns
+from cbgen.rows.shards import read_shards, shard_paths
 
 if TYPE_CHECKING:
     import datasets
@@ -41,7 +41,7 @@ def load(directory: str | Path) -> datasets.Dataset:
     shards keep their types (`parsed` with the schema's fields), JSONL ones take those of cbgen's output schema."""
     import datasets
 
-    from cbgen.outputs.schema import arrow_schema, for_arrow, infer_kept_schema
+    from cbgen.rows.schema import arrow_schema, for_arrow, infer_kept_schema
 
     directory = Path(directory)
     if not shard_paths(directory):

@@ -17,8 +17,8 @@ from cbgen.files import write_json_atomic
 from cbgen.kinds import DEFAULT, kind_of
 from cbgen.model import dtype_name
 from cbgen.model.source import ModelSource
-from cbgen.outputs.rundir import FORMAT, MANIFEST_FILE, redo_history
 from cbgen.outputs.summary import RunSummary
+from cbgen.rows.rundir import FORMAT, MANIFEST_FILE, redo_history
 
 if TYPE_CHECKING:
     from cbgen.model.load import LoadedModel

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from cbgen.engine.scope import ScopePlan
     from cbgen.inputs.base import IdChoice
     from cbgen.job.plan import JobPlan
-    from cbgen.outputs.shards import DoneIndex
+    from cbgen.rows.shards import DoneIndex
 
 
 class Status:

@@ -103,8 +103,8 @@ def _plan_job_stage(pipeline: Pipeline, stage: Stage, plans: Mapping[str, StageP
                     stubs: Path, templates: _ResponseTemplates) -> StagePlan:
     from cbgen.job.plan import plan_columns
     from cbgen.model.source import check_available, source_of
-    from cbgen.outputs.columns import OutputColumns
-    from cbgen.outputs.schema import arrow_schema
+    from cbgen.rows.columns import OutputColumns
+    from cbgen.rows.schema import arrow_schema
 
     assert stage.input is not None
     if stage.input_is_stage:
@@ -147,7 +147,7 @@ def _checked_input(pipeline: Pipeline, stage: Stage, path: str, output_dir: Path
     if reader.schema is not None:
         return reader.schema
     from cbgen.inputs.jsonl import JsonlReader
-    from cbgen.outputs.schema import infer_kept_schema
+    from cbgen.rows.schema import infer_kept_schema
 
     if not isinstance(reader, JsonlReader):
         raise CbgenError(f"cannot tell the columns of '{path}': give a stage a JSONL or Parquet file, or a dataset")

@@ -184,8 +184,8 @@ class PipelineRun:
 
     def _job_state(self, name: str) -> JobState:
         from cbgen.outputs.collect import find_run_directories
-        from cbgen.outputs.rundir import MANIFEST_FILE, read_json
         from cbgen.outputs.summary import Status
+        from cbgen.rows.rundir import MANIFEST_FILE, read_json
 
         try:
             found = find_run_directories(self.output_dir / name)
@@ -273,7 +273,7 @@ class PipelineRun:
 
     def _table(self, name: str) -> Table:
         """Stage `name`'s table (cbgen.pipelines.tables), written when missing or when the stage's shards changed."""
-        from cbgen.outputs.shards import shard_paths
+        from cbgen.rows.shards import shard_paths
 
         stage = self.pipeline.stage(name)
         if not stage.of_kind.over_rows:

@@ -19,7 +19,7 @@ from cbgen.pipelines.spec import Stage
 from cbgen.pipelines.status import SQL_FILE
 from cbgen.pipelines.tables import run_query, write_parquet
 
-SHARD = "part-00000.parquet"  # the one shard of its result (as cbgen.outputs.shards names shards)
+SHARD = "part-00000.parquet"  # the one shard of its result (as cbgen.rows.shards names shards)
 
 
 def run_sql_stage(stage: Stage, tables: dict[str, Path], output_dir: Path, fingerprint: dict[str, Any]) -> int:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import duckdb
 
     from cbgen.config import JobConfig
-    from cbgen.outputs.columns import OutputColumns
+    from cbgen.rows.columns import OutputColumns
 
 ROW_GROUP = 10_000
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cbgen.outputs.columns import OutputColumns
 from cbgen.records import SCORE_FIELDS, Completion
+from cbgen.rows.columns import OutputColumns
 
 
 class ScoreRows:

@@ -13,7 +13,7 @@ from transformers.generation.continuous_batching import PagedAttentionCache, inp
 
 from cbgen.attention import dense_mask, per_sequence_sdpa_forward, registry
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 

@@ -161,7 +161,7 @@ def test_reasoning_is_apart_from_the_content(tool_model_dir, tmp_path, thinking)
 
 
 def test_cbgen_rows_carry_reasoning_and_tool_calls(tool_model_dir, tmp_path):
-    from cbgen.outputs import read_shards
+    from cbgen.rows import read_shards
 
     path = write_jsonl(tmp_path / "b.jsonl", [
         line("call", {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200})])
@@ -174,7 +174,7 @@ def test_cbgen_rows_carry_reasoning_and_tool_calls(tool_model_dir, tmp_path):
 
 
 def test_a_think_response_template_for_models_without_one(tiny_model_dir, tmp_path):
-    from cbgen.outputs import read_shards
+    from cbgen.rows import read_shards
 
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": "q", "prompt": "Is it sunny?"}])
     assert run_cli(["run", str(path), "-o", str(tmp_path / "out"), "--model", str(tiny_model_dir), "-q",

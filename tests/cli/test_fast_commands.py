@@ -32,9 +32,9 @@ def split_job(tmp_path: Path) -> Path:
     """The output directory of a job split in two, written with cbgen's own run-directory and writer code (what a
     Slurm array of two tasks leaves), so the commands below have something real to read."""
     from cbgen.config import JobConfig
-    from cbgen.outputs.rundir import RunDirectory
-    from cbgen.outputs.writers import JsonlShardWriter
     from cbgen.parallel.sharding import shard_directory, shard_of
+    from cbgen.rows.rundir import RunDirectory
+    from cbgen.rows.writers import JsonlShardWriter
 
     ids = [f"q{i}" for i in range(6)]
     job = JobConfig()

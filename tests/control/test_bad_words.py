@@ -13,7 +13,7 @@ from transformers.generation.logits_process import NoBadWordsLogitsProcessor, Se
 from cbgen.cli import run_cli
 from cbgen.control.bad_words import VocabText
 from cbgen.control.penalties import Controls, History, apply_history
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.control.test_penalties import NEW, PROMPTS, _cbgen, _reference, reference_model  # noqa: F401
 from tests.helpers import property_examples, write_jsonl
 

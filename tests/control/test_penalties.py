@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
 import cbgen
 from cbgen.cli import run_cli
 from cbgen.control.penalties import Controls, History, apply_history, apply_min_p, repeats_at_end
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import property_examples, write_jsonl
 
 VOCAB = 40
@@ -315,8 +315,8 @@ def test_the_loop_stop_ends_a_looping_sequence(looping_model_dir, tmp_path):
 
 
 def test_loop_stopped_sequences_are_cached_and_counted_on_resume(looping_model_dir, tmp_path, monkeypatch):
-    from cbgen.outputs.shards import done_index, shard_paths
     from cbgen.outputs.summary import RunSummary
+    from cbgen.rows.shards import done_index, shard_paths
 
     monkeypatch.delenv("CBGEN_RESULT_CACHE", raising=False)
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, CYCLE[0]]}])

@@ -124,7 +124,7 @@ def test_cbgen_draws_an_unseeded_sampled_job_itself_on_cpu(tiny_model_dir, tmp_p
 
     from cbgen.cli import run_cli
     from cbgen.control.processor import StepControl, take_over_sampling
-    from cbgen.outputs import read_shards
+    from cbgen.rows import read_shards
     from tests.helpers import write_jsonl
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"Say {i}."} for i in range(4)])

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import disk_full_at_shard, write_jsonl
 
 # a record the random model can finish in a few tokens (bounded values, compact JSON)

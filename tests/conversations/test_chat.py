@@ -15,7 +15,7 @@ import yaml
 
 import cbgen
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 QUESTIONS = ["What is rain?", "Why is the sea salty?", "Name a bird.", "How far is the moon?", "Is tea hot?"]

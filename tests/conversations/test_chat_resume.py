@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 
 import cbgen
-from cbgen.outputs import read_shards
-from cbgen.outputs.rundir import TURNS_FILE
+from cbgen.rows import read_shards
+from cbgen.rows.rundir import TURNS_FILE
 from tests.conversations.test_chat import USER_TEMPLATE, chat_stage
 
 ROWS = [{"id": f"t{i}", "topic": f"topic {i}"} for i in range(24)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 WORDS = ("river stone light quiet market engine winter paper garden signal orange thunder basket mirror "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 pytestmark = pytest.mark.embedded

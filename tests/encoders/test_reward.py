@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cbgen
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.encoders.test_embed import texts
 from tests.helpers import write_jsonl
 

@@ -16,7 +16,7 @@ import pytest
 from cbgen.cli import run_cli
 from cbgen.engine.replicas import cpu_groups, gpu_groups
 from cbgen.errors import CbgenError
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 pytestmark = pytest.mark.slow  # every test starts replica processes

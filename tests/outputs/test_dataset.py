@@ -9,8 +9,8 @@ import json
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
 from cbgen.outputs.dataset import load
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 
@@ -41,14 +41,14 @@ def test_a_complete_run_reads_in_input_order_through_its_card(tiny_model_dir, pr
 
     out = tmp_path / "out"
     finished = []
-    real = __import__("cbgen.outputs.writers", fromlist=["ShardWriter"]).ShardWriter.write_group
+    real = __import__("cbgen.rows.writers", fromlist=["ShardWriter"]).ShardWriter.write_group
 
     def spy(self, rows):
         finished.extend(r["id"] for r in rows)
         return real(self, rows)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("cbgen.outputs.writers.ShardWriter.write_group", spy)
+        patch.setattr("cbgen.rows.writers.ShardWriter.write_group", spy)
         patch.setattr("sys.argv", ["cbgen", "run", "p.jsonl", "--template", "About {{ prompt }}"])  # as the CLI has it
         assert run(tiny_model_dir, prompts, out, "--output-format", fmt, "--template", "About {{ prompt }}") == 0
     assert finished[:15] != EXPECTED  # the engine finished them in another order...
@@ -79,7 +79,7 @@ class Killed(BaseException):
 def test_a_reorder_killed_after_its_commit_point(tiny_model_dir, prompts, tmp_path, monkeypatch):
     """Killed between the journal and the swap: readers already see the new set, whole, and the next run finishes
     the swap."""
-    import cbgen.outputs.order as order
+    import cbgen.rows.order as order
 
     out = tmp_path / "out"
     calls = {"n": 0}

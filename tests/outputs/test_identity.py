@@ -11,8 +11,8 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.model.source import ModelSource
-from cbgen.outputs import read_shards
-from cbgen.outputs.rundir import RunDirectory
+from cbgen.rows import read_shards
+from cbgen.rows.rundir import RunDirectory
 from tests.helpers import write_jsonl
 
 

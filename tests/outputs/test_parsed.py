@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
-from cbgen.outputs.parsed import ParsedType
+from cbgen.rows import read_shards
+from cbgen.rows.parsed import ParsedType
 from tests.helpers import write_jsonl
 
 ANSWER = {

@@ -13,8 +13,8 @@ import pytest
 
 from cbgen.cli import run_cli
 from cbgen.errors import CbgenError
-from cbgen.outputs import read_shards
-from cbgen.outputs.rundir import FORMAT, RunDirectory, read_stored_run
+from cbgen.rows import read_shards
+from cbgen.rows.rundir import FORMAT, RunDirectory, read_stored_run
 from tests.helpers import write_jsonl
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "rundir-v1"
@@ -79,7 +79,7 @@ def test_new_directories_record_their_format_and_ids(tiny_model_dir, tmp_path):
 
 
 def test_settings_added_later_match_while_they_are_off():
-    from cbgen.outputs.rundir import compare_fingerprints
+    from cbgen.rows.rundir import compare_fingerprints
 
     stored = {"generation": {"seed": 1}}  # written before json_object and top_logprobs existed
     assert compare_fingerprints(stored, {"generation": {"seed": 1, "json_object": False, "top_logprobs": None}}) == []

@@ -11,15 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbgen.errors import CbgenError
-from cbgen.outputs import (
+from cbgen.records import BASE_FIELDS, RESERVED_NAMES
+from cbgen.rows import (
     JsonlShardWriter,
     ParquetShardWriter,
     open_writer,
     read_shards,
 )
-from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.schema import arrow_schema
-from cbgen.records import BASE_FIELDS, RESERVED_NAMES
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.schema import arrow_schema
 
 FORMATS = ["jsonl", "parquet"]
 

@@ -49,7 +49,7 @@ def write_pipeline(folder: Path, model: Path, *, rows: int = 12, query: str = QU
 
 def ids(directory: Path) -> Counter[str]:
     """How many rows each id has in a stage's output (all its shards)."""
-    from cbgen.outputs import read_shards
+    from cbgen.rows import read_shards
 
     found: Counter[str] = Counter()
     for part in [directory, *sorted(directory.glob("shard-*-of-*"))]:

@@ -14,8 +14,8 @@ import pytest
 
 import cbgen
 from cbgen.errors import CbgenError
-from cbgen.outputs import read_shards
 from cbgen.pipelines import dedup, neighbours
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "conversations"
 

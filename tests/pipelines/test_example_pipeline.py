@@ -18,8 +18,8 @@ import yaml
 from huggingface_hub import DatasetCard
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
-from cbgen.outputs.rundir import MANIFEST_FILE
+from cbgen.rows import read_shards
+from cbgen.rows.rundir import MANIFEST_FILE
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "synth"
 

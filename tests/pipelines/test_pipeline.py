@@ -15,7 +15,7 @@ from huggingface_hub import DatasetCard
 
 import cbgen
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.pipelines.helpers import TOPICS, ids, shard_times, write_pipeline
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import cbgen
 from cbgen.cli import run_cli
-from cbgen.outputs.rundir import MANIFEST_FILE
+from cbgen.rows.rundir import MANIFEST_FILE
 from tests.pipelines.helpers import QUERY, ids, write_pipeline
 
 ROWS = 24

@@ -9,7 +9,7 @@ import json
 import yaml
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
+from cbgen.rows import read_shards
 from tests.pipelines.helpers import write_pipeline
 
 CHANGED = ("{% if persona.age == 20 %}Ask one odd thing about {{ topic }}.{% else %}"

@@ -11,8 +11,8 @@ import pytest
 
 import cbgen
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
 from cbgen.result_cache.store import ResultStore
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 PROMPTS = [f"Tell me about {thing}." for thing in ("rain", "owls", "tea", "salt", "ink", "comets", "bees", "tides")]

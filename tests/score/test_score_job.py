@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbgen.cli import run_cli
-from cbgen.outputs import read_shards
 from cbgen.records import SCORE_FIELDS
+from cbgen.rows import read_shards
 from tests.helpers import write_jsonl
 
 ROWS = [

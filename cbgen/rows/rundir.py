@@ -19,8 +19,8 @@ from typing import IO, Any
 
 from cbgen.errors import CbgenError
 from cbgen.files import write_json_atomic
-from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.shards import DoneIndex, done_index, read_shards, settle, shard_paths
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.shards import DoneIndex, done_index, read_shards, settle, shard_paths
 
 LOCK_FILE = ".cbgen.lock"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -179,7 +179,7 @@ class RunDirectory:
     `overwrite`; so is one with shards but no fingerprint (not written by cbgen). A directory written in an older
     format is brought to this one once it is known to hold the same job. With `redo` (--redo), the generation
     settings may differ from the stored ones, and the requests to redo are taken out of the shards first
-    (cbgen.outputs.redo).
+    (cbgen.rows.redo).
     """
 
     def __init__(self, path: Path, *, overwrite: bool = False, same_input: bool = False) -> None:
@@ -224,7 +224,7 @@ class RunDirectory:
             else:  # an older format brought to this one; a redo's requests taken out of the shards first
                 data = current.to_dict() | {"upgraded_from": stored.format} if stored.format < FORMAT else None
                 if redo:
-                    from cbgen.outputs.redo import start_redo
+                    from cbgen.rows.redo import start_redo
 
                     data = start_redo(shards, data or stored.data, fingerprint, redo)
                     shards = [(number, path) for number, path in shards if path.exists()]  # one left empty is gone
@@ -293,7 +293,7 @@ class RunDirectory:
 
     def end_redo(self) -> None:
         """The redo of the locked `directory` has written every request: its history says it is finished."""
-        from cbgen.outputs.redo import finish_redo
+        from cbgen.rows.redo import finish_redo
 
         data = read_json(self.path / FINGERPRINT_FILE) or {}
         if data.get("redos"):

@@ -1,6 +1,6 @@
 """The committed shards of a run directory: which they are, what they hold, and reading them back. A shard appears
-under its final name `part-NNNNN.jsonl` / `.parquet` only once complete (cbgen.outputs.writers); hidden temporary
-files are never shards. While a run puts its shards in input order (cbgen.outputs.order), a journal names the set
+under its final name `part-NNNNN.jsonl` / `.parquet` only once complete (cbgen.rows.writers); hidden temporary
+files are never shards. While a run puts its shards in input order (cbgen.rows.order), a journal names the set
 that holds, so every reader sees either the old shards or the new ones, whole; `settle` finishes what a killed run
 left of that, and of its temporary files.
 """
@@ -20,7 +20,7 @@ from cbgen.chat.openai_batch import OutputLine
 from cbgen.files import fsync_directory, read_json_or_none
 
 SHARD_NAME = re.compile(r"^part-(\d+)\.(jsonl|parquet)$")
-ORDER_JOURNAL = ".ordered.json"  # {"old": [names], "new": [names]}: the new set holds (cbgen.outputs.order)
+ORDER_JOURNAL = ".ordered.json"  # {"old": [names], "new": [names]}: the new set holds (cbgen.rows.order)
 ORDER_STAGING = ".ordered"  # where the new set is written before it takes the old one's place
 ROW_GROUP = 1000  # rows read from Parquet at a time
 

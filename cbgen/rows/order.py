@@ -4,8 +4,8 @@ Requests finish in the engine's order, and shards are committed as they finish. 
 shards are rewritten in the input's order (each shard sorted in memory, then merged: memory stays bounded by a
 shard), into new shards numbered after the old ones in a staging folder. A journal naming the old set and the new
 one is the commit point; then the old shards are removed and the new ones moved into place. Readers
-(cbgen.outputs.shards.shard_paths) follow the journal while it exists, so they always see one whole set, and a run
-killed part-way is finished by the next one (cbgen.outputs.shards.finish_reorder).
+(cbgen.rows.shards.shard_paths) follow the journal while it exists, so they always see one whole set, and a run
+killed part-way is finished by the next one (cbgen.rows.shards.finish_reorder).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cbgen.files import write_json_atomic
-from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.shards import ORDER_JOURNAL, ORDER_STAGING, finish_reorder, read_shard, row_key, shard_paths
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.shards import ORDER_JOURNAL, ORDER_STAGING, finish_reorder, read_shard, row_key, shard_paths
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -42,7 +42,7 @@ def put_in_input_order(directory: Path, positions: Position, fmt: str, rows_per_
                        kept_schema: pa.Schema | None) -> bool:
     """Rewrites the locked `directory`'s shards in input order (rows of ids without a position last, as found);
     returns whether it had to."""
-    from cbgen.outputs.writers import open_writer
+    from cbgen.rows.writers import open_writer
 
     directory = Path(directory)
     finish_reorder(directory)

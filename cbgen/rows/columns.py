@@ -7,7 +7,7 @@ Every row of a generation job has the base fields (cbgen.records.BASE_FIELDS). B
     reasoning,     when the model's replies are split by a response template (a reasoning model, tools, or
     tool_calls     --response-template)
     parsed         when the job (--json-schema, --json-object) or some row asks for JSON: the answer as data
-                   (cbgen.outputs.parsed), typed by the job's schema where one schema holds for every row
+                   (cbgen.rows.parsed), typed by the job's schema where one schema holds for every row
     kept columns   the input columns of --keep-columns, in their order
 
 A scoring job's rows (cbgen.kinds.score) have the score fields (cbgen.records.SCORE_FIELDS), then `token_ids`,

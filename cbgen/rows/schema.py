@@ -8,8 +8,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from cbgen.outputs.columns import OutputColumns
-from cbgen.outputs.parsed import ParsedType
+from cbgen.rows.columns import OutputColumns
+from cbgen.rows.parsed import ParsedType
 
 _BASE_TYPES: dict[str, pa.DataType] = {
     "id": pa.string(),

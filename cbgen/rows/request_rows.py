@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from cbgen.chat.openai_batch import COMPLETIONS, Choice, OutputLine, stable_hex
 from cbgen.config import JobConfig
-from cbgen.outputs.columns import JSON_KINDS, OutputColumns, wants_logprobs
 from cbgen.records import Completion
+from cbgen.rows.columns import JSON_KINDS, OutputColumns, wants_logprobs
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import Reply, ReplyParser
 
 
 def parquet_parsed(columns: OutputColumns) -> Callable[[Any], Any]:
-    """How a JSON value becomes what a Parquet shard's `parsed` column holds (cbgen.outputs.parsed)."""
-    from cbgen.outputs.schema import parsed_type
+    """How a JSON value becomes what a Parquet shard's `parsed` column holds (cbgen.rows.parsed)."""
+    from cbgen.rows.schema import parsed_type
 
     return parsed_type(columns).convert
 

@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cbgen.outputs.shards import read_shard, take_out
+from cbgen.rows.shards import read_shard, take_out
 
 REDO_KINDS = {"failed": "error", "length": "length"}  # what --redo names -> the finish_reason it takes
 
 
 def start_redo(shards: list[tuple[int, Path]], data: dict[str, Any], fingerprint: dict[str, Any],
                kinds: Sequence[str]) -> dict[str, Any]:
-    """The first half of a redo on a locked directory whose committed shards are `shards` (cbgen.outputs.shards.settle)
+    """The first half of a redo on a locked directory whose committed shards are `shards` (cbgen.rows.shards.settle)
     and whose fingerprint.json holds `data`: unless it resumes an unfinished redo with the same generation settings,
     it takes the requests to redo out of the shards. Returns what fingerprint.json must hold now (the new generation
     settings, the redo in the history)."""

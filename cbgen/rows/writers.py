@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from cbgen.errors import CbgenError
 from cbgen.files import fsync_directory
-from cbgen.outputs.columns import OutputColumns
+from cbgen.rows.columns import OutputColumns
 
 if TYPE_CHECKING:  # pyarrow is slow to import: JSONL jobs, `cbgen status` and `cbgen merge` of JSONL do without it
     import pyarrow as pa
@@ -213,7 +213,7 @@ class ParquetShardWriter(ShardWriter):
     ROW_GROUP = 1000
 
     def __init__(self, directory: Path, **kwargs: Any) -> None:
-        from cbgen.outputs.schema import arrow_schema
+        from cbgen.rows.schema import arrow_schema
 
         super().__init__(directory, **kwargs)
         self.schema: pa.Schema | None = arrow_schema(self.columns, self.kept_schema)
@@ -241,7 +241,7 @@ class ParquetShardWriter(ShardWriter):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from cbgen.outputs.schema import arrow_schema, infer_kept_schema
+        from cbgen.rows.schema import arrow_schema, infer_kept_schema
 
         if not self._buffer:
             return
