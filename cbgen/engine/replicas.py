@@ -24,7 +24,7 @@ from cbgen.errors import CbgenError
 from cbgen.records import Completion, Request
 
 if TYPE_CHECKING:
-    from cbgen.job.plan import JobPlan
+    from cbgen.engine.job_plan import JobPlan
 
 EXIT = "exit"
 

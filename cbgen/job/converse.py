@@ -19,7 +19,7 @@ from cbgen.inputs.base import IdChoice
 from cbgen.records import PromptRecord, Request
 
 if TYPE_CHECKING:
-    from cbgen.job.plan import JobPlan
+    from cbgen.engine.job_plan import JobPlan
     from cbgen.model.load import LoadedModel
 
 TEMPLATE_TOKENS = 32  # what the chat template adds around one message, at most (a header and an end token)

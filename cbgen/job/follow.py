@@ -10,7 +10,7 @@ from cbgen.errors import ExitCode
 from cbgen.process.startup import release_gc
 
 if TYPE_CHECKING:
-    from cbgen.job.plan import JobPlan
+    from cbgen.engine.job_plan import JobPlan
     from cbgen.parallel.tensor import TensorParallel
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cbgen.config import JobConfig
 from cbgen.control.needs import StepPlan
 from cbgen.control.sampling import SamplingPlan
+from cbgen.engine.job_plan import JobPlan
 from cbgen.inputs.base import IdChoice
 from cbgen.records import PromptRecord, Request
 from cbgen.render.prompts import RenderPlan
@@ -26,8 +27,6 @@ from cbgen.rows.columns import OutputColumns
 
 if TYPE_CHECKING:
     from cbgen.chat.responses import ResponseTemplate
-    from cbgen.engine.kv_sizing import WorkloadShape
-    from cbgen.engine.setup import EnginePlan
     from cbgen.model.load import LoadedModel
 
 
@@ -49,20 +48,6 @@ class RenderingPlan:
 
     template: ResponseTemplate | None  # the model's response template (None: replies stay whole text)
     render: RenderPlan
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """Everything the run of a job decided before its engine starts."""
-
-    template: ResponseTemplate | None  # how replies split into reasoning, tool calls and content
-    render: RenderPlan  # how records become token ids
-    sampling: SamplingPlan  # per-request sampler stages
-    steps: StepPlan | None  # the step control (formats, own logprobs, seeded draws); None: transformers' alone
-    workload: WorkloadShape  # what the engine is sized for
-    engine: EnginePlan  # the engine's configuration, KV cache and settings
-    columns: OutputColumns  # which columns the rows have
-    ids: IdChoice  # where request ids come from
 
 
 def response_template(job: JobConfig, tokenizer: Any, config: Any) -> ResponseTemplate | None:

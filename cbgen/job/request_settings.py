@@ -11,7 +11,7 @@ from cbgen.rows.columns import top_logprobs_of
 
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
-    from cbgen.job.plan import JobPlan
+    from cbgen.engine.job_plan import JobPlan
 
 
 class RequestSettings:

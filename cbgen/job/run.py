@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from cbgen.conversations.rows import ChatRows
     from cbgen.encoders.rows import EncodedRows
     from cbgen.engine.engine import Engine
+    from cbgen.engine.job_plan import JobPlan
     from cbgen.engine.replicas import ReplicaPool
-    from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
     from cbgen.model.pool import ModelPool
     from cbgen.parallel.tensor import TensorParallel

@@ -34,9 +34,9 @@ from cbgen.render.templates import render_limits
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
     from cbgen.engine.engine import Engine
+    from cbgen.engine.job_plan import JobPlan
     from cbgen.engine.replicas import ReplicaPool
     from cbgen.engine.scope import ScopePlan
-    from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
     from cbgen.rows.columns import OutputColumns
     from cbgen.rows.request_rows import OutputRows

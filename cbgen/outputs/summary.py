@@ -13,9 +13,9 @@ from cbgen.records import Completion, requests_of
 if TYPE_CHECKING:
     from cbgen.control.grammars import Grammars
     from cbgen.control.needs import StepPlan
+    from cbgen.engine.job_plan import JobPlan
     from cbgen.engine.scope import ScopePlan
     from cbgen.inputs.base import IdChoice
-    from cbgen.job.plan import JobPlan
     from cbgen.rows.shards import DoneIndex
 
 

@@ -21,8 +21,8 @@ from cbgen.errors import CbgenError
 
 if TYPE_CHECKING:
     from cbgen.config import JobConfig
+    from cbgen.engine.job_plan import JobPlan
     from cbgen.engine.scope import ScopePlan
-    from cbgen.job.plan import JobPlan
     from cbgen.model.load import LoadedModel
     from cbgen.records import Completion
     from cbgen.result_cache.cache import ResultCache
