@@ -16,6 +16,7 @@ from rich.console import Console
 from cbgen.cli._options import ConfigFile, InputPath, job_options
 from cbgen.config import JobConfig, build_config
 from cbgen.errors import CbgenError, ExitCode
+from cbgen.kinds import DEFAULT
 from cbgen.parallel.launch import RAY, launch_of
 
 if TYPE_CHECKING:
@@ -95,11 +96,11 @@ def job_command(input_path: str | None, config: str | None, overrides: dict[tupl
 
 
 def job_of(input_path: str | None, config: str | None, overrides: dict[tuple[str, str], tuple[Any, str]],
-           kind: str | None = None) -> JobConfig:
+           kind: str = DEFAULT) -> JobConfig:
     """The job a command's INPUT, --config file and flags make."""
     if input_path is not None:
         overrides[("input", "path")] = (input_path, "INPUT")
-    return build_config(config, overrides) if kind is None else build_config(config, overrides, kind=kind)
+    return build_config(config, overrides, kind=kind)
 
 
 def run_reported(job: JobConfig, tp: Any = None) -> None:

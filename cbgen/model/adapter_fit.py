@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,12 @@ def check_fits(adapters: Adapters, model: Any, where: str = "--adapter", names: 
                              f"{ANY_BASE_FLAG} if they are the same model under two names")
 
 
-def check_section(adapters: Adapters, settings: Any, model: Any) -> None:
-    """check_fits for the adapters model settings (cbgen.config.ModelSection) name, on the model they name."""
-    check_fits(adapters, model, names=model_names(settings.model, model), any_base=settings.adapter_any_base)
+def check_section(settings: Any, structure: Callable[[], Any]) -> None:
+    """check_fits for the adapters model settings (cbgen.config.ModelSection) name, if any, on the model they name
+    (`structure()`, asked for only when there are adapters to check)."""
+    from cbgen.model.adapters import section_adapters
+
+    adapters = section_adapters(settings)
+    if adapters is not None:
+        model = structure()
+        check_fits(adapters, model, names=model_names(settings.model, model), any_base=settings.adapter_any_base)

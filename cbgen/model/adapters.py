@@ -115,8 +115,8 @@ def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:
     adapter's files change (their sizes and modification times), so a resume still sees new weights."""
     if not specs:
         return None
-    found = [(spec, *split_spec(spec)) for spec in specs]
-    folders = [(spec, name, location, _folder(location, where)) for spec, name, location in found]
+    folders = [(spec, name, location, _folder(location, where))
+               for spec in specs for name, location in [split_spec(spec)]]
     key = (where, tuple((spec, str(folder), _files_state(folder)) for spec, _, _, folder in folders))
     with _resolved_lock:
         known = _resolved.get(key)

@@ -259,11 +259,9 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     source = resolve_source(settings.model)
     if weights and settings.adapter is not None:  # an adapter that does not fit stops before the weights load
         from cbgen.model.adapter_fit import check_section
-        from cbgen.model.adapters import section_adapters
 
-        adapters = section_adapters(settings)
-        if adapters is not None:  # against the structure: its layers on torch's meta device, no weight read
-            check_section(adapters, settings, load_model(settings, weights=False).model)
+        # against the structure: its layers on torch's meta device, no weight read
+        check_section(settings, lambda: load_model(settings, weights=False).model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     if weights and settings.onednn_linear:  # a setting this machine cannot run stops before the weights load

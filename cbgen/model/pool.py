@@ -29,9 +29,6 @@ class ModelPool:
             self.loads += 1
         elif settings.adapter is not None:
             from cbgen.model.adapter_fit import check_section
-            from cbgen.model.adapters import section_adapters
 
-            adapters = section_adapters(settings)
-            if adapters is not None:
-                check_section(adapters, settings, self._loaded[key].model)
+            check_section(settings, lambda: self._loaded[key].model)
         return self._loaded[key]
