@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from cbgen.config.cpu import HOLDS
 
@@ -101,3 +102,13 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def fresh_caches(monkeypatch: Any, *names: str) -> None:
+    """The process caches `names` (cbgen.process.runtime) empty for this test, as a fresh process has them, and what
+    they held back after it (another test's kernels stay loaded)."""
+    from cbgen.process.runtime import RUNTIME
+
+    for name in names:
+        cache = RUNTIME.named(name)
+        monkeypatch.setattr(cache, "_store", type(cache._store)())

@@ -210,3 +210,45 @@ def test_no_timing_in_a_code_comment():
             found += [f"{name}:{t.start[0]}: {t.string}" for t in tokenize.tokenize(f.readline)
                       if t.type == tokenize.COMMENT and TIMING.search(t.string)]
     assert not found, "timings in code comments (move them to docs/performance.md):\n" + "\n".join(found)
+
+
+# Process-wide changes that are not temporary: a replica's or a tensor-parallel worker's own process, set up once for
+# its whole life (each name says why)
+LIFELONG_CHANGES = {
+    "cbgen.engine.replicas": "a replica process's devices, cores and threads, set once when it starts",
+    "cbgen.parallel.tensor": "NCCL's setting, read once when the worker's process group starts",
+}
+PROCESS_SETTERS = {"set_num_threads", "set_default_dtype", "putenv", "set_flush_denormal", "setdefault"}
+
+
+def process_changes(path: Path) -> list[str]:
+    """Where a module changes the process by hand: os.environ written (assigned, deleted, updated, setdefault), or
+    torch's threads or default dtype set."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets = node.targets if isinstance(node, ast.Assign) else node.targets if isinstance(node, ast.Delete) \
+            else [node.target] if isinstance(node, ast.AugAssign) else []
+        written = any(isinstance(t, ast.Subscript) and ast.unparse(t.value).endswith("environ") for t in targets)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            written |= node.func.attr in PROCESS_SETTERS and (owner.endswith("environ") or owner in ("torch", "os"))
+            written |= node.func.attr in ("update", "pop", "clear") and owner.endswith("os.environ")
+        if written:
+            found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)[:80]}"))
+    return [line for _, line in sorted(found)]
+
+
+def test_process_changes_go_through_the_checked_changes():
+    """A temporary change to the process (an environment variable, torch's threads) is a `Change`
+    (cbgen.process.changes), undone by the scope that made it and checked: none made by hand elsewhere."""
+    found = {name: lines for name, path in MODULES.items()
+             if name != "cbgen.process.changes" and name not in LIFELONG_CHANGES and (lines := process_changes(path))}
+    assert not found, f"process-wide changes made by hand: {found}"
+
+
+def test_the_process_change_check_sees_them(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import os, torch\nos.environ['A'] = '1'\nos.environ.setdefault('B', '1')\n"
+                      "torch.set_num_threads(1)\nfine = os.environ.get('C')\ndel os.environ['D']\n"
+                      "x = {}\nx['environ'] = 1\n")
+    assert [line.split(":")[0] for line in process_changes(module)] == ["line 2", "line 3", "line 4", "line 6"]

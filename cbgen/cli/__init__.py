@@ -8,15 +8,17 @@ import sys
 import traceback
 from typing import Any
 
+import typer
+from typer.core import TyperGroup
+
+from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line
+from cbgen.process.changes import Environ
+from cbgen.process.startup import hold_gc
+
 # cbgen shows its own progress; other libraries' bars (the GGUF dequantizer's) would break its display. tqdm reads
-# this when it is imported, so it is set before anything imports it; TQDM_DISABLE=0 in the environment brings them back.
-os.environ.setdefault("TQDM_DISABLE", "1")
-
-import typer  # noqa: E402
-from typer.core import TyperGroup  # noqa: E402
-
-from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line  # noqa: E402
-from cbgen.process.startup import hold_gc  # noqa: E402
+# this when it is imported, so a command sets it before anything imports tqdm, and puts it back when it returns (a
+# program that imports cbgen.cli keeps its environment); TQDM_DISABLE=0 in the environment brings the bars back.
+NO_OTHER_BARS = {"TQDM_DISABLE": "1"}
 
 HELP = ("Offline batch generation with LLMs on Hugging Face transformers' continuous batching.\n\n"
         "Give it a file of prompts; it answers every one and writes sharded outputs plus run.json.")
@@ -126,7 +128,8 @@ def run_cli(argv: list[str] | None = None) -> int:
     """
     debug = debug_enabled()
     try:
-        command()(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
+        with Environ(NO_OTHER_BARS, keep_set=True):
+            command()(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except CbgenError as e:

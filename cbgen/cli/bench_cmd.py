@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -11,6 +11,9 @@ from rich.table import Table
 
 from cbgen.bench.registry import BENCH_PATHS
 from cbgen.errors import CbgenError
+
+if TYPE_CHECKING:
+    from cbgen.process.changes import Change
 
 PATHS = tuple(BENCH_PATHS)
 
@@ -189,33 +192,38 @@ def _suite(quick: bool, size: str, model: str | None, embed_model: str | None, a
         code = subprocess.run([sys.executable, "-m", "cbgen", *without_hold(sys.argv[1:])],
                               env=os.environ | HOLDS[hold]).returncode
         raise typer.Exit(code)
-    _hide_gpus()
-    from cbgen.bench.report import print_suite, write_suite
-    from cbgen.bench.sections import SECTIONS
-    from cbgen.bench.suite import Plan
-    from cbgen.bench.suite_runner import run
+    with _no_gpus():
+        from cbgen.bench.report import print_suite, write_suite
+        from cbgen.bench.sections import SECTIONS
+        from cbgen.bench.suite import Plan
+        from cbgen.bench.suite_runner import run
 
-    only = tuple(_split(sections or ""))
-    unknown = [name for name in only if name not in SECTIONS]
-    if unknown:
-        raise CbgenError(f"--sections: unknown section '{unknown[0]}'; choose from: {', '.join(SECTIONS)}")
-    _checked_paths("cbgen", size)
-    console = Console(stderr=True, log_path=False)
-    rows, meta = run(Plan.of(quick, size), model, embed_model, allow_busy,
-                     lambda line: console.log(line, markup=False), only)
-    json_path, png_path = write_suite(rows, meta, output_dir)
-    print_suite(rows, meta)
-    console.print(f"wrote {json_path} and {png_path}", markup=False)
-    if check:
-        from cbgen.bench.tables import comparison
+        only = tuple(_split(sections or ""))
+        unknown = [name for name in only if name not in SECTIONS]
+        if unknown:
+            raise CbgenError(f"--sections: unknown section '{unknown[0]}'; choose from: {', '.join(SECTIONS)}")
+        _checked_paths("cbgen", size)
+        console = Console(stderr=True, log_path=False)
+        rows, meta = run(Plan.of(quick, size), model, embed_model, allow_busy,
+                         lambda line: console.log(line, markup=False), only)
+        json_path, png_path = write_suite(rows, meta, output_dir)
+        print_suite(rows, meta)
+        console.print(f"wrote {json_path} and {png_path}", markup=False)
+        if check:
+            _check(rows, allow_missing, console)
 
-        failing = [row for row in rows if row.standing in ("missed", "void", "not measured")
-                   and not (row.standing == "not measured"
-                            and any(comparison(row.name).startswith(name) for name in allow_missing))]
-        for row in failing:
-            console.print(f"check: {row.name}: {row.standing}" + (f" ({row.note})" if row.note else ""), markup=False)
-        if failing:
-            raise typer.Exit(1)
+
+def _check(rows, allow_missing: tuple[str, ...], console: Console) -> None:
+    """--check: exits 1 naming each goal missed, void, or not measured (unless --allow-missing names it)."""
+    from cbgen.bench.tables import comparison
+
+    failing = [row for row in rows if row.standing in ("missed", "void", "not measured")
+               and not (row.standing == "not measured"
+                        and any(comparison(row.name).startswith(name) for name in allow_missing))]
+    for row in failing:
+        console.print(f"check: {row.name}: {row.standing}" + (f" ({row.note})" if row.note else ""), markup=False)
+    if failing:
+        raise typer.Exit(1)
 
 
 def without_hold(argv: list[str]) -> list[str]:
@@ -232,13 +240,13 @@ def without_hold(argv: list[str]) -> list[str]:
     return kept
 
 
-def _hide_gpus() -> None:
+def _no_gpus() -> Change:
     """The suite measures the CPU (its goals are against CPU peers): every model it loads, here and in the commands
-    it starts, runs there, on a GPU machine too (benchmarks/gpu_check.py is the GPU's check). Set before torch is
-    imported, so CUDA never starts in this process; the suite's process ends with the suite."""
-    import os
+    it starts, runs there, on a GPU machine too (benchmarks/gpu_check.py is the GPU's check). CUDA_VISIBLE_DEVICES
+    is emptied before torch is imported, so CUDA never starts in this process, and put back when the suite ends."""
+    from cbgen.process.changes import Environ
 
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return Environ({"CUDA_VISIBLE_DEVICES": ""})
 
 
 def _llamacpp_ready(explicit: str | None, loaded, quantized: bool = False):

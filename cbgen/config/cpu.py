@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.errors import CbgenError
+from cbgen.process.runtime import RUNTIME
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def kind_from_flags(flags: AbstractSet[str]) -> str:
     return "other"
 
 
+@RUNTIME.memo("cpu info", "the first processor's fields in /proc/cpuinfo")
 @lru_cache(maxsize=1)
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields in Linux /proc/cpuinfo; empty where it cannot be read."""

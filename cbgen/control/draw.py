@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from cbgen.process.runtime import RUNTIME
+
 
 def uniform(seed: int, index: int, position: int) -> float:
     """The uniform number in [0, 1) of one token draw: a function of (seed, sample index, position) alone (53 bits
@@ -37,6 +39,7 @@ class DrawBuffers:
         return self.weights[:rows], self.cdf[:rows]
 
 
+@RUNTIME.memo("draw kernel", "the compiled draw, or why the eager draw runs")
 @functools.lru_cache(maxsize=1)
 def draw_kernel() -> tuple[Any, str]:
     """(torch.ops.cbgen_kernels with the compiled draw loaded, "compiled") or (None, why the eager draw runs)."""

@@ -28,11 +28,13 @@ import functools
 import os
 from collections.abc import Callable
 
-from cbgen.engine.changes import Change
+from cbgen.process.changes import Change
+from cbgen.process.runtime import RUNTIME
 
 OMP_PAUSE_SOFT = 1  # omp_pause_soft: the pool's threads end; nothing the program keeps is lost
 
 
+@RUNTIME.memo("openmp pause", "libgomp's omp_pause_resource_all as torch loaded it")
 @functools.lru_cache(maxsize=1)
 def _pause() -> Callable[[int], int] | None:
     """libgomp's `omp_pause_resource_all`, as torch loaded it, or None."""

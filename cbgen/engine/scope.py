@@ -40,9 +40,10 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cbgen.engine.changes import Attribute, Change, GcFrozen, Quieted, Undo
+from cbgen.engine.changes import GcFrozen, Quieted
 from cbgen.engine.openmp import CallerPool
 from cbgen.errors import CbgenError
+from cbgen.process.changes import Attribute, Change, Undo
 
 if TYPE_CHECKING:
     import torch

@@ -19,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+
+from cbgen.process.changes import PathEntry
+from cbgen.process.runtime import RUNTIME
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ class Built:
     library: Path | None = None
 
 
-_lock = threading.Lock()
-_state: dict[str, Built] = {}
+_builds = RUNTIME.cache("kernel builds", "kernel name -> its build or load in this process (a Future of Built)")
+_logged = RUNTIME.cache("kernel states said", "kernel name -> the state the log said it is in")
 
 
 def capability() -> str:
@@ -100,18 +102,23 @@ def _compile(name: str, folder: Path) -> Path:
     """Compiles the kernel into `folder` (torch's lock there makes a second process wait) and returns the library."""
     from torch.utils import cpp_extension
 
-    if shutil.which("ninja") is None:  # the ninja package's binary, when its environment's bin is not on PATH
-        try:
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
     cap = capability()
-    library = cpp_extension.load(name=_module_name(name), sources=[str(SOURCES[name])], extra_cflags=_flags(cap),
-                                 extra_ldflags=["-fopenmp"],
-                                 build_directory=str(folder), is_python_module=False, verbose=False)
+    with _ninja_on_path():
+        library = cpp_extension.load(name=_module_name(name), sources=[str(SOURCES[name])], extra_cflags=_flags(cap),
+                                     extra_ldflags=["-fopenmp"],
+                                     build_directory=str(folder), is_python_module=False, verbose=False)
     return Path(str(library))
+
+
+def _ninja_on_path() -> AbstractContextManager[object]:
+    """The ninja package's binary first on PATH while a build runs (torch runs `ninja` by name; the package's folder
+    is not on PATH where its environment's bin is not), taken off again after the last build in flight; nothing
+    where the package is not installed (torch then says ninja is missing, and the kernel is unavailable)."""
+    try:
+        import ninja
+    except ImportError:
+        return nullcontext()
+    return PathEntry(ninja.BIN_DIR)
 
 
 def unsafe_reason(path: Path) -> str | None:
@@ -189,7 +196,7 @@ def uncached(names: tuple[str, ...] = GENERATION) -> list[str]:
     """The kernels of `names` that would be compiled now (not in the cache, and kernels not turned off)."""
     if os.environ.get(DISABLE_ENV) == "1":
         return []
-    with _lock:
+    with _builds.lock:
         started = set(_builds)
     return [name for name in names if name not in started and not _cached(name)]
 
@@ -219,7 +226,7 @@ def kernel(name: str) -> Built:
     per process; later calls return the first answer. A generation kernel's build starts the builds of the other
     generation kernels not in the cache beside it (a job uses them all, and each is one compiler process: on 2 cores
     two builds take about as long as one); an encoder's kernel is built alone."""
-    with _lock:
+    with _builds.lock:
         future = _builds.get(name)
         if future is None:
             others = [] if name not in GENERATION or _cached(name) or os.environ.get(DISABLE_ENV) == "1" else \
@@ -228,9 +235,9 @@ def kernel(name: str) -> Built:
                 _builds[wanted] = _pool().submit(_load, wanted)
             future = _builds[name]
     state = future.result()
-    with _lock:
-        if name not in _state:
-            _state[name] = state
+    with _logged.lock:
+        if _logged.get(name) != state:
+            _logged[name] = state
             if state.loaded:
                 log.info("compiled kernel %s: %s", name, state.detail)
             else:
@@ -238,7 +245,6 @@ def kernel(name: str) -> Built:
     return state
 
 
-_builds: dict[str, Future[Built]] = {}
 _executor: ThreadPoolExecutor | None = None
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from cbgen.config.adapters import specs_of, split_spec
 from cbgen.errors import CbgenError, first_line
+from cbgen.process.runtime import RUNTIME
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -118,18 +119,17 @@ def resolve(specs: list[str], where: str = "--adapter") -> Adapters | None:
     folders = [(spec, name, location, _folder(location, where))
                for spec in specs for name, location in [split_spec(spec)]]
     key = (where, tuple((spec, str(folder), _files_state(folder)) for spec, _, _, folder in folders))
-    with _resolved_lock:
+    with _resolved.lock:
         known = _resolved.get(key)
     if known is None:
         known = _table(folders, where)
-        with _resolved_lock:
+        with _resolved.lock:
             _resolved[key] = known
     return known
 
 
-_resolved: dict[tuple[Any, ...], Adapters] = {}
-_resolved_lock = threading.Lock()
-_hub_folders: dict[str, Path] = {}  # hub id -> its snapshot folder, looked up once per process
+_resolved = RUNTIME.cache("adapters resolved", "(specs, their files' sizes and mtimes) -> the job's adapter table")
+_hub_folders = RUNTIME.cache("adapter hub folders", "hub id -> its snapshot folder, looked up once per process")
 
 
 def _files_state(folder: Path) -> tuple[tuple[str, int, int], ...]:

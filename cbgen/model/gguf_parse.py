@@ -10,16 +10,15 @@ transformers' own calls return (the same reader, the same map), so what loads is
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from cbgen.process.runtime import RUNTIME
 from cbgen.process.shared_patch import SharedPatch
 
-_lock = threading.Lock()
-_readers: dict[tuple[str, int, int], Any] = {}
-_maps: dict[tuple[Any, int], Any] = {}
+_readers = RUNTIME.cache("gguf readers", "(path, size, mtime) -> the gguf package's reader, while a load holds it")
+_maps = RUNTIME.cache("gguf name maps", "(architecture, layers) -> the gguf package's name map, while a load holds it")
 
 
 def _gguf() -> Any:
@@ -38,11 +37,11 @@ def _reader(path: Any, *args: Any, **kwargs: Any) -> Any:
     except OSError:
         return original(path)
     key = (os.path.realpath(path), info.st_size, info.st_mtime_ns)
-    with _lock:
+    with _readers.lock:
         found = _readers.get(key)
     if found is None:
         found = original(path)
-        with _lock:
+        with _readers.lock:
             found = _readers.setdefault(key, found)
     return found
 
@@ -50,11 +49,11 @@ def _reader(path: Any, *args: Any, **kwargs: Any) -> Any:
 def _name_map(arch: Any, n_blocks: int) -> Any:
     """gguf.get_tensor_name_map(arch, n_blocks), one per architecture and layer count."""
     key = (arch, n_blocks)
-    with _lock:
+    with _maps.lock:
         found = _maps.get(key)
     if found is None:
         found = _NAME_MAP.original(arch, n_blocks)
-        with _lock:
+        with _maps.lock:
             found = _maps.setdefault(key, found)
     return found
 
@@ -75,7 +74,7 @@ def parsed_once() -> Iterator[None]:
     finally:
         _NAME_MAP.release()
         _READER.release()
-        with _lock:
+        with _readers.lock:
             if not _READER.holders:
                 _readers.clear()
                 _maps.clear()

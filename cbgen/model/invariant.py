@@ -45,6 +45,8 @@ from torch.overrides import TorchFunctionMode
 from cbgen.config.cpu import cpu_row
 from cbgen.model import packs, tiles_kernel
 from cbgen.model.linear import MergedLinears, onednn_available, onednn_unfit, replaced_forwards
+from cbgen.process.changes import Threads
+from cbgen.process.runtime import RUNTIME
 
 TILE_ROWS = 64  # rows per matmul: a decode step's size, cheaper than 32-row tiles
 # Other tile sizes, per layer, where a probe finds a row's bits in them those of a 64-row tile (`tile_sizes`): larger
@@ -60,7 +62,7 @@ TILE_PROBE_MAX_WEIGHTS = 4 * 1024 * 1024
 # weighs padded rows against calls with it (about 100 rows in bfloat16 with AMX, about 15 in float32 under AVX2
 # (figures: docs/performance.md, 'Why the constants are what they are')). A plan only moves time, never a row's bits.
 CALL_ROWS = {torch.bfloat16: 96, torch.float16: 96, torch.float32: 16}
-_tile_sizes: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (shape, dtype, threads) -> the probe's sizes, per process
+_tile_sizes = RUNTIME.cache("linear tile sizes", "(shape, dtype, threads) -> the tile sizes probed bitwise the same")
 PROBE_PEAK = 2.0**16  # how large the cancelling pair of a probe row makes one output's partial sums
 
 
@@ -195,7 +197,7 @@ def tile_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, 
         if isinstance(known.get(name), list) and all(size in TILE_SIZES for size in known[name]):
             _tile_sizes[key] = tuple(known[name])
         else:
-            _tile_sizes[key] = _probe_tile_sizes(weight, packed, threads)
+            _tile_sizes[key] = _probe_tile_sizes(weight, packed)
             _remember(name, _tile_sizes[key])
     return _tile_sizes[key]
 
@@ -218,6 +220,7 @@ def _probe_name(weight: torch.Tensor, threads: int) -> str:
     return f"{'x'.join(map(str, weight.shape))}-{str(weight.dtype).removeprefix('torch.')}-{threads}t-{digest}"
 
 
+@RUNTIME.memo("linear tile probes read", "the tile probes' answers kept in the kernels cache, as read from it")
 @functools.lru_cache(maxsize=1)
 def _probed_before() -> dict[str, Any]:
     from cbgen.cache_root import kernel_cache_dir
@@ -246,7 +249,7 @@ def _remember(name: str, sizes: tuple[int, ...]) -> None:
         pass
 
 
-def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) -> tuple[int, ...]:
+def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor) -> tuple[int, ...]:
     span = max(*TILE_SIZES, TILE_ROWS)
     with torch.no_grad():
         rows = probe_rows(weight, span, torch.Generator().manual_seed(0))
@@ -256,11 +259,8 @@ def _probe_tile_sizes(weight: torch.Tensor, packed: torch.Tensor, threads: int) 
             some = max(size, TILE_ROWS)  # rows of whole tiles of both sizes
             if not torch.equal(_in_tiles(rows[:some], packed, size), reference[:some]):
                 continue
-            try:
-                torch.set_num_threads(1)
+            with Threads(1):
                 alone = _in_tiles(rows[:some], packed, size)
-            finally:
-                torch.set_num_threads(threads)
             if torch.equal(alone, reference[:some]):
                 found.append(size)
     return tuple(found)

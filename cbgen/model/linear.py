@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from cbgen.errors import first_line
+from cbgen.process.runtime import RUNTIME
 
 # output columns per matmul, and chunks only for batches of at most CHUNK_ROWS rows (decode-sized), where they pay
 # (figures: docs/performance.md, 'Why the constants are what they are')
@@ -89,6 +90,7 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@RUNTIME.memo("onednn linear probe", "dtype -> why oneDNN cannot run prepacked linear layers in it here, tried once")
 @functools.lru_cache(maxsize=4)
 def onednn_unfit(dtype: torch.dtype) -> str | None:
     """Why oneDNN cannot run prepacked linear layers in `dtype` on this CPU, or None when it can: tried once on a
@@ -181,6 +183,7 @@ def _chunked_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _chunked(rows, module.weight).view(*x.shape[:-1], module.weight.shape[0])
 
 
+@RUNTIME.memo("linear chunks probe", "shape -> whether column chunks compute bitwise as one matmul here")
 @functools.lru_cache(maxsize=8)
 def chunks_bitwise_same(out_features: int, in_features: int) -> bool:
     """Whether this machine computes a float32 projection of this shape in column chunks bitwise as one matmul, at

@@ -12,15 +12,15 @@ does). The packs are a second copy of the packed weights while the model is load
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-_lock = threading.Lock()
-_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {layout name: (its state, the pack)}
+from cbgen.process.runtime import RUNTIME
+
+_packs = RUNTIME.cache("packed weights", "weight -> {layout name: (its state, the pack)}", WeakIdKeyDictionary())
 
 
 def _state(weight: torch.Tensor) -> tuple[Any, ...]:
@@ -31,25 +31,25 @@ def kept(weight: torch.Tensor, layout: str, pack: Callable[[torch.Tensor], Any])
     """`pack(weight)`, computed once per weight (and `layout`, the name of what it is packed for) while the weight
     is unchanged."""
     state = _state(weight)
-    with _lock:
+    with _packs.lock:
         entry = _packs.get(weight, {}).get(layout)
     if entry is not None and entry[0] == state:
         return entry[1]
     with torch.no_grad():
         packed = pack(weight)
-    with _lock:
+    with _packs.lock:
         _packs.setdefault(weight, {})[layout] = (state, packed)
     return packed
 
 
 def count() -> int:
     """How many weights hold packs now (for tests and for run.json)."""
-    with _lock:
+    with _packs.lock:
         return len(_packs)
 
 
 def clear() -> None:
     """Forgets every pack: for a change of weights that the version counter does not see (an adapter merged through
     `.data`, cbgen.model.adapters), so that the next engine packs the values the weights hold now."""
-    with _lock:
+    with _packs.lock:
         _packs.clear()

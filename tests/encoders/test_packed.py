@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cbgen.encoders.packed import pool_packed
 from cbgen.encoders.pooling import pool
 from tests.encoders.test_embed import bert_folder, embed, texts
-from tests.helpers import property_examples
+from tests.helpers import fresh_caches, property_examples
 
 
 def _vectors(rows: dict[str, dict], n: int) -> np.ndarray:
@@ -56,8 +56,7 @@ def test_other_encoders_and_a_machine_without_the_kernel_run_padded_batches(tmp_
     from cbgen.kernels import build
 
     monkeypatch.setenv(build.DISABLE_ENV, "1")
-    monkeypatch.setattr(build, "_builds", {})
-    monkeypatch.setattr(build, "_state", {})
+    fresh_caches(monkeypatch, "kernel builds", "kernel states said")
     plain = embed(tmp_path, bert, rows, name="nokernel")
     assert all(row["error"] is None for row in plain.values())
     why = json.loads((tmp_path / "nokernel" / "run.json").read_text())["scorer"]["packed"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cbgen.kernels import build
+from tests.helpers import fresh_caches
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def test_a_cache_folder_of_this_users_own_is_loaded_and_made_private(cache, monk
 
 
 def test_a_job_says_it_builds_the_kernels_before_it_waits(cache, monkeypatch):
-    monkeypatch.setattr(build, "_builds", {})  # none started in this process (another test's may have been)
+    fresh_caches(monkeypatch, "kernel builds")  # none started in this process (another test's may have been)
     notice = build.build_notice()
     assert notice is not None and "once per machine, about a minute on 2 cores" in notice
     assert all(name in notice for name in build.GENERATION) and str(cache / "kernels") in notice

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import cbgen.model.invariant as invariant
 from cbgen.config.cpu import cpu_row
 from cbgen.model.invariant import TILE_ROWS, fixed_shape_linear, pack, tile_plan, tile_sizes
+from cbgen.process.runtime import RUNTIME
 from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -84,10 +85,10 @@ def test_other_tile_sizes_are_planned_only_where_bitwise_the_64_row_ones(monkeyp
 
     monkeypatch.setattr(invariant, "_probed_before", dict)  # no answer kept on disk: it probes, and keeps nothing
     monkeypatch.setattr(invariant, "_remember", lambda name, sizes: None)
-    monkeypatch.setattr(invariant, "_tile_sizes", {})
+    RUNTIME.clear("linear tile sizes")
     monkeypatch.setattr(invariant, "_onednn_tile", rounds_other_sizes_differently)
     assert tile_sizes(weight, packed) == ()
-    monkeypatch.setattr(invariant, "_tile_sizes", {})
+    RUNTIME.clear("linear tile sizes")
     monkeypatch.setattr(invariant, "_onednn_tile", real)
     sizes = tile_sizes(weight, packed)
     assert sizes, "no other tile size is bitwise the 64-row one for this shape here (the plan would only use 64)"
@@ -128,9 +129,9 @@ def test_the_probe_tells_apart_a_kernel_that_only_adds_in_another_order(monkeypa
         assert probe >= 5 * max(plain, 1)
     else:  # float32 rounding hides nothing: plain rows show it in most outputs, and so do the probe's
         assert probe > weight.numel() // 10 and plain > weight.numel() // 10
-    assert invariant._probe_tile_sizes(weight, weight, torch.get_num_threads()) == ()
+    assert invariant._probe_tile_sizes(weight, weight) == ()
     monkeypatch.setattr(invariant, "_onednn_tile", one_sum)  # the same order in every tile: every size is bitwise
-    assert invariant._probe_tile_sizes(weight, weight, torch.get_num_threads()) == invariant.TILE_SIZES
+    assert invariant._probe_tile_sizes(weight, weight) == invariant.TILE_SIZES
 
 
 def test_a_warm_start_reads_the_probes_answer(monkeypatch, tmp_path):
@@ -140,8 +141,8 @@ def test_a_warm_start_reads_the_probes_answer(monkeypatch, tmp_path):
     dtype = torch.bfloat16 if cpu_row().dtype == "bfloat16" else torch.float32
     weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed = pack(weight)
-    monkeypatch.setattr(invariant, "_tile_sizes", {})
-    invariant._probed_before.cache_clear()
+    RUNTIME.clear("linear tile sizes")
+    RUNTIME.clear("linear tile probes read")
     probed = tile_sizes(weight, packed)
     kept = json.loads((tmp_path / "kernels" / invariant.PROBES_FILE).read_text())
     assert list(kept.values()) == [list(probed)]
@@ -150,13 +151,13 @@ def test_a_warm_start_reads_the_probes_answer(monkeypatch, tmp_path):
         raise AssertionError("probed again")
 
     monkeypatch.setattr(invariant, "_probe_tile_sizes", no_probe)
-    monkeypatch.setattr(invariant, "_tile_sizes", {})  # a fresh process
-    invariant._probed_before.cache_clear()
+    RUNTIME.clear("linear tile sizes")  # a fresh process
+    RUNTIME.clear("linear tile probes read")
     assert tile_sizes(weight, packed) == probed
-    monkeypatch.setattr(invariant, "_tile_sizes", {})
+    RUNTIME.clear("linear tile sizes")
     with torch_threads(torch.get_num_threads() + 1), pytest.raises(AssertionError, match="probed again"):
         tile_sizes(weight, packed)
-    invariant._probed_before.cache_clear()
+    RUNTIME.clear("linear tile probes read")
 
 
 @settings(max_examples=200, deadline=None)
