@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,25 +59,37 @@ def write_text_atomic(path: Path, text: str) -> None:
 def file_digest(path: Path, memo: Path | None = None) -> str:
     """SHA-256 of a file, memoised in the JSON file `memo` by (real path, size, mtime), so a large GGUF is read in
     full once (about 1.5 GB/s) and not on every run."""
+
+    def sha256() -> str:
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        return sha.hexdigest()
+
+    return file_fact(path, memo, "sha256", sha256, str)
+
+
+def file_fact(path: Path, memo: Path | None, name: str, compute: Callable[[], Any], kind: type) -> Any:
+    """`compute()`, a fact about the file at `path` (its digest, its GGUF weight type), memoised under `name` in the
+    JSON file `memo` by (real path, size, mtime): a file changed in place is read again."""
     stat = path.stat()
     real = str(path.resolve())
     stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     known = (read_json_or_none(memo) if memo else None) or {}
     entry = known.get(real) if isinstance(known, dict) else None
-    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get("sha256"), str):
-        return entry["sha256"]
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            sha.update(chunk)
-    digest = sha.hexdigest()
+    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get(name), kind):
+        return entry[name]
+    value = compute()
     if memo is not None:
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
             fresh = read_json_or_none(memo)
             known = fresh if isinstance(fresh, dict) else {}
-            known[real] = stamp | {"sha256": digest}
+            old = known.get(real)
+            same = isinstance(old, dict) and {k: old.get(k) for k in stamp} == stamp
+            known[real] = {**(old if isinstance(old, dict) and same else {}), **stamp, name: value}
             write_json_atomic(memo, known, durable=False)
         except OSError:
-            pass  # a read-only cache still serves hits; the file is hashed again next time
-    return digest
+            pass  # a read-only cache still serves hits; the fact is worked out again next time
+    return value

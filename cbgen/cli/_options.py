@@ -77,6 +77,7 @@ JOB_OPTIONS: list[JobOption] = [
     JobOption("model", "cache_dir", ("--model-cache-dir",), str, PANEL_MODEL, metavar="DIR"),
     JobOption("model", "use_cache", ("--model-cache/--no-model-cache",), bool, PANEL_MODEL),
     JobOption("model", "onednn_linear", ("--onednn-linear/--stock-linear",), bool, PANEL_MODEL),
+    JobOption("model", "quantize", ("--quantize",), str, PANEL_MODEL),
     JobOption("model", "linear_row_buckets", ("--linear-row-buckets/--no-linear-row-buckets",), bool, PANEL_MODEL),
     JobOption("model", "fused_layers", ("--fused-layers/--no-fused-layers",), bool, PANEL_MODEL),
     JobOption("model", "compiled_linear", ("--compiled-linear/--no-compiled-linear",), bool, PANEL_MODEL),

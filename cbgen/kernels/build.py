@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = {"paged_attention": _HERE / "paged_attention.cpp", "decoder_ops": _HERE / "decoder_ops.cpp",
            "linear_tiles": _HERE / "linear_tiles.cpp", "sampling": _HERE / "sampling.cpp",
-           "packed_attention": _HERE / "packed_attention.cpp"}
+           "packed_attention": _HERE / "packed_attention.cpp", "int8_linear": _HERE / "int8_linear.cpp"}
 # the kernels a generation job uses: building one of them starts the builds of the others beside it
 GENERATION = ("paged_attention", "decoder_ops", "linear_tiles", "sampling")
 

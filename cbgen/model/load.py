@@ -118,6 +118,7 @@ class LoadedModel:
     load_seconds: float
     # The converted-GGUF cache: hit | miss (written) | off | unwritable | unsupported; None when no GGUF was read
     cache: str | None = None
+    quantized: dict | None = None  # what --quantize int8 made (cbgen.model.int8.Quantized.summary), or None
 
     @property
     def random_weights(self) -> bool:
@@ -264,6 +265,9 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
         check_section(settings, lambda: load_model(settings, weights=False).model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    quantize = _quantize_choice(settings, source, weights, device)
+    if quantize:
+        dtype = torch.float32  # the file's int8 values come back exactly from float32 weights (cbgen.model.int8)
     if weights and settings.onednn_linear:  # a setting this machine cannot run stops before the weights load
         from cbgen.model.linear import onednn_refusal
 
@@ -280,6 +284,7 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
         with LOADING, quiet("transformers"), parsed_once():  # quiet: its bars would break the job's display;
             # parsed_once: a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse)
             model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
+            quantized = _quantized(model, quantize)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only models already in the local cache can load)" if offline else ""
@@ -288,4 +293,35 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
     model.eval()
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
-    return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache)
+    return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache, quantized)
+
+
+def _quantize_choice(settings: ModelSection, source: ModelSource, weights: bool, device: str) -> bool:
+    """Whether the decoder layers' weights are held as int8 (`--quantize`; auto: a Q8_0 GGUF file's), refused in one
+    line where they cannot be."""
+    from cbgen.model import int8
+
+    if not weights or settings.quantize == "none":
+        return False
+    choice: str = settings.quantize
+    if choice == "auto":
+        if not source.gguf_file:
+            return False
+        memo = default_cache_dir(settings) / "digests.json" if settings.use_cache else None
+        choice = "int8" if int8.gguf_is_q8_0(source.gguf_path, memo) else "none"
+        if choice == "none":
+            return False
+        if int8.refusal("int8", settings.adapter is not None, settings.tp_size, device) is not None:
+            return False  # a Q8_0 file with adapters or --tp runs dequantized, as before
+    reason = int8.refusal(choice, settings.adapter is not None, settings.tp_size, device)
+    if reason is not None:
+        raise CbgenError(reason)
+    return True
+
+
+def _quantized(model, quantize: bool) -> dict | None:
+    if not quantize:
+        return None
+    from cbgen.model.int8 import quantize_model
+
+    return quantize_model(model).summary()

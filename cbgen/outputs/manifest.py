@@ -83,6 +83,7 @@ def job_fingerprint(job: JobConfig, source: ModelSource, sharding: tuple[int, in
         "model": source.identity(memo),
         "dtype": job.model.dtype,
         "onednn_linear": job.model.onednn_linear,
+        **({"quantize": job.model.quantize} if job.model.quantize != "auto" else {}),
         "batch_invariant": job.model.batch_invariant,
         "input": input_identity(i.path, memo),
         "prompt_column": i.prompt_column,
@@ -130,6 +131,10 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         model |= {"device": loaded.device, "dtype": dtype_name(loaded.dtype),
                   "attn_implementation": loaded.attn_implementation, "cache": loaded.cache,
                   "random_weights": loaded.random_weights, "linear": summary.engine_scope.get("linear")}
+        if loaded.quantized is not None:
+            model["quantized"] = loaded.quantized
+        elif loaded.source.gguf_file:
+            model["quantized"] = "dequantized to float (the GGUF's weight type has no 8-bit path)"
     adapters = adapters_record(job)
     if adapters:
         model["adapters"] = adapters

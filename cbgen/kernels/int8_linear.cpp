@@ -1,0 +1,110 @@
+// Linear layers over 8-bit weights: out = x W^T + bias, where W is held as int8 with one float32 scale per 32 inputs
+// of each output (GGUF's Q8_0 layout; cbgen.model.int8 makes it from float weights), and never as a whole float copy.
+//
+// The weight is packed once (cbgen.model.int8.pack) into panels of block_n output columns, each K x block_n int8 values and
+// K/32 x block_n scales. Every output block of BLOCK_M rows x block_n columns is one thread's: the panel's inputs are
+// dequantized KC at a time (q * scale, exact in float32: a scale of 11 significant bits times 8 bits) into a
+// buffer that stays in the core's cache, and oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm) adds those
+// KC products of each output to its float32 sum, chunk after chunk. The order of every output's sum is fixed by K,
+// KC and block_n, never by the rows that share the call or the threads that run: a row's bits are its own (batch
+// invariance holds by construction, as in linear_tiles.cpp). Rows arrive in float32 or bfloat16 (converted to
+// float32 once a call) and the arithmetic is float32 on every CPU kind with AVX2 or more.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace cbgen_kernels {
+namespace {
+
+namespace cpublas = at::native::cpublas;
+constexpr int64_t BLOCK_M = 64;  // rows a micro-kernel call: a decode step's
+constexpr int64_t GROUP = 32;    // inputs that share a scale
+constexpr int64_t KC = 256;      // inputs dequantized at a time: KC x block_n floats stay in L1/L2
+
+// inputs [k0, k0 + kc) of one panel as float32, kc x block_n
+void dequantize(const int8_t* q, const float* scales, int64_t k0, int64_t kc, int64_t block_n, float* out) {
+  for (int64_t i = 0; i < kc; ++i) {
+    const int8_t* row = q + (k0 + i) * block_n;
+    const float* scale = scales + ((k0 + i) / GROUP) * block_n;
+    float* target = out + i * block_n;
+    for (int64_t j = 0; j < block_n; ++j) {  // vectorized by the compiler: widen, convert, multiply
+      target[j] = static_cast<float>(row[j]) * scale[j];
+    }
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& packed_scales,
+                       const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2, "int8_linear: rows of features");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(1) == x_in.size(1),
+              "int8_linear: the weight packed by cbgen.model.int8.pack for these rows");
+  TORCH_CHECK(packed_scales.scalar_type() == at::kFloat && packed_scales.size(0) == packed.size(0) &&
+              packed_scales.size(1) * GROUP == packed.size(1) && packed_scales.size(2) == packed.size(2),
+              "int8_linear: the scales packed with the weight");
+  TORCH_CHECK(packed.size(0) * packed.size(2) >= out_features, "int8_linear: more output features than packed");
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  if (m == 0) {
+    return out.to(x_in.scalar_type());
+  }
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "int8_linear: a bias of out_features");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const int64_t panels = packed.size(0), block_n = packed.size(2), groups = k / GROUP;
+  const int64_t row_blocks = (m + BLOCK_M - 1) / BLOCK_M;
+  const float* a = x.data_ptr<float>();
+  const int8_t* b = packed.data_ptr<int8_t>();
+  const float* s = packed_scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  // a task is one panel and every row block: the panel is dequantized once per chunk and met by all the rows (a
+  // decode step has one row block; a long prefill several)
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(KC * block_n);
+    std::vector<float> sums(row_blocks * BLOCK_M * block_n);
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* panel = b + p * k * block_n;
+      const float* panel_scales = s + p * groups * block_n;
+      for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t kc = std::min(KC, k - k0);
+        dequantize(panel, panel_scales, k0, kc, block_n, weights.data());
+        for (int64_t r = 0; r < row_blocks; ++r) {
+          const int64_t first = r * BLOCK_M, rows = std::min(BLOCK_M, m - first);
+          cpublas::brgemm(rows, block_n, kc, k, block_n, block_n, k0 > 0, a + first * k + k0, weights.data(),
+                          sums.data() + r * BLOCK_M * block_n, false);
+        }
+      }
+      const int64_t width = std::min(block_n, n - p * block_n);
+      for (int64_t row = 0; row < m; ++row) {
+        const float* src = sums.data() + (row / BLOCK_M) * BLOCK_M * block_n + (row % BLOCK_M) * block_n;
+        float* dst = o + row * n + p * block_n;
+        for (int64_t c = 0; c < width; ++c) {
+          dst[c] = bias_ptr != nullptr ? src[c] + bias_ptr[p * block_n + c] : src[c];
+        }
+      }
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cbgen_kernels, m) {
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cbgen_kernels, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+}
+
+}  // namespace cbgen_kernels

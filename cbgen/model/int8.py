@@ -1,0 +1,168 @@
+"""8-bit weights: a model's linear layers held as int8 with one scale per 32 inputs of each output (GGUF's Q8_0
+scheme), a quarter of float32's memory, computed by cbgen's compiled kernel (cbgen/kernels/int8_linear.cpp), which
+dequantizes a panel's inputs a chunk at a time inside the call, in a fixed order (batch invariance holds).
+
+`--quantize int8` makes them from any float model at load. A Q8_0 GGUF file is read as transformers reads it
+(dequantized to float32, exactly: a float16 scale times an int8 value) and quantized again here by the same scheme,
+which gives back the file's own int8 values and scales (tests/model/test_int8.py checks it against the gguf
+package's dequantization), so the job runs the file's weights as 8 bits. The model's embeddings, its output layer
+and its norms stay as they are; a layer whose input count is not a multiple of 32 stays float, and the summary says
+how many were kept so. Where the compiled kernel is unavailable a layer dequantizes its whole weight each call (slow,
+right; run.json says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GROUP = 32  # inputs that share a scale (Q8_0's block)
+BLOCK_N = 64  # output columns a packed panel holds: a micro-kernel call's
+KERNEL = "int8_linear"
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N, K/32]) by Q8_0's arithmetic: d = max|w| / 127 over each 32 inputs, stored as
+    float16; q = w / d rounded half away from zero (C's roundf). A block of zeros has scale 0."""
+    w = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    scaled = w * inverse
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+    return q.reshape(weight.shape[0], -1), d.squeeze(-1).half().float()
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight an int8 weight and its scales stand for (the reference the kernel is tested against)."""
+    return (q.float().reshape(q.shape[0], -1, GROUP) * scales.unsqueeze(-1)).reshape(q.shape)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panels of BLOCK_N outputs, the kernel's layout: int8 [P, K, BLOCK_N] and scales [P, K/32, BLOCK_N], the
+    columns past N zero with zero scales."""
+    n = q.shape[0]
+    padded = -(-n // BLOCK_N) * BLOCK_N
+    q = torch.nn.functional.pad(q, (0, 0, 0, padded - n))
+    scales = torch.nn.functional.pad(scales, (0, 0, 0, padded - n))
+    return (q.reshape(-1, BLOCK_N, q.shape[1]).transpose(1, 2).contiguous(),
+            scales.reshape(-1, BLOCK_N, scales.shape[1]).transpose(1, 2).contiguous())
+
+
+def unpack(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+    return q, packed_scales.transpose(1, 2).reshape(-1, packed_scales.shape[1])[:out_features]
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer over int8 weights (see the module); `ops` is torch.ops.cbgen_kernels with the kernel loaded,
+    or None (each call dequantizes the weight)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 ops: Any) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.packed: torch.Tensor
+        self.packed_scales: torch.Tensor
+        packed, packed_scales = pack(q, scales)
+        self.register_buffer("packed", packed)
+        self.register_buffer("packed_scales", packed_scales)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.weight_dtype, self.ops = dtype, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.ops is not None and x.device.type == "cpu":
+            out = self.ops.int8_linear(rows, self.packed, self.packed_scales, self.bias, self.out_features)
+        else:
+            weight = dequantize(*unpack(self.packed, self.packed_scales, self.out_features))
+            out = torch.nn.functional.linear(rows.float(), weight, self.bias).to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (32-input scales)"
+
+
+@dataclass
+class Quantized:
+    """What `quantize_model` did, for run.json."""
+
+    layers: int = 0
+    kept_float: list[str] = field(default_factory=list)  # layers left in float, with why
+    bytes_before: int = 0
+    bytes_after: int = 0
+    kernel: str = ""  # "compiled", or why each call dequantizes
+
+    def summary(self) -> dict[str, Any]:
+        return {"quantized": "int8", "layers": self.layers, "kept_float": self.kept_float[:8],
+                "kept_float_count": len(self.kept_float), "weight_bytes_before": self.bytes_before,
+                "weight_bytes_after": self.bytes_after, "kernel": self.kernel}
+
+
+def _kernel_ops() -> tuple[Any, str]:
+    from cbgen.kernels import kernel
+
+    built = kernel(KERNEL)
+    return (torch.ops.cbgen_kernels, "compiled") if built.loaded else (None, f"eager dequantization: {built.detail}")
+
+
+def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
+    """Every linear layer of the model's decoder layers replaced by an Int8Linear, its float weight dropped; the
+    embeddings and the output layer stay."""
+    from cbgen.model.fused import decoder_layers
+
+    ops, why = _kernel_ops() if compiled else (None, "eager dequantization: asked for")
+    done = Quantized(kernel=why)
+    for index, layer in enumerate(decoder_layers(model)):
+        for name, module in list(layer.named_modules()):
+            if type(module) is not torch.nn.Linear:
+                continue
+            where = f"layers.{index}.{name}"
+            if module.in_features % GROUP or module.weight.device.type != "cpu":
+                done.kept_float.append(f"{where}: {module.in_features} inputs, not a multiple of {GROUP}"
+                                       if module.in_features % GROUP else f"{where}: not on the CPU")
+                continue
+            q, scales = quantize(module.weight)
+            replacement = Int8Linear(q, scales, module.bias, module.weight.dtype, ops)
+            done.layers += 1
+            done.bytes_before += module.weight.numel() * module.weight.element_size()
+            done.bytes_after += int(replacement.packed.numel() + replacement.packed_scales.numel() * 4)
+            parent_name, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, replacement)
+    return done
+
+
+def gguf_is_q8_0(path: Path, memo: Path | None) -> bool:
+    """Whether a GGUF file's decoder-layer matrices are all Q8_0, read from its tensor table once per file (the
+    answer kept in `memo` by the file's size and mtime, beside its digest: parsing a file's metadata takes seconds)."""
+
+    def read() -> bool:
+        import gguf
+
+        from cbgen.model.gguf_parse import parsed_once
+
+        with parsed_once():
+            reader = gguf.GGUFReader(path)
+            types = {tensor.tensor_type for tensor in reader.tensors
+                     if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and len(tensor.shape) == 2}
+        return types == {gguf.GGMLQuantizationType.Q8_0}
+
+    from cbgen.files import file_fact
+
+    return bool(file_fact(path, memo, "q8_0", read, bool))
+
+
+def refusal(quantize: str, adapters: bool, tp_size: int, device: str) -> str | None:
+    """Why `--quantize int8` cannot run with these settings, in one line, or None."""
+    if quantize != "int8":
+        return None
+    if adapters:
+        return ("--quantize int8 with --adapter: LoRA adapters are merged into float weights, and int8 ones have "
+                "none; run the adapters on the float model (--quantize none)")
+    if tp_size > 1:
+        return "--quantize int8 with --tp: int8 weights are not sharded; run one process, or --quantize none"
+    if device == "cuda":
+        return "--quantize int8 runs on the CPU (cbgen's compiled kernel); on a GPU use --quantize none"
+    return None
