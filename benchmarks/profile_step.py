@@ -14,6 +14,7 @@ for (Python: the model's module calls, scheduling, input preparation).
     python benchmarks/profile_step.py --timing-only --no-fused-layers # transformers' decoder layers
     python benchmarks/profile_step.py --no-batch-invariant            # the compiled attention, stock linear layers
     python benchmarks/profile_step.py --no-compiled-attention --no-batch-invariant  # the eager attention
+    python benchmarks/profile_step.py --model DIR --quantize int8     # a larger model's folder, int8 weights
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def _scope(bench: Bench, invariant: bool | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="As for cbgen run (a folder, a GGUF file, a random-weight shape "
+                        "such as llama-1b); default: the embedded SmolLM2")
+    parser.add_argument("--quantize", default="auto", help="As for cbgen run: int8 weights, or none.")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--max-batch-tokens", type=int, default=None)
@@ -142,7 +146,7 @@ def main() -> None:
                         "them): the true step times, without the breakdown.")
     args = parser.parse_args()
     _instrument(args.min_decode, args.timing_only)
-    section = ModelSection(dtype=args.dtype, onednn_linear=args.onednn_linear,
+    section = ModelSection(model=args.model, quantize=args.quantize, dtype=args.dtype, onednn_linear=args.onednn_linear,
                            fused_layers=False if args.no_fused_layers else None,
                            compiled_attention=args.compiled_attention, compiled_ops=args.compiled_ops,
                            compiled_linear=args.compiled_linear)

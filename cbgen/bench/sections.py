@@ -3,6 +3,8 @@ through a `Timings` and returns its rows, with the goals the project set for the
 
   generation   cbgen against transformers' own `generate_batch` and llama.cpp (bf16 or f32, and Q8_0) on the fixed
                workload, 64 x (128 + 64) tokens: llama-batched-bench's shape
+  scale        the same at the sizes people run: a 1B shape (and 4B where memory allows) against llama.cpp f32 and
+               Q8_0, cbgen's int8 weights against its float32 ones, and MFU (cbgen.bench.scale)
   invariance   batch-invariant linear layers (the default) against stock ones, per workload, in the machine's dtype
                and in float32
   sampling     seeded and unseeded sampling against greedy decoding, per generated token; every history control
@@ -17,6 +19,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from cbgen.bench.scale import goals as scale_goals
+from cbgen.bench.scale import scale
 from cbgen.bench.suite import BF16_KINDS, Context, Goal, Plan, Row, Timings, ratio, seconds, skipped
 from cbgen.bench.workloads import BenchWorkload, build_workloads
 
@@ -51,7 +55,8 @@ def section_goals(name: str, plan: Plan) -> tuple[tuple[str, Goal], ...]:
         "embedding": ((("cbgen float32 vs sentence-transformers, encode, 300 texts", ENCODE),)
                       if 300 in plan.embed_texts else ()) + (("cbgen embed vs a sentence-transformers script, whole "
                                                              "commands", COMMANDS),),
-        "dedup": (("dedup of 100,000 vectors", DEDUP),) if plan.dedup_rows >= 100_000 else ()}
+        "dedup": (("dedup of 100,000 vectors", DEDUP),) if plan.dedup_rows >= 100_000 else (),
+        "scale": scale_goals(plan.mode) if plan.size != "tiny" else ()}
     return goals.get(name, ())
 
 
@@ -240,5 +245,5 @@ def _no_model(row: Row) -> Row:
     return row
 
 
-SECTIONS = {"generation": generation, "invariance": invariance, "sampling": sampling, "embedding": embedding,
-            "dedup": dedup, "start": start}
+SECTIONS = {"generation": generation, "scale": scale, "invariance": invariance, "sampling": sampling,
+            "embedding": embedding, "dedup": dedup, "start": start}

@@ -29,11 +29,12 @@ constexpr int64_t GROUP = 32;    // inputs that share a scale
 constexpr int64_t KC = 256;      // inputs dequantized at a time: KC x block_n floats stay in L1/L2
 
 // inputs [k0, k0 + kc) of one panel as float32, kc x block_n
-void dequantize(const int8_t* q, const float* scales, int64_t k0, int64_t kc, int64_t block_n, float* out) {
+void dequantize(const int8_t* __restrict__ q, const float* __restrict__ scales, int64_t k0, int64_t kc,
+                int64_t block_n, float* __restrict__ out) {
   for (int64_t i = 0; i < kc; ++i) {
-    const int8_t* row = q + (k0 + i) * block_n;
-    const float* scale = scales + ((k0 + i) / GROUP) * block_n;
-    float* target = out + i * block_n;
+    const int8_t* __restrict__ row = q + (k0 + i) * block_n;
+    const float* __restrict__ scale = scales + ((k0 + i) / GROUP) * block_n;
+    float* __restrict__ target = out + i * block_n;
     for (int64_t j = 0; j < block_n; ++j) {  // vectorized by the compiler: widen, convert, multiply
       target[j] = static_cast<float>(row[j]) * scale[j];
     }
@@ -88,8 +89,13 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
       for (int64_t row = 0; row < m; ++row) {
         const float* src = sums.data() + (row / BLOCK_M) * BLOCK_M * block_n + (row % BLOCK_M) * block_n;
         float* dst = o + row * n + p * block_n;
-        for (int64_t c = 0; c < width; ++c) {
-          dst[c] = bias_ptr != nullptr ? src[c] + bias_ptr[p * block_n + c] : src[c];
+        if (bias_ptr == nullptr) {
+          std::copy(src, src + width, dst);
+        } else {
+          const float* panel_bias = bias_ptr + p * block_n;
+          for (int64_t c = 0; c < width; ++c) {
+            dst[c] = src[c] + panel_bias[c];
+          }
         }
       }
     }

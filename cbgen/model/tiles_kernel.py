@@ -1,6 +1,7 @@
 """Batch-invariant linear layers as cbgen's compiled kernel (cbgen/kernels/linear_tiles.cpp): each output block of
-64 rows x 64 columns one call of oneDNN's brgemm micro-kernel over the whole reduction, by one thread, so a row's bits
-are its own whatever shares the call and however many threads run (the source says why), with no padded tiles.
+64 rows x 64 columns computed by one thread with oneDNN's brgemm micro-kernel, its reduction added in a fixed order
+(float32: 256 inputs a call, chunk after chunk), so a row's bits are its own whatever shares the call and however
+many threads run (the source says why), with no padded tiles.
 
 Where it serves (`unfit_reason`): float32 on a CPU with AVX2 or AVX-512, bfloat16 on one with bfloat16 units (AMX, or
 AVX-512 BF16), in a torch with oneDNN; anywhere else ATen's micro-kernel call would be a BLAS call, whose bits move

@@ -1,0 +1,192 @@
+"""The suite's scale section: cbgen against llama.cpp at the sizes people run, on the same weights.
+
+A shape of a real model (cbgen's random-weight shapes: Llama-3.2-1B's config, and in the full run Qwen3-4B's where
+the machine's memory holds it) gets random weights made here, seeded (cbgen's own random loader), saved once as a
+model folder and converted once by llama.cpp's own script (convert_hf_to_gguf.py, from the build of
+benchmarks/build_llamacpp.sh) to f32 and Q8_0 GGUF files, all kept in llama.cpp's models folder. The fixed workload
+(prompts of 128 tokens; --quick: 8 x (128 + 32), full: 64 x (128 + 64)) then runs through four paths, alternately:
+
+    cbgen float32        the folder, as `cbgen run --model DIR --dtype float32` runs it (and with stock linear
+                         layers, --no-batch-invariant: what batch invariance costs at this size)
+    cbgen int8           the same weights held as int8 (`--quantize int8`: Q8_0's scheme, the values the Q8_0 file
+                         holds), through cbgen's compiled int8 kernel
+    llama.cpp f32        the f32 file
+    llama.cpp Q8_0       the Q8_0 file
+
+Each path's MFU is its tokens (prompt and generated) a second times 2 x the parameters, over the float32 matmul
+rate this run measured (the machine's `fp32_gflops`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+from cbgen.bench.suite import Context, Goal, Row, Timings, ratio, skipped
+from cbgen.bench.workloads import BenchWorkload
+
+AHEAD = Goal(">=", 1.2)  # cbgen against llama.cpp at 1B, in the model's precision and in Q8_0
+MFU = Goal(">=", 0.75)
+INT8_SPEED = Goal(">=", 1.0)  # int8 against float32: at least as fast
+INVARIANCE_COST = Goal("<=", 1.05)  # batch invariance free at 1B too
+FASTER = "how many times as fast cbgen is (the other path's median time over cbgen's)"
+COST = "the first path's median time over the second's"
+SHAPES = {"quick": ("llama-1b",), "full": ("llama-1b", "qwen3-4b")}
+FIXED = {"quick": (8, 128, 32), "full": (64, 128, 64)}  # requests, prompt tokens, new tokens
+MEMORY_PER_PARAMETER = 10  # bytes of RAM a shape needs a parameter: float32 weights in cbgen and in llama.cpp's map
+
+
+def goals(mode: str) -> tuple[tuple[str, Goal], ...]:
+    return (("cbgen float32 vs llama.cpp f32, llama-1b", AHEAD), ("cbgen int8 vs llama.cpp Q8_0, llama-1b", AHEAD),
+            ("cbgen float32 MFU, llama-1b", MFU), ("cbgen int8 vs cbgen float32, llama-1b", INT8_SPEED),
+            ("invariant / stock linear layers, llama-1b", INVARIANCE_COST))
+
+
+def _converter() -> Path | None:
+    from cbgen.bench.llamacpp import llamacpp_dir
+
+    return next(iter(sorted(llamacpp_dir().glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))), None)
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
+    """(the model folder, its f32 GGUF, its Q8_0 GGUF), made once and kept; or why this shape cannot run here."""
+    from cbgen.bench.llamacpp import BUILD_HINT, llamacpp_dir
+    from cbgen.model.source import RANDOM_SHAPES
+
+    config = RANDOM_SHAPES[shape]
+    parameters = _parameters(config)
+    if parameters * MEMORY_PER_PARAMETER > _memory_bytes():
+        needed, have = parameters * MEMORY_PER_PARAMETER / 2**30, _memory_bytes() / 2**30
+        return (f"{shape} ({parameters / 1e9:.1f}B parameters) needs about {needed:.0f} GiB of memory in float32 "
+                f"beside llama.cpp's; this machine has {have:.0f} GiB")
+    converter = _converter()
+    if converter is None:
+        return f"no llama.cpp converter ({BUILD_HINT})"
+    root = llamacpp_dir() / "models" / shape
+    folder, files = root / "hf", {kind: root / f"{shape}-{kind}.gguf" for kind in ("f32", "q8_0")}
+    if not (folder / "config.json").is_file():
+        log(f"making random weights of {shape} in {folder} (once)")
+        _save_random(shape, folder)
+    for kind, target in files.items():
+        if not target.is_file():
+            log(f"converting {shape} to {kind} GGUF with llama.cpp's script (once)")
+            env = os.environ | {"PYTHONPATH": str(converter.parent / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+            done = subprocess.run([sys.executable, str(converter), str(folder), "--outtype", kind, "--outfile",
+                                   str(target)], env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                target.unlink(missing_ok=True)
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                return f"llama.cpp's converter failed on {shape} ({kind}): {lines[-1] if lines else done.returncode}"
+    return folder, files["f32"], files["q8_0"]
+
+
+def _parameters(config: dict[str, Any]) -> int:
+    hidden, layers, inter, vocab = (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"],
+                                    config["vocab_size"])
+    head = config.get("head_dim", hidden // config["num_attention_heads"])
+    attention = hidden * head * (2 * config["num_attention_heads"] + 2 * config["num_key_value_heads"])
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return layers * (attention + 3 * hidden * inter) + embeddings
+
+
+def _save_random(shape: str, folder: Path) -> None:
+    from cbgen.config import ModelSection
+    from cbgen.model.load import load_model
+
+    loaded = load_model(ModelSection(model=shape, dtype="float32", device="cpu"))
+    partial_folder = folder.with_name(folder.name + ".partial")
+    loaded.model.save_pretrained(partial_folder)
+    loaded.tokenizer.save_pretrained(partial_folder)
+    partial_folder.rename(folder)
+
+
+def _workload(tokenizer: Any, mode: str) -> BenchWorkload:
+    from cbgen.bench.workloads import build_workloads
+
+    requests, _, new = FIXED[mode]
+    (fixed,) = build_workloads(tokenizer, "small", ["fixed"])  # prompts of 128 tokens
+    return BenchWorkload("fixed", fixed.prompts[:requests], new)
+
+
+def scale(ctx: Context) -> list[Row]:
+    """The scale rows (see the module), one block of rows per shape of the plan."""
+    if ctx.plan.size == "tiny":
+        return []
+    rows: list[Row] = []
+    for shape in SHAPES[ctx.plan.mode]:
+        ready = prepared(shape, ctx.log)
+        if isinstance(ready, str):
+            rows += [skipped("scale", name, ready, goal) for name, goal in goals(ctx.plan.mode) if shape in name] or \
+                [skipped("scale", f"cbgen vs llama.cpp, {shape}", ready)]
+            continue
+        rows += _shape_rows(ctx, shape, *ready)
+    return rows
+
+
+def _shape_rows(ctx: Context, shape: str, folder: Path, f32: Path, q8_0: Path) -> list[Row]:
+    from cbgen.bench.llamacpp import bindings
+    from cbgen.bench.machine import parameter_count
+    from cbgen.bench.paths import Bench
+    from cbgen.config import ModelSection
+    from cbgen.model.load import load_model
+
+    main = shape == "llama-1b"
+    t = Timings(ctx.log)
+    tokens: dict[str, float] = {}
+    workload = None
+    parameters = 0
+    paths: tuple[tuple[str, Literal["none", "int8"]], ...] = (("cbgen float32", "none"), ("cbgen int8", "int8"))
+    for name, quantize in paths:
+        settings = ModelSection(model=str(folder), dtype="float32", device="cpu", quantize=quantize)
+        loaded = load_model(settings)
+        parameters = parameters or parameter_count(loaded.model)
+        workload = workload or _workload(loaded.tokenizer, ctx.plan.mode)
+        bench = Bench(loaded, {}, settings)
+        bench.cbgen(BenchWorkload("warm-up", workload.prompts[:4], 4))
+        reference = None
+        for _ in range(ctx.plan.generation_rounds):
+            reference = t.record(f"{name}, {shape}", partial(bench.cbgen, workload))
+            if quantize == "none":  # batch invariance (the default) against stock linear layers
+                t.record(f"{name} stock, {shape}", partial(bench.cbgen, workload, invariant=False))
+        tokens[name] = reference.total_tokens_per_s if reference is not None else 0.0
+        if name == "cbgen float32":
+            lib_reason = bindings()[1]
+            for other, gguf in (("llama.cpp f32", f32), ("llama.cpp Q8_0", q8_0)):
+                if lib_reason is None:
+                    for _ in range(ctx.plan.generation_rounds):
+                        measured = t.record(f"{other}, {shape}", partial(bench.llamacpp, workload, gguf, 64, reference,
+                                                                         other))
+                    tokens[other] = measured.total_tokens_per_s
+        del bench, loaded
+    assert workload is not None
+    shape_text = f"{shape}, fixed, {len(workload.prompts)} x ({len(workload.prompts[0])} + {workload.max_new_tokens})"
+    peak = ctx.machine.fp32_gflops * 1e9
+    mfu = {name: rate * 2 * parameters / peak for name, rate in tokens.items()}
+    note = "MFU: " + ", ".join(f"{name} {value:.0%}" for name, value in mfu.items())
+    rows = []
+    for ours, theirs in (("cbgen float32", "llama.cpp f32"), ("cbgen int8", "llama.cpp Q8_0")):
+        title = f"{ours} vs {theirs}, {shape}"
+        rows.append(ratio("scale", title, t, f"{theirs}, {shape}", f"{ours}, {shape}", FASTER,
+                          AHEAD if main else None, note=f"{shape_text}; {note}") if theirs in tokens
+                    else skipped("scale", title, bindings()[1] or "llama.cpp did not run", AHEAD if main else None))
+    rows.append(ratio("scale", f"cbgen int8 vs cbgen float32, {shape}", t, f"cbgen float32, {shape}",
+                      f"cbgen int8, {shape}", FASTER, INT8_SPEED if main else None, note=shape_text))
+    rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"cbgen float32, {shape}",
+                      f"cbgen float32 stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
+    mfu_row = Row("scale", f"cbgen float32 MFU, {shape}", round(mfu["cbgen float32"], 3), "x",
+                  "tokens a second x 2 x parameters over the float32 matmul rate measured in this run",
+                  MFU if main else None, note=note, exact=mfu["cbgen float32"],
+                  paths={p: [round(s.value, 6) for s in t.samples[p]] for p in (f"cbgen float32, {shape}",)},
+                  busy=any(s.busy for s in t.samples[f"cbgen float32, {shape}"]))
+    rows.append(mfu_row)
+    for row in rows:
+        row.dtype = "float32"
+    return rows
