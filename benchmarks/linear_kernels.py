@@ -1,0 +1,59 @@
+"""One linear layer at a time, side by side in one process: torch's `F.linear`, cbgen's compiled float32 tiles
+(cbgen/kernels/linear_tiles.cpp, the batch-invariant default) and its int8 kernel (cbgen/kernels/int8_linear.cpp,
+`--quantize int8`), on Llama-3.2-1B's projection shapes at a decode step's row counts and a prefill's.
+
+    python benchmarks/linear_kernels.py
+    python benchmarks/linear_kernels.py --shapes 2048x8192 --rows 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="2048x2048,512x2048,8192x2048,2048x8192",
+                        help="out x in features of each layer (Llama-3.2-1B's q/o, k/v, gate/up, down)")
+    parser.add_argument("--rows", default="1,16,64,512", help="rows a call")
+    args = parser.parse_args()
+    import torch
+
+    from cbgen.kernels import kernel
+    from cbgen.model import int8
+
+    for name in (int8.KERNEL, "linear_tiles"):
+        built = kernel(name)
+        if not built.loaded:
+            raise SystemExit(f"linear_kernels.py: the {name} kernel is unavailable: {built.detail}")
+    ops = torch.ops.cbgen_kernels
+    generator = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; milliseconds a call")
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        weight = torch.randn(n, k, generator=generator) * 0.02
+        q, scales = int8.quantize(weight)
+        packed, packed_scales = int8.pack(q, scales)
+        tiles = ops.linear_pack(weight, 64)
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, generator=generator)
+            calls = {"torch": partial(torch.nn.functional.linear, x, weight),
+                     "tiles f32": partial(ops.linear_tiles, x, tiles, None, n),
+                     "int8": partial(ops.int8_linear, x, packed, packed_scales, None, n)}
+            reps = max(3, int(2e9 / (2 * m * n * k + 4 * n * k)))
+            took = {}
+            for label, call in calls.items():
+                call()
+                call()
+                started = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                took[label] = (time.perf_counter() - started) / reps
+            print(f"{n}x{k}, {m} rows: " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in took.items()) +
+                  f"; int8 / tiles {took['int8'] / took['tiles f32']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
