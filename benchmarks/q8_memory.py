@@ -42,7 +42,7 @@ def main() -> None:
     if not args.gguf.is_file():
         raise SystemExit(f"q8_memory.py: no file {args.gguf} (cbgen bench --suite makes it, or give --gguf)")
     bench = llamacpp_dir() / "build" / "bin" / "llama-batched-bench"
-    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "CBGEN_RESULT_CACHE": "off"}  # every run computes its answers
     with tempfile.TemporaryDirectory(prefix="cbgen-q8-memory-") as folder:
         prompts = Path(folder) / "p.jsonl"
         prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"Write about the number {i}."}) + "\n"
@@ -56,9 +56,9 @@ def main() -> None:
             for start in ("cold", "warm"):
                 cache = Path(folder) / f"cache-{quantize}"
                 runs.append((f"cbgen --quantize {quantize} ({start})",
-                             [sys.executable, "-m", "cbgen", "run", str(prompts), "-o", str(Path(folder) / "out"),
-                              "--overwrite", "--model", str(args.gguf), "--quantize", quantize, "--max-new-tokens",
-                              "8", "-q", "--model-cache-dir", str(cache)]))
+                             [sys.executable, "-m", "cbgen", "run", str(prompts), "-o",
+                              str(Path(folder) / f"out-{quantize}-{start}"), "--model", str(args.gguf),
+                              "--quantize", quantize, "--max-new-tokens", "8", "-q", "--model-cache-dir", str(cache)]))
         print(f"{args.gguf.name} ({args.gguf.stat().st_size / 2**30:.2f} GiB), each run alone in a fresh process:")
         for name, command in runs:
             peak, seconds, code = peak_of(command, env)
