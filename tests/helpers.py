@@ -112,3 +112,33 @@ def fresh_caches(monkeypatch: Any, *names: str) -> None:
     for name in names:
         cache = RUNTIME.named(name)
         monkeypatch.setattr(cache, "_store", type(cache._store)())
+
+
+def q8_0_copy(source: Path, target: Path) -> Path:
+    """A copy of the GGUF file `source` whose matrices are Q8_0 (requantized by the gguf package from their own
+    dequantization) and whose metadata is the same but for the file type: a Q8_0 model file made without llama.cpp's
+    converter."""
+    import gguf
+    from gguf import quants
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(target), str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = 7 if field.name == "general.file_type" else field.contents()  # 7: LlamaFileType.MOSTLY_Q8_0
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for tensor in reader.tensors:
+        values = quants.dequantize(tensor.data, tensor.tensor_type).astype("float32")
+        if values.ndim == 2 and values.shape[1] % 32 == 0:
+            writer.add_tensor(tensor.name, quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

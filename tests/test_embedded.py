@@ -3,6 +3,7 @@ tokens drift with batch composition even on transformers' own path, so exactness
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -89,7 +90,9 @@ def test_every_id_once_with_real_text(greedy_runs):
     rows = list(read_shards(greedy_runs["jsonl"]))
     assert sorted(r["id"] for r in rows) == sorted([f"m{i}" for i in range(4)] + ["p0", "p1"])
     assert all(r["finish_reason"] in ("stop", "length") and r["text"].strip() for r in rows)
-    assert (greedy_runs["jsonl"] / "run.json").is_file()
+    manifest = json.loads((greedy_runs["jsonl"] / "run.json").read_text())
+    # a Q4_1 file: no 8-bit path, said so (a Q8_0 one runs as int8: tests/model/test_int8.py)
+    assert manifest["model"]["quantized"] == "dequantized to float (the file's weight type is not Q8_0)"
 
 
 def test_greedy_tokens_match_model_generate(greedy_runs, model_and_tokenizer):

@@ -134,7 +134,9 @@ def write_manifest(summary: RunSummary, job: JobConfig, loaded: LoadedModel | No
         if loaded.quantized is not None:
             model["quantized"] = loaded.quantized
         elif loaded.source.gguf_file:
-            model["quantized"] = "dequantized to float (the GGUF's weight type has no 8-bit path)"
+            why = ("--quantize none" if job.model.quantize == "none" else "adapters or --tp" if
+                   job.model.adapter is not None or job.model.tp_size > 1 else "the file's weight type is not Q8_0")
+            model["quantized"] = f"dequantized to float ({why})"
     adapters = adapters_record(job)
     if adapters:
         model["adapters"] = adapters

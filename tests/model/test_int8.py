@@ -205,3 +205,26 @@ def test_a_job_with_int8_and_adapters_stops_before_loading(tiny_model_dir, lora_
                     "int8", "--adapter", str(adapter), "-q"])
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and "--quantize int8 with --adapter" in err
+
+
+@pytest.mark.embedded
+def test_a_q8_0_file_runs_as_its_own_int8_values(tmp_path):
+    """A Q8_0 GGUF (the embedded model's matrices requantized by the gguf package) loads as int8 by default, and every
+    int8 layer's values, dequantized, are bitwise the float32 weights transformers' loader reads from the file
+    (--quantize none): the file's own values, including the rows transformers reorders for Llama's attention."""
+    from cbgen.config import ModelSection
+    from cbgen.model.load import load_model
+    from cbgen.model.source import embedded_model_path
+    from tests.helpers import q8_0_copy
+
+    q8_0 = q8_0_copy(embedded_model_path(), tmp_path / "smollm2-q8_0.gguf")
+    quantized = load_model(ModelSection(model=str(q8_0), use_cache=False))
+    dequantized = load_model(ModelSection(model=str(q8_0), quantize="none", use_cache=False))
+    assert quantized.quantized is not None and quantized.quantized["layers"] == 30 * 7
+    assert dequantized.quantized is None
+    layers = [(name, module) for name, module in quantized.model.named_modules() if isinstance(module, int8.Int8Linear)]
+    assert len(layers) == 210
+    for name, module in layers:
+        weight = dequantized.model.get_submodule(name).weight
+        assert torch.equal(int8.dequantize(*int8.unpack(module.packed, module.packed_scales, module.out_features)),
+                           weight), name
