@@ -79,8 +79,8 @@ def bench(
         "failing the check: those whose name (the table's, up to its first comma) starts with NAME, e.g. 'cbgen vs "
         "llama.cpp'; repeatable.", rich_help_panel="Suite")] = None,
     sections: Annotated[Optional[str], typer.Option(  # noqa: UP045
-        metavar="NAMES", help="With --suite: only these sections, comma-separated, from: generation, invariance, "
-        "sampling, embedding, dedup, start.", rich_help_panel="Suite")] = None,
+        metavar="NAMES", help="With --suite: only these sections, comma-separated, from: generation, scale, "
+        "invariance, sampling, embedding, dedup, start.", rich_help_panel="Suite")] = None,
     hold: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="KIND", help="With --suite: run it held to a smaller CPU kind's instructions (avx512-bf16, avx512, "
         "avx2: torch, oneDNN, MKL and cbgen's own choices; llama.cpp is not held), to time that kind's paths on "

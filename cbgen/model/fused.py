@@ -82,12 +82,16 @@ def _structure_reason(layer: Any) -> str | None:
     mlp: Any = getattr(layer, "mlp", None)
     parts: list[Any] = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if any(type(p) is not torch.nn.Linear for p in parts):
+    if _int8(parts):  # cbgen's int8 layers (cbgen.model.int8): merged panel by panel
+        if not all(type(parts[0]).mergeable(group) for group in _groups(layer)):
+            return "its int8 projections cannot be merged (a part's outputs are not whole panels of 64)"
+    elif any(type(p) is not torch.nn.Linear for p in parts):
         return "its projections are not plain torch.nn.Linear layers (quantized or tensor-parallel)"
-    weights = [p.weight for p in parts]
-    # meta: a process that plans for --data-parallel replicas, which load the weights (on CPU) themselves
-    if len({(w.dtype, w.device) for w in weights}) != 1 or weights[0].device.type not in ("cpu", "meta"):
-        return "its projections are not all CPU tensors of one dtype"
+    else:
+        weights = [p.weight for p in parts]
+        # meta: a process that plans for --data-parallel replicas, which load the weights (on CPU) themselves
+        if len({(w.dtype, w.device) for w in weights}) != 1 or weights[0].device.type not in ("cpu", "meta"):
+            return "its projections are not all CPU tensors of one dtype"
     for module in (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm,
                    *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))):
         if not _stock_forward(module):
@@ -196,8 +200,17 @@ class _Fused:
         return out.view(hidden_states.shape)
 
 
-def _merged(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """One nn.Linear computing `parts` side by side; each part's weight (and bias) becomes a view of the merged one."""
+def _int8(parts: list[Any]) -> bool:
+    """Whether the projections are all cbgen's int8 layers (told by their class's own merge methods, so that this
+    module needs no import of cbgen.model.int8, which finds the decoder layers here)."""
+    return all(hasattr(type(p), "mergeable") and hasattr(type(p), "merged") for p in parts)
+
+
+def _merged(parts: list[Any]) -> Any:
+    """One nn.Linear computing `parts` side by side; each part's weight (and bias) becomes a view of the merged one.
+    int8 layers merge their own way (Int8Linear.merged)."""
+    if _int8(parts):
+        return type(parts[0]).merged(parts)
     with torch.no_grad():
         weight = torch.cat([p.weight for p in parts])
         biases = [p.bias for p in parts]
@@ -217,8 +230,11 @@ def _merged(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
     return merged
 
 
-def _unmerged(parts: list[torch.nn.Linear]) -> None:
+def _unmerged(parts: list[Any]) -> None:
     """Each part owns its weights again (a copy of its view), so the merged tensor is freed with its Linear."""
+    if _int8(parts):
+        type(parts[0]).unmerged(parts)
+        return
     with torch.no_grad():
         for p in parts:
             p.weight.data = p.weight.data.clone()
@@ -236,8 +252,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                         b.device)
 
 
-def _views_of(merged: torch.nn.Linear, parts: list[torch.nn.Linear]) -> bool:
+def _views_of(merged: Any, parts: list[Any]) -> bool:
     """Each part's weight (and bias) is still the view of `merged` it became: nothing replaced or moved them since."""
+    if _int8(parts):
+        return type(merged) is type(parts[0]) and merged.views_of(parts)
     start = 0
     for p in parts:
         end = start + p.out_features
@@ -354,5 +372,6 @@ def fused_layers(model: torch.nn.Module, ops: Any = None) -> Iterator[MergedLine
     # each layer's forward is its _Fused's bound method: the layer's own arguments, no wrapper in between
     forwards: dict[torch.nn.Module, object] = {fused.layer: fused.forward for fused in built}
     with replaced_forwards(forwards):
-        yield MergedLinears(tuple(linear for fused in built for linear in (fused.qkv, fused.gate_up)),
+        yield MergedLinears(tuple(linear for fused in built for linear in (fused.qkv, fused.gate_up)
+                                  if type(linear) is torch.nn.Linear),  # int8 layers keep their own kernel
                             frozenset(id(part) for fused in built for group in _groups(fused.layer) for part in group))

@@ -57,20 +57,25 @@ def unpack(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int)
 
 
 class Int8Linear(torch.nn.Module):
-    """A linear layer over int8 weights (see the module); `ops` is torch.ops.cbgen_kernels with the kernel loaded,
-    or None (each call dequantizes the weight)."""
+    """A linear layer over int8 weights held in the kernel's panels (see the module); `ops` is torch.ops.cbgen_kernels
+    with the kernel loaded, or None (each call dequantizes the weight). `of` makes one from int8 values and scales;
+    `merged` computes several side by side (cbgen.model.fused merges a decoder layer's projections with it)."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 ops: Any) -> None:
+    def __init__(self, packed: torch.Tensor, packed_scales: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.in_features, self.out_features = packed.shape[1], out_features
         self.packed: torch.Tensor
         self.packed_scales: torch.Tensor
-        packed, packed_scales = pack(q, scales)
         self.register_buffer("packed", packed)
         self.register_buffer("packed_scales", packed_scales)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.weight_dtype, self.ops = dtype, ops
+
+    @classmethod
+    def of(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+           ops: Any) -> Int8Linear:
+        return cls(*pack(q, scales), bias, q.shape[0], dtype, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -83,6 +88,51 @@ class Int8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (32-input scales)"
+
+    @staticmethod
+    def mergeable(parts: list[Any]) -> bool:
+        """Whether `parts` can compute side by side as one: int8 layers of one input size whose panels hold no
+        padding but in the last."""
+        return all(isinstance(p, Int8Linear) for p in parts) and len({p.in_features for p in parts}) == 1 and \
+            all(p.out_features % BLOCK_N == 0 for p in parts[:-1])
+
+    @classmethod
+    def merged(cls, parts: list[Int8Linear]) -> Int8Linear:
+        """One layer computing `parts` side by side; each part's panels (and bias) become views of the merged ones."""
+        with torch.no_grad():
+            biases = [p.bias for p in parts]
+            bias = torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)]) \
+                if any(b is not None for b in biases) else None
+            merged = cls(torch.cat([p.packed for p in parts]), torch.cat([p.packed_scales for p in parts]), bias,
+                         sum(p.out_features for p in parts), parts[0].weight_dtype, parts[0].ops)
+            panel = column = 0
+            for p in parts:
+                panels = p.packed.shape[0]
+                p.packed = merged.packed[panel : panel + panels]
+                p.packed_scales = merged.packed_scales[panel : panel + panels]
+                if p.bias is not None:
+                    p.bias.data = merged.bias.data[column : column + p.out_features]  # type: ignore[union-attr]
+                panel, column = panel + panels, column + p.out_features
+        return merged
+
+    def views_of(self, parts: list[Int8Linear]) -> bool:
+        """Each part's panels are still the views of this merged layer's they became."""
+        panel = 0
+        for p in parts:
+            panels = p.packed.shape[0]
+            if p.packed.data_ptr() != self.packed[panel : panel + panels].data_ptr() or \
+                    p.packed.shape != self.packed[panel : panel + panels].shape:
+                return False
+            panel += panels
+        return panel == self.packed.shape[0]
+
+    @staticmethod
+    def unmerged(parts: list[Int8Linear]) -> None:
+        """Each part owns its panels again (a copy of its view)."""
+        for p in parts:
+            p.packed, p.packed_scales = p.packed.clone(), p.packed_scales.clone()
+            if p.bias is not None:
+                p.bias.data = p.bias.data.clone()
 
 
 @dataclass
@@ -125,7 +175,7 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
                                        if module.in_features % GROUP else f"{where}: not on the CPU")
                 continue
             q, scales = quantize(module.weight)
-            replacement = Int8Linear(q, scales, module.bias, module.weight.dtype, ops)
+            replacement = Int8Linear.of(q, scales, module.bias, module.weight.dtype, ops)
             done.layers += 1
             done.bytes_before += module.weight.numel() * module.weight.element_size()
             done.bytes_after += int(replacement.packed.numel() + replacement.packed_scales.numel() * 4)

@@ -265,9 +265,6 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
         check_section(settings, lambda: load_model(settings, weights=False).model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    quantize = _quantize_choice(settings, source, weights, device)
-    if quantize:
-        dtype = torch.float32  # the file's int8 values come back exactly from float32 weights (cbgen.model.int8)
     if weights and settings.onednn_linear:  # a setting this machine cannot run stops before the weights load
         from cbgen.model.linear import onednn_refusal
 
@@ -282,7 +279,11 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     cache = None
     try:
         with LOADING, quiet("transformers"), parsed_once():  # quiet: its bars would break the job's display;
-            # parsed_once: a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse)
+            # parsed_once: a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse), and
+            # for its weight type where that is not known yet
+            quantize = _quantize_choice(settings, source, weights, device)
+            if quantize:
+                dtype = torch.float32  # the file's int8 values come back exactly from float32 (cbgen.model.int8)
             model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
             quantized = _quantized(model, quantize)
     except OSError as e:

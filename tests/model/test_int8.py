@@ -228,3 +228,36 @@ def test_a_q8_0_file_runs_as_its_own_int8_values(tmp_path):
         weight = dequantized.model.get_submodule(name).weight
         assert torch.equal(int8.dequantize(*int8.unpack(module.packed, module.packed_scales, module.out_features)),
                            weight), name
+
+
+def test_int8_decoder_layers_fuse_with_their_panels_shared(ops, tiny_model_dir):
+    """cbgen's fused decoder layers merge int8 projections panel by panel: the merged layer computes what its parts
+    do, each part's panels become views of the merged ones (no second copy), and they own their panels again once
+    separated."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from cbgen.model import fused
+
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    int8.quantize_model(tiny)  # keys and values of 32 outputs: not whole panels, so not merged (the stock layers run)
+    assert "not whole panels of 64" in (fused.unfit_reason(tiny) or "")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    int8.quantize_model(model)
+    assert fused.unfit_reason(model) is None
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        alone = model(ids).logits
+        with fused.fused_layers(model) as merged:
+            together = model(ids).logits
+            assert merged.linears == ()  # no nn.Linear for the engine's linear kind to take over
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    attn = model.model.layers[0].self_attn
+    qkv, _ = fused._merges[model.model.layers[0]]
+    assert qkv.views_of([attn.q_proj, attn.k_proj, attn.v_proj])
+    assert attn.k_proj.packed.data_ptr() == qkv.packed[attn.q_proj.packed.shape[0]:].data_ptr()
+    fused.separate(model)
+    assert attn.q_proj.packed.data_ptr() != qkv.packed.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, alone, rtol=0, atol=0)

@@ -94,8 +94,11 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 def load(gguf: Path, cache_dir: Path | None, dtype: str = "float32", **settings) -> model_load.LoadedModel:
+    """The file loaded as these tests compare it: dequantized to float (--quantize none; the default for a Q8_0 file
+    such as this one holds its matrices as int8: tests/model/test_int8.py and the last test here)."""
     return model_load.load_model(ModelSection(model=str(gguf), dtype=dtype, device="cpu",
-                                         cache_dir=str(cache_dir) if cache_dir else None, **settings))
+                                         cache_dir=str(cache_dir) if cache_dir else None,
+                                         **{"quantize": "none", **settings}))
 
 
 def greedy(loaded: model_load.LoadedModel, text: str = "What is the capital of France?") -> list[int]:
@@ -338,3 +341,19 @@ def test_a_gguf_file_is_parsed_once_per_load_and_loads_as_transformers_loads_it(
     assert all(torch.equal(tensor, theirs[name]) for name, tensor in ours.model.state_dict().items())
     assert ours.tokenizer.get_vocab() == tokenizer.get_vocab()
     assert ours.tokenizer.chat_template == tokenizer.chat_template
+
+
+def test_a_q8_0_file_loads_as_int8_by_default_parsing_it_once(tiny_gguf, tmp_path, monkeypatch):
+    """--quantize auto on a Q8_0 file: its matrices held as int8, the file's weight type read within the load's one
+    parse (and kept beside its digest: the next load reads no tensor table for it)."""
+    import gguf
+
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a, **k: parses.append(path) or reader(path, *a, **k))
+    loaded = load(tiny_gguf, tmp_path / "cache", quantize="auto")
+    assert loaded.quantized is not None and loaded.quantized["quantized"] == "int8" and loaded.dtype == torch.float32
+    assert len(parses) == 1
+    parses.clear()
+    again = load(tiny_gguf, tmp_path / "cache", quantize="auto")  # the converted cache and the weight type kept
+    assert again.quantized == loaded.quantized and parses == []
