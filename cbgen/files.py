@@ -9,7 +9,7 @@ import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 
 def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
@@ -78,7 +78,7 @@ def file_fact(path: Path, memo: Path | None, name: str, compute: Callable[[], An
     stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     known = (read_json_or_none(memo) if memo else None) or {}
     entry = known.get(real) if isinstance(known, dict) else None
-    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get(name), kind):
+    if _stamped(entry, stamp) and isinstance(entry.get(name), kind):
         return entry[name]
     value = compute()
     if memo is not None:
@@ -86,10 +86,14 @@ def file_fact(path: Path, memo: Path | None, name: str, compute: Callable[[], An
             memo.parent.mkdir(parents=True, exist_ok=True)
             fresh = read_json_or_none(memo)
             known = fresh if isinstance(fresh, dict) else {}
-            old = known.get(real)
-            same = isinstance(old, dict) and {k: old.get(k) for k in stamp} == stamp
-            known[real] = {**(old if isinstance(old, dict) and same else {}), **stamp, name: value}
+            old = known.get(real)  # the file's other facts, kept while they are of this same file
+            known[real] = {**(old if _stamped(old, stamp) else {}), **stamp, name: value}
             write_json_atomic(memo, known, durable=False)
         except OSError:
             pass  # a read-only cache still serves hits; the fact is worked out again next time
     return value
+
+
+def _stamped(entry: Any, stamp: dict[str, int]) -> TypeGuard[dict[str, Any]]:
+    """Whether a memo's entry was written for the file as `stamp` (its size and mtime) says it is now."""
+    return isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp

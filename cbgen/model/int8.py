@@ -62,7 +62,7 @@ class Int8Linear(torch.nn.Module):
     `merged` computes several side by side (cbgen.model.fused merges a decoder layer's projections with it)."""
 
     def __init__(self, packed: torch.Tensor, packed_scales: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int, dtype: torch.dtype, ops: Any) -> None:
+                 out_features: int, ops: Any) -> None:
         super().__init__()
         self.in_features, self.out_features = packed.shape[1], out_features
         self.packed: torch.Tensor
@@ -70,12 +70,11 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("packed_scales", packed_scales)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.weight_dtype, self.ops = dtype, ops
+        self.ops = ops
 
     @classmethod
-    def of(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-           ops: Any) -> Int8Linear:
-        return cls(*pack(q, scales), bias, q.shape[0], dtype, ops)
+    def of(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, ops: Any) -> Int8Linear:
+        return cls(*pack(q, scales), bias, q.shape[0], ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -104,7 +103,7 @@ class Int8Linear(torch.nn.Module):
             bias = torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)]) \
                 if any(b is not None for b in biases) else None
             merged = cls(torch.cat([p.packed for p in parts]), torch.cat([p.packed_scales for p in parts]), bias,
-                         sum(p.out_features for p in parts), parts[0].weight_dtype, parts[0].ops)
+                         sum(p.out_features for p in parts), parts[0].ops)
             panel = column = 0
             for p in parts:
                 panels = p.packed.shape[0]
@@ -175,7 +174,7 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
                                        if module.in_features % GROUP else f"{where}: not on the CPU")
                 continue
             q, scales = quantize(module.weight)
-            replacement = Int8Linear.of(q, scales, module.bias, module.weight.dtype, ops)
+            replacement = Int8Linear.of(q, scales, module.bias, ops)
             done.layers += 1
             done.bytes_before += module.weight.numel() * module.weight.element_size()
             done.bytes_after += int(replacement.packed.numel() + replacement.packed_scales.numel() * 4)

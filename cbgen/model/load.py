@@ -304,17 +304,12 @@ def _quantize_choice(settings: ModelSection, source: ModelSource, weights: bool,
 
     if not weights or settings.quantize == "none":
         return False
-    choice: str = settings.quantize
-    if choice == "auto":
-        if not source.gguf_file:
+    reason = int8.refusal("int8", settings.adapter is not None, settings.tp_size, device)
+    if settings.quantize == "auto":  # a Q8_0 file with adapters or --tp runs dequantized, as before
+        if not source.gguf_file or reason is not None:
             return False
         memo = default_cache_dir(settings) / "digests.json" if settings.use_cache else None
-        choice = "int8" if int8.gguf_is_q8_0(source.gguf_path, memo) else "none"
-        if choice == "none":
-            return False
-        if int8.refusal("int8", settings.adapter is not None, settings.tp_size, device) is not None:
-            return False  # a Q8_0 file with adapters or --tp runs dequantized, as before
-    reason = int8.refusal(choice, settings.adapter is not None, settings.tp_size, device)
+        return int8.gguf_is_q8_0(source.gguf_path, memo)
     if reason is not None:
         raise CbgenError(reason)
     return True

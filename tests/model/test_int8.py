@@ -115,6 +115,14 @@ def test_a_gguf_files_weight_type_is_read_once(tmp_path, monkeypatch):
         int8.gguf_is_q8_0(tmp_path / "q.gguf", memo)
 
 
+def _dequantized_in_place(model) -> None:
+    """The reference: each decoder-layer weight replaced by its int8 values dequantized, in float32."""
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(int8.dequantize(*int8.quantize(module.weight)))
+
+
 def test_a_models_layers_become_int8_and_compute_the_dequantized_model(ops, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -123,10 +131,7 @@ def test_a_models_layers_become_int8_and_compute_the_dequantized_model(ops, tiny
     done = int8.quantize_model(model)
     assert done.layers == 2 * 7 and done.kernel == "compiled" and done.bytes_after < done.bytes_before / 3
     with torch.no_grad():
-        for layer in reference.model.layers:
-            for module in layer.modules():
-                if type(module) is torch.nn.Linear:
-                    module.weight.copy_(int8.dequantize(*int8.quantize(module.weight)))
+        _dequantized_in_place(reference)
         ids = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
     assert not any(type(m) is torch.nn.Linear for layer in model.model.layers for m in layer.modules())
@@ -166,10 +171,7 @@ def test_an_int8_job_answers_as_the_dequantized_model_and_is_batch_invariant(tin
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
-        for layer in model.model.layers:
-            for module in layer.modules():
-                if type(module) is torch.nn.Linear:
-                    module.weight.copy_(int8.dequantize(*int8.quantize(module.weight)))
+        _dequantized_in_place(model)
     dequantized = tmp_path / "dequantized"
     model.save_pretrained(dequantized)
     for file in tiny_model_dir.iterdir():  # the tokenizer, its chat template, the generation config
