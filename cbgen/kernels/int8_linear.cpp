@@ -1,4 +1,4 @@
-// Linear layers over 8-bit weights: out = x W^T + bias, where W is held as int8 with one float32 scale per 32 inputs
+// Linear layers over 8-bit weights: out = x W^T + bias, where W is held as int8 with one float16 scale per 32 inputs
 // of each output (GGUF's Q8_0 layout; cbgen.model.int8 makes it from float weights), and never as a whole float copy.
 //
 // The weight is packed once (cbgen.model.int8.pack) into panels of block_n output columns, each K x block_n int8 values and
@@ -28,12 +28,18 @@ constexpr int64_t BLOCK_M = 64;  // rows a micro-kernel call: a decode step's
 constexpr int64_t GROUP = 32;    // inputs that share a scale
 constexpr int64_t KC = 256;      // inputs dequantized at a time: KC x block_n floats stay in L1/L2
 
-// inputs [k0, k0 + kc) of one panel as float32, kc x block_n
-void dequantize(const int8_t* __restrict__ q, const float* __restrict__ scales, int64_t k0, int64_t kc,
-                int64_t block_n, float* __restrict__ out) {
+// inputs [k0, k0 + kc) of one panel as float32, kc x block_n; `scale` holds block_n floats (a group's scales, made
+// once per group of 32 inputs; k0 and kc are multiples of 32)
+void dequantize(const int8_t* __restrict__ q, const at::Half* __restrict__ scales, int64_t k0, int64_t kc,
+                int64_t block_n, float* __restrict__ scale, float* __restrict__ out) {
   for (int64_t i = 0; i < kc; ++i) {
+    if ((k0 + i) % GROUP == 0) {
+      const at::Half* group = scales + ((k0 + i) / GROUP) * block_n;
+      for (int64_t j = 0; j < block_n; ++j) {
+        scale[j] = static_cast<float>(group[j]);
+      }
+    }
     const int8_t* __restrict__ row = q + (k0 + i) * block_n;
-    const float* __restrict__ scale = scales + ((k0 + i) / GROUP) * block_n;
     float* __restrict__ target = out + i * block_n;
     for (int64_t j = 0; j < block_n; ++j) {  // vectorized by the compiler: widen, convert, multiply
       target[j] = static_cast<float>(row[j]) * scale[j];
@@ -46,7 +52,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   TORCH_CHECK(x_in.dim() == 2, "int8_linear: rows of features");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(1) == x_in.size(1),
               "int8_linear: the weight packed by cbgen.model.int8.pack for these rows");
-  TORCH_CHECK(packed_scales.scalar_type() == at::kFloat && packed_scales.size(0) == packed.size(0) &&
+  TORCH_CHECK(packed_scales.scalar_type() == at::kHalf && packed_scales.size(0) == packed.size(0) &&
               packed_scales.size(1) * GROUP == packed.size(1) && packed_scales.size(2) == packed.size(2),
               "int8_linear: the scales packed with the weight");
   TORCH_CHECK(packed.size(0) * packed.size(2) >= out_features, "int8_linear: more output features than packed");
@@ -66,19 +72,20 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t row_blocks = (m + BLOCK_M - 1) / BLOCK_M;
   const float* a = x.data_ptr<float>();
   const int8_t* b = packed.data_ptr<int8_t>();
-  const float* s = packed_scales.data_ptr<float>();
+  const at::Half* s = packed_scales.data_ptr<at::Half>();
   float* o = out.data_ptr<float>();
   // a task is one panel and every row block: the panel is dequantized once per chunk and met by all the rows (a
   // decode step has one row block; a long prefill several)
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(KC * block_n);
+    std::vector<float> scale(block_n);
     std::vector<float> sums(row_blocks * BLOCK_M * block_n);
     for (int64_t p = begin; p < end; ++p) {
       const int8_t* panel = b + p * k * block_n;
-      const float* panel_scales = s + p * groups * block_n;
+      const at::Half* panel_scales = s + p * groups * block_n;
       for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int64_t kc = std::min(KC, k - k0);
-        dequantize(panel, panel_scales, k0, kc, block_n, weights.data());
+        dequantize(panel, panel_scales, k0, kc, block_n, scale.data(), weights.data());
         for (int64_t r = 0; r < row_blocks; ++r) {
           const int64_t first = r * BLOCK_M, rows = std::min(BLOCK_M, m - first);
           cpublas::brgemm(rows, block_n, kc, k, block_n, block_n, k0 > 0, a + first * k + k0, weights.data(),

@@ -32,6 +32,7 @@ CACHE_WRITTEN = "miss (written)"
 CACHE_OFF = "off"
 CACHE_UNWRITABLE = "unwritable"
 CACHE_UNSUPPORTED = "unsupported"  # the weights stayed packed in GGUF blocks: no plain weights to save
+CACHE_DIRECT = "not needed"  # the weights were read from the file as they are (int8: cbgen.model.q8_0)
 
 TOKENIZER_ENTRY = "tokenizer"  # the converted tokenizer's entry; the model's is `model_entry(dtype)`
 _MARKER = "cbgen-cache.json"  # written last into an entry; an entry without it is never trusted
@@ -165,7 +166,7 @@ def drop_gguf_marker(model: torch.nn.Module) -> bool:
 
 def combine_statuses(*statuses: str) -> str:
     """One cache status for the run from the tokenizer's and the model's."""
-    for status in (CACHE_OFF, CACHE_UNWRITABLE, CACHE_UNSUPPORTED, CACHE_WRITTEN):
+    for status in (CACHE_OFF, CACHE_UNWRITABLE, CACHE_UNSUPPORTED, CACHE_WRITTEN, CACHE_DIRECT):
         if status in statuses:
             return status
     return CACHE_HIT

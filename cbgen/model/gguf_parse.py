@@ -78,3 +78,12 @@ def parsed_once() -> Iterator[None]:
             if not _READER.holders:
                 _readers.clear()
                 _maps.clear()
+
+
+def forget(path: Any) -> None:
+    """Drops the file's parsed reader (held loads parse it again if they ask): its objects are freed once the caller
+    holds none of them."""
+    real = os.path.realpath(path)
+    with _readers.lock:
+        for key in [key for key in _readers if key[0] == real]:
+            del _readers[key]

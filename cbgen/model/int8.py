@@ -2,13 +2,13 @@
 scheme), a quarter of float32's memory, computed by cbgen's compiled kernel (cbgen/kernels/int8_linear.cpp), which
 dequantizes a panel's inputs a chunk at a time inside the call, in a fixed order (batch invariance holds).
 
-`--quantize int8` makes them from any float model at load. A Q8_0 GGUF file is read as transformers reads it
-(dequantized to float32, exactly: a float16 scale times an int8 value) and quantized again here by the same scheme,
-which gives back the file's own int8 values and scales (tests/model/test_int8.py checks it against the gguf
-package's dequantization), so the job runs the file's weights as 8 bits. The model's embeddings, its output layer
-and its norms stay as they are; a layer whose input count is not a multiple of 32 stays float, and the summary says
-how many were kept so. Where the compiled kernel is unavailable a layer dequantizes its whole weight each call (slow,
-right; run.json says why).
+`--quantize int8` makes them from any float model at load; the model's embeddings, its output layer and its norms
+stay as they are there. A Q8_0 GGUF file's are read from the file as they are, its embedding table and output layer
+as int8 too (cbgen.model.q8_0); where it cannot be read so, it loads as transformers reads it (dequantized to float32,
+exactly: a float16 scale times an int8 value) and is quantized again here by the same scheme, which gives back the
+file's own int8 values and scales (tests/model/test_int8.py checks it against the gguf package's dequantization). A
+layer whose input count is not a multiple of 32 stays float, and the summary says how many were kept so. Where the
+compiled kernel is unavailable a layer dequantizes its whole weight each call (slow, right; run.json says why).
 """
 
 from __future__ import annotations
@@ -41,19 +41,19 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Panels of BLOCK_N outputs, the kernel's layout: int8 [P, K, BLOCK_N] and scales [P, K/32, BLOCK_N], the
-    columns past N zero with zero scales."""
+    """Panels of BLOCK_N outputs, the kernel's layout: int8 [P, K, BLOCK_N] and float16 scales [P, K/32, BLOCK_N]
+    (Q8_0's scales are float16: exact), the columns past N zero with zero scales."""
     n = q.shape[0]
     padded = -(-n // BLOCK_N) * BLOCK_N
     q = torch.nn.functional.pad(q, (0, 0, 0, padded - n))
     scales = torch.nn.functional.pad(scales, (0, 0, 0, padded - n))
     return (q.reshape(-1, BLOCK_N, q.shape[1]).transpose(1, 2).contiguous(),
-            scales.reshape(-1, BLOCK_N, scales.shape[1]).transpose(1, 2).contiguous())
+            scales.half().reshape(-1, BLOCK_N, scales.shape[1]).transpose(1, 2).contiguous())
 
 
 def unpack(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
-    return q, packed_scales.transpose(1, 2).reshape(-1, packed_scales.shape[1])[:out_features]
+    return q, packed_scales.transpose(1, 2).reshape(-1, packed_scales.shape[1])[:out_features].float()
 
 
 class Int8Linear(torch.nn.Module):
@@ -88,6 +88,10 @@ class Int8Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (32-input scales)"
 
+    def bytes(self) -> int:
+        """The bytes its weights hold: int8 values and float16 scales."""
+        return int(self.packed.nbytes + self.packed_scales.nbytes)
+
     @staticmethod
     def mergeable(parts: list[Any]) -> bool:
         """Whether `parts` can compute side by side as one: int8 layers of one input size whose panels hold no
@@ -102,8 +106,8 @@ class Int8Linear(torch.nn.Module):
             biases = [p.bias for p in parts]
             bias = torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)]) \
                 if any(b is not None for b in biases) else None
-            merged = cls(torch.cat([p.packed for p in parts]), torch.cat([p.packed_scales for p in parts]), bias,
-                         sum(p.out_features for p in parts), parts[0].ops)
+            merged = cls(_side_by_side([p.packed for p in parts]), _side_by_side([p.packed_scales for p in parts]),
+                         bias, sum(p.out_features for p in parts), parts[0].ops)
             panel = column = 0
             for p in parts:
                 panels = p.packed.shape[0]
@@ -134,6 +138,20 @@ class Int8Linear(torch.nn.Module):
                 p.bias.data = p.bias.data.clone()
 
 
+def _side_by_side(panels: list[torch.Tensor]) -> torch.Tensor:
+    """The panels of several layers as one tensor: a view where they already lie one after another in one storage
+    (an arena's: cbgen.model.q8_0), else a copy."""
+    first = panels[0]
+    offset = first.storage_offset()
+    for p in panels:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
+                p.storage_offset() != offset:
+            return torch.cat(panels)
+        offset += p.numel()
+    shape = (sum(p.shape[0] for p in panels), *first.shape[1:])
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
 @dataclass
 class Quantized:
     """What `quantize_model` did, for run.json."""
@@ -143,14 +161,17 @@ class Quantized:
     bytes_before: int = 0
     bytes_after: int = 0
     kernel: str = ""  # "compiled", or why each call dequantizes
+    loader: str = "quantized at load"  # or how else the int8 values were had (cbgen.model.q8_0)
+    embeddings: str = "float"  # "int8" where the embedding table is held so too
 
     def summary(self) -> dict[str, Any]:
         return {"quantized": "int8", "layers": self.layers, "kept_float": self.kept_float[:8],
                 "kept_float_count": len(self.kept_float), "weight_bytes_before": self.bytes_before,
-                "weight_bytes_after": self.bytes_after, "kernel": self.kernel}
+                "weight_bytes_after": self.bytes_after, "kernel": self.kernel, "loader": self.loader,
+                "embeddings": self.embeddings}
 
 
-def _kernel_ops() -> tuple[Any, str]:
+def kernel_ops() -> tuple[Any, str]:
     from cbgen.kernels import kernel
 
     built = kernel(KERNEL)
@@ -162,7 +183,7 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
     embeddings and the output layer stay."""
     from cbgen.model.fused import decoder_layers
 
-    ops, why = _kernel_ops() if compiled else (None, "eager dequantization: asked for")
+    ops, why = kernel_ops() if compiled else (None, "eager dequantization: asked for")
     done = Quantized(kernel=why)
     for index, layer in enumerate(decoder_layers(model)):
         for name, module in list(layer.named_modules()):
@@ -177,7 +198,7 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
             replacement = Int8Linear.of(q, scales, module.bias, ops)
             done.layers += 1
             done.bytes_before += module.weight.numel() * module.weight.element_size()
-            done.bytes_after += int(replacement.packed.numel() + replacement.packed_scales.numel() * 4)
+            done.bytes_after += replacement.bytes()
             parent_name, _, child = name.rpartition(".")
             setattr(layer.get_submodule(parent_name) if parent_name else layer, child, replacement)
     return done

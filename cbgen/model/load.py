@@ -116,7 +116,8 @@ class LoadedModel:
     dtype: torch.dtype
     attn_implementation: str
     load_seconds: float
-    # The converted-GGUF cache: hit | miss (written) | off | unwritable | unsupported; None when no GGUF was read
+    # The converted-GGUF cache: hit | miss (written) | off | unwritable | unsupported | not needed (read as int8);
+    # None when no GGUF was read
     cache: str | None = None
     quantized: dict | None = None  # what --quantize int8 made (cbgen.model.int8.Quantized.summary), or None
 
@@ -284,8 +285,12 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
             quantize = _quantize_choice(settings, source, weights, device)
             if quantize:
                 dtype = torch.float32  # the file's int8 values come back exactly from float32 (cbgen.model.int8)
-            model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
-            quantized = _quantized(model, quantize)
+            read = _read_q8_0(source, settings, cache_root, attn) if quantize == Q8_0_FILE else None
+            if isinstance(read, tuple):
+                model, tokenizer, cache, quantized = read
+            else:
+                model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
+                quantized = _quantized(model, quantize, read)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only models already in the local cache can load)" if offline else ""
@@ -297,27 +302,51 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache, quantized)
 
 
-def _quantize_choice(settings: ModelSection, source: ModelSource, weights: bool, device: str) -> bool:
-    """Whether the decoder layers' weights are held as int8 (`--quantize`; auto: a Q8_0 GGUF file's), refused in one
-    line where they cannot be."""
+INT8 = "int8"  # the model's float weights quantized as it loads
+Q8_0_FILE = "q8_0 file"  # a Q8_0 GGUF file's int8 values read as they are (cbgen.model.q8_0)
+
+
+def _quantize_choice(settings: ModelSection, source: ModelSource, weights: bool, device: str) -> str | None:
+    """Whether the decoder layers' weights are held as int8 (`--quantize`; auto: a Q8_0 GGUF file's), and how they
+    are had (INT8 or Q8_0_FILE), or None; refused in one line where they cannot be."""
     from cbgen.model import int8
 
     if not weights or settings.quantize == "none":
-        return False
+        return None
     reason = int8.refusal("int8", settings.adapter is not None, settings.tp_size, device)
-    if settings.quantize == "auto":  # a Q8_0 file with adapters or --tp runs dequantized, as before
-        if not source.gguf_file or reason is not None:
-            return False
-        memo = default_cache_dir(settings) / "digests.json" if settings.use_cache else None
-        return int8.gguf_is_q8_0(source.gguf_path, memo)
+    if settings.quantize == "auto" and (not source.gguf_file or reason is not None):
+        return None  # a Q8_0 file with adapters or --tp runs dequantized, as before
     if reason is not None:
         raise CbgenError(reason)
-    return True
+    if not source.gguf_file:
+        return INT8
+    memo = default_cache_dir(settings) / "digests.json" if settings.use_cache else None
+    if int8.gguf_is_q8_0(source.gguf_path, memo):
+        return Q8_0_FILE
+    return INT8 if settings.quantize == "int8" else None
 
 
-def _quantized(model, quantize: bool) -> dict | None:
+def _read_q8_0(source: ModelSource, settings: ModelSection, cache_root: Path | None, attn: str | None):
+    """(model, tokenizer, cache status, what was quantized) read straight from a Q8_0 file, or why it cannot be."""
+    from cbgen.model.gguf import CACHE_DIRECT, combine_statuses
+    from cbgen.model.q8_0 import Unfit, file_table, load_q8_0
+
+    cache = GgufCache(cache_root, source.gguf_path) if cache_root else None
+    tokenizer, status = gguf_tokenizer(source.gguf_path, cache)
+    try:
+        model, done = load_q8_0(source.gguf_path, file_table(source.gguf_path, cache), attn)
+    except Unfit as e:
+        log.info("cbgen: %s: %s; it loads dequantized and is quantized again", source.name, e)
+        return str(e)
+    return model, tokenizer, combine_statuses(status, CACHE_DIRECT), done.summary()
+
+
+def _quantized(model, quantize: str | None, unfit: str | None = None) -> dict | None:
     if not quantize:
         return None
     from cbgen.model.int8 import quantize_model
 
-    return quantize_model(model).summary()
+    done = quantize_model(model)
+    if quantize == Q8_0_FILE:
+        done.loader = f"dequantized by transformers, quantized again ({unfit})"
+    return done.summary()

@@ -209,29 +209,6 @@ def test_a_job_with_int8_and_adapters_stops_before_loading(tiny_model_dir, lora_
     assert code != 0 and err.count("\n") == 1 and "--quantize int8 with --adapter" in err
 
 
-@pytest.mark.embedded
-def test_a_q8_0_file_runs_as_its_own_int8_values(tmp_path):
-    """A Q8_0 GGUF (the embedded model's matrices requantized by the gguf package) loads as int8 by default, and every
-    int8 layer's values, dequantized, are bitwise the float32 weights transformers' loader reads from the file
-    (--quantize none): the file's own values, including the rows transformers reorders for Llama's attention."""
-    from cbgen.config import ModelSection
-    from cbgen.model.load import load_model
-    from cbgen.model.source import embedded_model_path
-    from tests.helpers import q8_0_copy
-
-    q8_0 = q8_0_copy(embedded_model_path(), tmp_path / "smollm2-q8_0.gguf")
-    quantized = load_model(ModelSection(model=str(q8_0), use_cache=False))
-    dequantized = load_model(ModelSection(model=str(q8_0), quantize="none", use_cache=False))
-    assert quantized.quantized is not None and quantized.quantized["layers"] == 30 * 7
-    assert dequantized.quantized is None
-    layers = [(name, module) for name, module in quantized.model.named_modules() if isinstance(module, int8.Int8Linear)]
-    assert len(layers) == 210
-    for name, module in layers:
-        weight = dequantized.model.get_submodule(name).weight
-        assert torch.equal(int8.dequantize(*int8.unpack(module.packed, module.packed_scales, module.out_features)),
-                           weight), name
-
-
 def test_int8_decoder_layers_fuse_with_their_panels_shared(ops, tiny_model_dir):
     """cbgen's fused decoder layers merge int8 projections panel by panel: the merged layer computes what its parts
     do, each part's panels become views of the merged ones (no second copy), and they own their panels again once
@@ -263,3 +240,14 @@ def test_int8_decoder_layers_fuse_with_their_panels_shared(ops, tiny_model_dir):
     assert attn.q_proj.packed.data_ptr() != qkv.packed.data_ptr()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, alone, rtol=0, atol=0)
+
+
+def test_panels_side_by_side_in_one_storage_merge_as_a_view_and_others_as_a_copy():
+    whole = torch.arange(5 * 4 * 2, dtype=torch.int8).view(5, 4, 2)
+    first, second = whole[:2], whole[2:]
+    merged = int8._side_by_side([first, second])
+    assert merged.data_ptr() == whole.data_ptr() and torch.equal(merged, whole)
+    apart = int8._side_by_side([whole[:2], whole[3:]])  # a gap between them
+    assert apart.data_ptr() != whole.data_ptr() and torch.equal(apart, torch.cat([whole[:2], whole[3:]]))
+    swapped = int8._side_by_side([second, first])
+    assert swapped.data_ptr() != whole.data_ptr() and torch.equal(swapped, torch.cat([second, first]))

@@ -290,7 +290,7 @@ if role == "first":  # converts slowly, and says when it holds the lock
                 return manager.__exit__(*exc)
         return Slow()
     model_cache.GgufCache.converting = converting
-loaded = load_model(ModelSection(model=gguf, dtype="float32", device="cpu", cache_dir=cache_dir))
+loaded = load_model(ModelSection(model=gguf, dtype="float32", device="cpu", cache_dir=cache_dir, quantize="none"))
 print(json.dumps({"cache": loaded.cache}))
 """
 
