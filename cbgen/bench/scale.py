@@ -8,8 +8,8 @@ benchmarks/build_llamacpp.sh) to f32 and Q8_0 GGUF files, all kept in llama.cpp'
 
     cbgen float32        the folder, as `cbgen run --model DIR --dtype float32` runs it (and with stock linear
                          layers, --no-batch-invariant: what batch invariance costs at this size)
-    cbgen int8           the same weights held as int8 (`--quantize int8`: Q8_0's scheme, the values the Q8_0 file
-                         holds), through cbgen's compiled int8 kernel
+    cbgen int8           the Q8_0 file, as `cbgen run --model FILE` runs it: its int8 values read as they are
+                         (embeddings and output layer too), through cbgen's compiled int8 kernel
     llama.cpp f32        the f32 file
     llama.cpp Q8_0       the Q8_0 file
 
@@ -149,9 +149,11 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, f32: Path, q8_0: 
     tokens: dict[str, float] = {}
     workload = None
     parameters = 0
-    paths: tuple[tuple[str, Literal["none", "int8"]], ...] = (("cbgen float32", "none"), ("cbgen int8", "int8"))
-    for name, quantize in paths:
-        settings = ModelSection(model=str(folder), dtype="float32", device="cpu", quantize=quantize)
+    # cbgen int8 runs the Q8_0 file llama.cpp runs: its int8 values read as they are (cbgen.model.q8_0)
+    paths: tuple[tuple[str, Path, Literal["none", "auto"]], ...] = (("cbgen float32", folder, "none"),
+                                                                    ("cbgen int8", q8_0, "auto"))
+    for name, model, quantize in paths:
+        settings = ModelSection(model=str(model), dtype="float32", device="cpu", quantize=quantize)
         loaded = load_model(settings)
         parameters = parameters or parameter_count(loaded.model)
         workload = workload or _workload(loaded.tokenizer, ctx.plan.mode)
