@@ -27,6 +27,7 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BLOCK_M = 64;  // rows a micro-kernel call: a decode step's
 constexpr int64_t GROUP = 32;    // inputs that share a scale
 constexpr int64_t KC = 256;      // inputs dequantized at a time: KC x block_n floats stay in L1/L2
+constexpr int64_t ROWS_CACHED = int64_t{4} << 20;  // bytes of rows a group of row blocks holds (stays in L3)
 
 // inputs [k0, k0 + kc) of one panel as float32, kc x block_n; `scale` holds block_n floats (a group's scales, made
 // once per group of 32 inputs; k0 and kc are multiples of 32)
@@ -74,27 +75,34 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int8_t* b = packed.data_ptr<int8_t>();
   const at::Half* s = packed_scales.data_ptr<at::Half>();
   float* o = out.data_ptr<float>();
-  // a task is one panel and every row block: the panel is dequantized once per chunk and met by all the rows (a
-  // decode step has one row block; a long prefill several)
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  // a task is one panel and a group of row blocks: the panel is dequantized once per chunk and met by the group's
+  // rows (a decode step has one row block, so one group). Tasks run group by group, so a thread's consecutive tasks
+  // read the same rows, which stay in cache across panels; one group for all rows re-read every row from memory for
+  // each panel (at 1,024 rows of 8,192 inputs, 1.7x the float32 tiles' time)
+  const int64_t group = std::max<int64_t>(1, ROWS_CACHED / (BLOCK_M * k * static_cast<int64_t>(sizeof(float))));
+  const int64_t groups_m = (row_blocks + group - 1) / group;
+  at::parallel_for(0, groups_m * panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(KC * block_n);
     std::vector<float> scale(block_n);
-    std::vector<float> sums(row_blocks * BLOCK_M * block_n);
-    for (int64_t p = begin; p < end; ++p) {
+    std::vector<float> sums(std::min(group, row_blocks) * BLOCK_M * block_n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task % panels, g = task / panels;
+      const int64_t first_block = g * group, blocks = std::min(group, row_blocks - first_block);
       const int8_t* panel = b + p * k * block_n;
       const at::Half* panel_scales = s + p * groups * block_n;
       for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int64_t kc = std::min(KC, k - k0);
         dequantize(panel, panel_scales, k0, kc, block_n, scale.data(), weights.data());
-        for (int64_t r = 0; r < row_blocks; ++r) {
-          const int64_t first = r * BLOCK_M, rows = std::min(BLOCK_M, m - first);
+        for (int64_t r = 0; r < blocks; ++r) {
+          const int64_t first = (first_block + r) * BLOCK_M, rows = std::min(BLOCK_M, m - first);
           cpublas::brgemm(rows, block_n, kc, k, block_n, block_n, k0 > 0, a + first * k + k0, weights.data(),
                           sums.data() + r * BLOCK_M * block_n, false);
         }
       }
       const int64_t width = std::min(block_n, n - p * block_n);
-      for (int64_t row = 0; row < m; ++row) {
-        const float* src = sums.data() + (row / BLOCK_M) * BLOCK_M * block_n + (row % BLOCK_M) * block_n;
+      const int64_t first_row = first_block * BLOCK_M, last_row = std::min(m, (first_block + blocks) * BLOCK_M);
+      for (int64_t row = first_row; row < last_row; ++row) {
+        const float* src = sums.data() + (row - first_row) * block_n;
         float* dst = o + row * n + p * block_n;
         if (bias_ptr == nullptr) {
           std::copy(src, src + width, dst);
