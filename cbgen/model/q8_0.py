@@ -20,12 +20,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
 
-from cbgen.model.int8 import BLOCK_N, GROUP, Int8Linear, Quantized, kernel_ops
+from cbgen.model.int8 import BLOCK_N, GROUP, Int8Linear, Quantized, dequantize, kernel_ops
 
 if TYPE_CHECKING:
     from cbgen.model.gguf import GgufCache
@@ -52,9 +52,7 @@ class Int8Embedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         panel, column = flat // BLOCK_N, flat % BLOCK_N
-        q = self.table.packed[panel, :, column]  # [n, K] int8
-        scales = self.table.packed_scales[panel, :, column].float()  # [n, K / 32]
-        rows = (q.float().view(flat.shape[0], -1, GROUP) * scales.unsqueeze(-1)).view(flat.shape[0], -1)
+        rows = dequantize(self.table.packed[panel, :, column], self.table.packed_scales[panel, :, column].float())
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -86,16 +84,11 @@ class Table:
         import gguf
         from transformers import AutoConfig
 
-        from cbgen.model.gguf_parse import forget
-
         reader = gguf.GGUFReader(path)
-        table = cls(str(reader.fields["general.architecture"].contents()),
-                    AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
-                    [Tensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.n_bytes),
-                            int(t.data_offset)) for t in reader.tensors])
-        del reader
-        forget(path)  # the reader's objects are freed before any weight is read
-        return table
+        return cls(str(reader.fields["general.architecture"].contents()),
+                   AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
+                   [Tensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.n_bytes),
+                           int(t.data_offset)) for t in reader.tensors])
 
     def save(self, folder: Path) -> None:
         self.config.save_pretrained(folder)
@@ -127,19 +120,18 @@ def file_table(path: Path, cache: GgufCache | None) -> Table:
     return table
 
 
-def _read(path: Path, tensor: Tensor, offset: int, size: int) -> np.ndarray:
-    with open(path, "rb") as file:
-        data = os.pread(file.fileno(), size, tensor.data_offset + offset)
+def _read(file: BinaryIO, tensor: Tensor, offset: int, size: int) -> np.ndarray:
+    data = os.pread(file.fileno(), size, tensor.data_offset + offset)
     if len(data) != size:
-        raise ValueError(f"{path}: the file ends inside the tensor '{tensor.name}' (a truncated download?)")
+        raise ValueError(f"{file.name}: the file ends inside the tensor '{tensor.name}' (a truncated download?)")
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def float_values(path: Path, tensor: Tensor) -> np.ndarray:
-    """A tensor of the file dequantized to float32 by the gguf package, in numpy's order of its dimensions."""
+def float_values(file: BinaryIO, tensor: Tensor) -> np.ndarray:
+    """A tensor of the open file dequantized to float32 by the gguf package, in numpy's order of its dimensions."""
     import gguf
 
-    raw = _read(path, tensor, 0, tensor.n_bytes).reshape(*reversed(tensor.shape[1:]), -1)
+    raw = _read(file, tensor, 0, tensor.n_bytes).reshape(*reversed(tensor.shape[1:]), -1)
     return np.asarray(gguf.dequantize(raw, gguf.GGMLQuantizationType(tensor.tensor_type)), dtype=np.float32)
 
 
@@ -150,9 +142,9 @@ def panel_shapes(tensor: Tensor) -> tuple[tuple[int, int, int], tuple[int, int, 
     return (panels, columns, BLOCK_N), (panels, columns // GROUP, BLOCK_N)
 
 
-def read_panels(path: Path, tensor: Tensor, order: torch.Tensor | None, packed: torch.Tensor,
+def read_panels(file: BinaryIO, tensor: Tensor, order: torch.Tensor | None, packed: torch.Tensor,
                 packed_scales: torch.Tensor) -> None:
-    """Fills `packed` and `packed_scales` (of `panel_shapes`) with a Q8_0 matrix of the file, the columns past its
+    """Fills `packed` and `packed_scales` (of `panel_shapes`) with a Q8_0 matrix of the open file, the columns past its
     last row zero. Output row i is the file's row `order[i]` (all rows in order where None). Read a panel's rows at a
     time with plain file reads: nothing larger than a panel's rows is held besides the panels themselves."""
     columns, rows = (int(n) for n in tensor.shape)
@@ -162,7 +154,7 @@ def read_panels(path: Path, tensor: Tensor, order: torch.Tensor | None, packed: 
     for panel in range(packed.shape[0]):
         wanted = sources[panel * BLOCK_N : (panel + 1) * BLOCK_N]
         low, high = int(wanted.min()), int(wanted.max()) + 1
-        raw = _read(path, tensor, low * row_bytes, (high - low) * row_bytes).reshape(high - low, blocks,
+        raw = _read(file, tensor, low * row_bytes, (high - low) * row_bytes).reshape(high - low, blocks,
                                                                                     _Q8_0_BLOCK)[wanted - low]
         count = len(wanted)
         packed[panel, :, :count] = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8)
@@ -214,13 +206,16 @@ def _processor(architecture: str, config: Any) -> Any:
     return kind(config=config.to_dict())
 
 
-def _set_tensor(model: torch.nn.Module, hf_name: str, value: torch.Tensor) -> None:
+def _check_shape(tensor: Tensor, hf_name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise ValueError(f"the GGUF tensor '{tensor.name}' has shape {shape}, the model's '{hf_name}' {expected}")
+
+
+def _set_tensor(model: torch.nn.Module, tensor: Tensor, hf_name: str, value: torch.Tensor) -> None:
     module_name, _, attribute = hf_name.rpartition(".")
     module = model.get_submodule(module_name)
     old = getattr(module, attribute)
-    if tuple(old.shape) != tuple(value.shape):
-        raise ValueError(f"the GGUF tensor for '{hf_name}' has shape {tuple(value.shape)}, the model's "
-                         f"{tuple(old.shape)}")
+    _check_shape(tensor, hf_name, tuple(value.shape), tuple(old.shape))
     if isinstance(old, torch.nn.Parameter):
         setattr(module, attribute, torch.nn.Parameter(value, requires_grad=False))
     else:
@@ -243,7 +238,10 @@ def load_q8_0(path: Path, table: Table, attn: str | None) -> tuple[torch.nn.Modu
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    processor = _processor(table.architecture, table.config)
+    from cbgen.model.gguf_parse import forget
+
+    processor = _processor(table.architecture, table.config)  # Unfit: the parsed reader is kept for the fallback
+    forget(path)  # else its objects are freed before any weight is read
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(table.config, dtype=torch.float32, attn_implementation=attn)
     names = get_gguf_hf_weights_map(model, processor)
@@ -251,17 +249,18 @@ def load_q8_0(path: Path, table: Table, attn: str | None) -> tuple[torch.nn.Modu
     done = Quantized(kernel=why, loader="read as int8 from the file")
     tensors = [t for t in table.tensors if t.name in names]
     int8_rows = {t.name for t in tensors if _as_int8(model, names[t.name], t)}
-    for tensor in tensors:  # the float tensors first: an int8 layer takes its bias from its float Linear
-        if tensor.name not in int8_rows:
-            values = processor.process(weights=float_values(path, tensor), name=tensor.name,
-                                       tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
-            _set_tensor(model, names[tensor.name], torch.from_numpy(np.array(values, dtype=np.float32)))
     position = {name: index for index, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
     as_int8 = sorted((t for t in tensors if t.name in int8_rows),
                      key=lambda t: position[names[t.name].rpartition(".")[0]])  # the model's order of layers
     arena = Arena([panel_shapes(t) for t in as_int8])
-    layers = {names[t.name]: _int8_layer(model, path, t, names[t.name], processor, arena, ops, done)
-              for t in as_int8}
+    with open(path, "rb") as file:
+        for tensor in tensors:  # the float tensors first: an int8 layer takes its bias from its float Linear
+            if tensor.name not in int8_rows:
+                values = processor.process(weights=float_values(file, tensor), name=tensor.name,
+                                           tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
+                _set_tensor(model, tensor, names[tensor.name], torch.from_numpy(np.array(values, dtype=np.float32)))
+        layers = {names[t.name]: _int8_layer(model, file, t, names[t.name], processor, arena, ops, done)
+                  for t in as_int8}
     _tie_or_place(model, layers, done)
     _materialize_buffers(model)
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
@@ -280,16 +279,13 @@ def _as_int8(model: torch.nn.Module, hf_name: str, tensor: Tensor) -> bool:
         len(tensor.shape) == 2 and type(module) in (torch.nn.Linear, torch.nn.Embedding)
 
 
-def _int8_layer(model: torch.nn.Module, path: Path, tensor: Tensor, hf_name: str, processor: Any, arena: Arena,
+def _int8_layer(model: torch.nn.Module, file: BinaryIO, tensor: Tensor, hf_name: str, processor: Any, arena: Arena,
                 ops: Any, done: Quantized) -> Int8Linear:
     module = model.get_submodule(hf_name.rpartition(".")[0])
     rows = int(tensor.shape[1])
-    expected = tuple(module.get_parameter("weight").shape)
-    if (rows, int(tensor.shape[0])) != expected:
-        raise ValueError(f"the GGUF tensor '{tensor.name}' has shape {(rows, int(tensor.shape[0]))}, the model's "
-                         f"'{hf_name}' {expected}")
+    _check_shape(tensor, hf_name, (rows, int(tensor.shape[0])), tuple(module.get_parameter("weight").shape))
     packed, packed_scales = arena.take(panel_shapes(tensor))
-    read_panels(path, tensor, _row_order(processor, tensor.name, rows), packed, packed_scales)
+    read_panels(file, tensor, _row_order(processor, tensor.name, rows), packed, packed_scales)
     bias = getattr(module, "bias", None) if isinstance(module, torch.nn.Linear) else None
     layer = Int8Linear(packed, packed_scales, bias, rows, ops)
     done.bytes_before += rows * int(tensor.shape[0]) * 4
