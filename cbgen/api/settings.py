@@ -45,8 +45,9 @@ class ModelSettings(TypedDict, total=False):
     onednn_linear: bool
     # model.quantize: Weights of the decoder layers' linear layers. int8: held as 8-bit integers with a scale per 32
     # inputs (GGUF's Q8_0 scheme), a quarter of float32's memory, computed by cbgen's compiled kernel in float32 on the
-    # CPU (batch-invariant); the model then loads in float32. auto: int8 for a Q8_0 GGUF file (its own 8-bit values),
-    # none otherwise. Not with adapters or --tp.
+    # CPU (batch-invariant); the model then loads in float32. auto: int8 for a Q8_0 GGUF file (its own 8-bit values,
+    # read from the file as they are, embeddings included: about the file's size in memory), none otherwise. Not with
+    # adapters or --tp.
     quantize: Literal['auto', 'none', 'int8']
     # model.linear_row_buckets: On CPU in bfloat16 or float16, run each linear layer at one of a few row counts
     # (multiples of 8 up to 64, then four per doubling), the extra rows zero. oneDNN keeps a compiled kernel (about 0.7
