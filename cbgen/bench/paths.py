@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cbgen.bench.registry import BENCH_PATHS
-from cbgen.bench.workloads import BenchWorkload, Measurement
+from cbgen.bench.workloads import BenchWorkload, Measurement, warm_up
 from cbgen.config import JobConfig, ModelSection
 from cbgen.engine.scope import ScopePlan
 from cbgen.errors import CbgenError
@@ -242,7 +242,8 @@ class Bench:
         engine = LlamaCpp(lib, gguf, torch.get_num_threads(), min(parallel, n), -(-longest // 256) * 256,
                           repack=repack)
         try:
-            engine.run(workload.prompts[:2], [2] * min(2, n), eos)  # first-call costs, off the clock
+            warm = warm_up(workload)  # first-call costs, off the clock
+            engine.run(warm.prompts, [warm.max_new_tokens] * len(warm.prompts), eos)
             run = engine.run(workload.prompts, caps, eos)
         finally:
             engine.close()

@@ -4,10 +4,12 @@ A shape of a real model (cbgen's random-weight shapes: Llama-3.2-1B's config, an
 the machine's memory holds it) gets random weights made here, seeded (cbgen's own random loader), saved once as a
 model folder and converted once by llama.cpp's own script (convert_hf_to_gguf.py, from the build of
 benchmarks/build_llamacpp.sh) to f32 and Q8_0 GGUF files, all kept in llama.cpp's models folder. The fixed workload
-(prompts of 128 tokens; --quick: 8 x (128 + 32), full: 64 x (128 + 64)) then runs through four paths, alternately:
+(full: 16 x (128 + 64), --quick: 4 x (64 + 16); each path once, as its runs take minutes at this size on a 2-core
+CPU: `cbgen bench --model DIR --workloads fixed --paths cbgen,llamacpp,llamacpp-q8_0` times all 64 requests) then runs
+through four paths, alternately:
 
-    cbgen float32        the folder, as `cbgen run --model DIR --dtype float32` runs it (and with stock linear
-                         layers, --no-batch-invariant: what batch invariance costs at this size)
+    cbgen float32        the folder, as `cbgen run --model DIR --dtype float32` runs it (and, in the full run, with
+                         stock linear layers, --no-batch-invariant: what batch invariance costs at this size)
     cbgen int8           the Q8_0 file, as `cbgen run --model FILE` runs it: its int8 values read as they are
                          (embeddings and output layer too), through cbgen's compiled int8 kernel
     llama.cpp f32        the f32 file
@@ -26,8 +28,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from cbgen.bench.suite import Context, Goal, Row, Timings, ratio, skipped
-from cbgen.bench.workloads import BenchWorkload
+from cbgen.bench.suite import Context, Goal, Plan, Row, Timings, ratio, skipped
+from cbgen.bench.workloads import BenchWorkload, warm_up
 
 AHEAD = Goal(">=", 1.2)  # cbgen against llama.cpp at 1B, in the model's precision and in Q8_0
 MFU = Goal(">=", 0.75)
@@ -36,14 +38,13 @@ INVARIANCE_COST = Goal("<=", 1.05)  # batch invariance free at 1B too
 FASTER = "how many times as fast cbgen is (the other path's median time over cbgen's)"
 COST = "the first path's median time over the second's"
 SHAPES = {"quick": ("llama-1b",), "full": ("llama-1b", "qwen3-4b")}
-FIXED = {"quick": (8, 128, 32), "full": (64, 128, 64)}  # requests, prompt tokens, new tokens
 MEMORY_PER_PARAMETER = 10  # bytes of RAM a shape needs a parameter: float32 weights in cbgen and in llama.cpp's map
 
 
-def goals(mode: str) -> tuple[tuple[str, Goal], ...]:
+def goals(plan: Plan) -> tuple[tuple[str, Goal], ...]:
+    stock = (("invariant / stock linear layers, llama-1b", INVARIANCE_COST),) if plan.scale_stock else ()
     return (("cbgen float32 vs llama.cpp f32, llama-1b", AHEAD), ("cbgen int8 vs llama.cpp Q8_0, llama-1b", AHEAD),
-            ("cbgen float32 MFU, llama-1b", MFU), ("cbgen int8 vs cbgen float32, llama-1b", INT8_SPEED),
-            ("invariant / stock linear layers, llama-1b", INVARIANCE_COST))
+            ("cbgen float32 MFU, llama-1b", MFU), ("cbgen int8 vs cbgen float32, llama-1b", INT8_SPEED)) + stock
 
 
 def _converter() -> Path | None:
@@ -108,12 +109,12 @@ def _save_random(shape: str, folder: Path) -> None:
     partial_folder.rename(folder)
 
 
-def _workload(tokenizer: Any, mode: str) -> BenchWorkload:
+def _workload(tokenizer: Any, plan: Plan) -> BenchWorkload:
     from cbgen.bench.workloads import build_workloads
 
-    requests, _, new = FIXED[mode]
     (fixed,) = build_workloads(tokenizer, "small", ["fixed"])  # prompts of 128 tokens
-    return BenchWorkload("fixed", fixed.prompts[:requests], new)
+    requests, prompt_tokens, new_tokens = plan.scale_fixed
+    return fixed.cut(requests, new_tokens, prompt_tokens)
 
 
 def scale(ctx: Context) -> list[Row]:
@@ -124,7 +125,7 @@ def scale(ctx: Context) -> list[Row]:
     for shape in SHAPES[ctx.plan.mode]:
         ready = prepared(shape, ctx.log)
         if isinstance(ready, str):
-            rows += [skipped("scale", name, ready, goal) for name, goal in goals(ctx.plan.mode) if shape in name] or \
+            rows += [skipped("scale", name, ready, goal) for name, goal in goals(ctx.plan) if shape in name] or \
                 [skipped("scale", f"cbgen vs llama.cpp, {shape}", ready)]
             continue
         rows += _shape_rows(ctx, shape, *ready)
@@ -156,20 +157,20 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, f32: Path, q8_0: 
         settings = ModelSection(model=str(model), dtype="float32", device="cpu", quantize=quantize)
         loaded = load_model(settings)
         parameters = parameters or parameter_count(loaded.model)
-        workload = workload or _workload(loaded.tokenizer, ctx.plan.mode)
+        workload = workload or _workload(loaded.tokenizer, ctx.plan)
         bench = Bench(loaded, {}, settings)
-        bench.cbgen(BenchWorkload("warm-up", workload.prompts[:4], 4))
+        bench.cbgen(warm_up(workload))
         reference = None
-        for _ in range(ctx.plan.generation_rounds):
+        for _ in range(ctx.plan.scale_rounds):
             reference = t.record(f"{name}, {shape}", partial(bench.cbgen, workload))
-            if quantize == "none":  # batch invariance (the default) against stock linear layers
+            if quantize == "none" and ctx.plan.scale_stock:  # batch invariance (the default) against stock layers
                 t.record(f"{name} stock, {shape}", partial(bench.cbgen, workload, invariant=False))
         tokens[name] = reference.total_tokens_per_s if reference is not None else 0.0
         if name == "cbgen float32" and bindings()[1] is None:
             for other, gguf in (("llama.cpp f32", f32), ("llama.cpp Q8_0", q8_0)):
-                for _ in range(ctx.plan.generation_rounds):
-                    measured = t.record(f"{other}, {shape}", partial(bench.llamacpp, workload, gguf, 64, reference,
-                                                                     other))
+                for _ in range(ctx.plan.scale_rounds):
+                    measured = t.record(f"{other}, {shape}", partial(bench.llamacpp, workload, gguf,
+                                                                     len(workload.prompts), reference, other))
                 tokens[other] = measured.total_tokens_per_s
         del bench, loaded
     assert workload is not None
@@ -198,8 +199,9 @@ def _rows(ctx: Context, t: Timings, shape: str, tokens: dict[str, float], parame
                     else skipped("scale", title, bindings()[1] or "llama.cpp did not run", AHEAD if main else None))
     rows.append(ratio("scale", f"cbgen int8 vs cbgen float32, {shape}", t, f"cbgen float32, {shape}",
                       f"cbgen int8, {shape}", FASTER, INT8_SPEED if main else None, note=shape_text))
-    rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"cbgen float32, {shape}",
-                      f"cbgen float32 stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
+    if ctx.plan.scale_stock:
+        rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"cbgen float32, {shape}",
+                          f"cbgen float32 stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
     rows.append(Row("scale", f"cbgen float32 MFU, {shape}", round(mfu["cbgen float32"], 3), "x",
                     "tokens a second x 2 x parameters over the float32 matmul rate (the higher of two readings)",
                     MFU if main else None, note=note, exact=mfu["cbgen float32"],

@@ -2,7 +2,7 @@
 through a `Timings` and returns its rows, with the goals the project set for them.
 
   generation   cbgen against transformers' own `generate_batch` and llama.cpp (bf16 or f32, and Q8_0) on the fixed
-               workload, 64 x (128 + 64) tokens: llama-batched-bench's shape
+               workload, 64 x (128 + 64) tokens: llama-batched-bench's shape (--quick: 16 x (128 + 32))
   scale        the same at the sizes people run: a 1B shape (and 4B where memory allows) against llama.cpp f32 and
                Q8_0, cbgen's int8 weights against its float32 ones, and MFU (cbgen.bench.scale)
   invariance   batch-invariant linear layers (the default) against stock ones, per workload, in the machine's dtype
@@ -53,10 +53,10 @@ def section_goals(name: str, plan: Plan) -> tuple[tuple[str, Goal], ...]:
         "sampling": (("seeded / greedy, per token", SEEDED_COST),
                      ("every history control on / off, per token, seeded", CONTROLS_COST)),
         "embedding": ((("cbgen float32 vs sentence-transformers, encode, 300 texts", ENCODE),)
-                      if 300 in plan.embed_texts else ()) + (("cbgen embed vs a sentence-transformers script, whole "
-                                                             "commands", COMMANDS),),
+                      if 300 in plan.embed_texts else ()) + ((("cbgen embed vs a sentence-transformers script, whole "
+                                                              "commands", COMMANDS),) if plan.command_texts else ()),
         "dedup": (("dedup of 100,000 vectors", DEDUP),) if plan.dedup_rows >= 100_000 else (),
-        "scale": scale_goals(plan.mode) if plan.size != "tiny" else ()}
+        "scale": scale_goals(plan) if plan.size != "tiny" else ()}
     return goals.get(name, ())
 
 
@@ -93,7 +93,7 @@ def generation(ctx: Context) -> list[Row]:
     from cbgen.model import dtype_name
 
     bench = _bench(ctx)
-    (fixed,) = build_workloads(bench.loaded.tokenizer, ctx.plan.size, ["fixed"])
+    (fixed,) = map(ctx.plan.cut, build_workloads(bench.loaded.tokenizer, ctx.plan.size, ["fixed"]))
     llamacpp = _llamacpp_paths(ctx, dtype_name(bench.loaded.dtype))
     ready = {name: path for name, path in llamacpp.items() if not isinstance(path, str)}
     _warm(bench, fixed)
@@ -103,7 +103,7 @@ def generation(ctx: Context) -> list[Row]:
         if round_ == 0:  # far slower than cbgen, against a goal it misses by far: one run says it
             t.record("generate_batch", lambda: bench.generate_batch(fixed))
         for name, (gguf, repack, _) in ready.items():
-            t.record(name, partial(bench.llamacpp, fixed, gguf, 64, reference, name, repack))
+            t.record(name, partial(bench.llamacpp, fixed, gguf, len(fixed.prompts), reference, name, repack))
     shape = f"fixed, {len(fixed.prompts)} x ({len(fixed.prompts[0])} + {fixed.max_new_tokens})"
     rows = [ratio("generation", f"cbgen vs generate_batch, {shape}", t, "generate_batch", "cbgen", FASTER,
                   AGAINST_GENERATE_BATCH)]
@@ -127,7 +127,8 @@ def invariance(ctx: Context) -> list[Row]:
         rounds = ctx.plan.rounds if dtype == "auto" else max(1, ctx.plan.rounds - 1)
         bench = _bench(ctx, dtype)
         name = dtype_name(bench.loaded.dtype)
-        workloads = build_workloads(bench.loaded.tokenizer, ctx.plan.size, list(ctx.plan.invariance_workloads))
+        workloads = [ctx.plan.cut(w) for w in build_workloads(bench.loaded.tokenizer, ctx.plan.size,
+                                                               list(ctx.plan.invariance_workloads))]
         for workload in workloads:
             for invariant in (True, False):
                 _warm(bench, workload, invariant=invariant)
@@ -145,7 +146,7 @@ def invariance(ctx: Context) -> list[Row]:
 
 def sampling(ctx: Context) -> list[Row]:
     bench = _bench(ctx)
-    (workload,) = build_workloads(bench.loaded.tokenizer, ctx.plan.size, ["sampling"])
+    (workload,) = map(ctx.plan.cut, build_workloads(bench.loaded.tokenizer, ctx.plan.size, ["sampling"]))
     cases: dict[str, dict[str, Any]] = {"greedy": {}, "sampled": {"sampling": SAMPLED}, "seeded": {"sampling": SEEDED},
              "seeded, every history control": {"sampling": SEEDED, "generation": CONTROLS}}
     if ctx.plan.mode == "quick":

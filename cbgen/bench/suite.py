@@ -20,9 +20,14 @@ from typing import Any
 
 from cbgen.bench import load
 from cbgen.bench.machine import Machine
+from cbgen.bench.workloads import BenchWorkload
 from cbgen.errors import CbgenError, ExitCode
 
 BF16_KINDS = frozenset({"amx-bf16", "avx512-bf16"})  # CPUs with bfloat16 units
+# --quick's cuts, (requests, new tokens): the fixed workload's 128-token prompts in the generation and invariance
+# sections, the sampling workload, and the fixed workload at 1B in the scale section
+QUICK_FIXED, QUICK_SAMPLING = (16, 32), (16, 64)
+QUICK_SCALE = (4, 64, 16)  # requests, prompt tokens, new tokens
 NOT_MEASURED = "not measured"
 STANDINGS = ("met", "missed", "void", NOT_MEASURED)  # a goal's, on a machine where it applies
 
@@ -63,17 +68,32 @@ class Plan:
     invariance_workloads: tuple[str, ...]
     invariance_float32: bool  # invariance in float32 too, where the machine's dtype is another
     embed_texts: tuple[int, ...]  # texts per encode-alone comparison
-    command_texts: tuple[int, ...]  # texts per whole-command comparison
+    command_texts: tuple[int, ...]  # texts per whole-command comparison (--quick: none, but at size tiny)
     dedup_rows: int
+    # (requests, new tokens) the fixed and sampling workloads are cut to (None: as built for `size`); the scale
+    # section's fixed workload at 1B (requests, prompt tokens, new tokens); `scale_stock`: the scale section also
+    # times stock linear layers
+    fixed: tuple[int, int] | None = None
+    sampling: tuple[int, int] | None = None
+    scale_fixed: tuple[int, int, int] = (16, 128, 64)
+    scale_stock: bool = True
+    scale_rounds: int = 1  # its paths take minutes each at 1B on 2 cores
 
     @classmethod
     def of(cls, quick: bool, size: str) -> Plan:
         tiny = size == "tiny"
-        if quick:
-            return cls("quick", size, 1, 1, ("fixed",), False, (32,) if tiny else (300,), (32,) if tiny else (300,),
-                       2_000 if tiny else 20_000)
+        if quick:  # under 5 minutes on a 2-core AVX2 CPU: each section's paths once, on smaller cuts of its workloads
+            return cls("quick", size, 1, 1, ("fixed",), False, (32,) if tiny else (300,), (32,) if tiny else (),
+                       2_000 if tiny else 20_000, fixed=None if tiny else QUICK_FIXED,
+                       sampling=None if tiny else QUICK_SAMPLING, scale_fixed=QUICK_SCALE, scale_stock=False)
         return cls("full", size, 3, 2, ("fixed", "mixed", "shared-prefix"), True, (32,) if tiny else (300, 10_000),
                    (32,) if tiny else (300, 10_000), 2_000 if tiny else 100_000)
+
+    def cut(self, workload: BenchWorkload) -> BenchWorkload:
+        """`workload` as this plan runs it: the fixed and sampling workloads cut to the plan's requests and new
+        tokens (the first prompts, each as long as built)."""
+        to = {"fixed": self.fixed, "sampling": self.sampling}.get(workload.name)
+        return workload if to is None else workload.cut(*to)
 
 
 @dataclass
@@ -218,9 +238,10 @@ def check_quiet(allow_busy: bool, log: Callable[[str], None]) -> dict[str, Any] 
 
 @contextmanager
 def section(name: str, rows: list[Row], log: Callable[[str], None],
-            goals: tuple[tuple[str, Goal], ...] = ()) -> Iterator[None]:
+            goals: tuple[tuple[str, Goal], ...] = (), took: dict[str, int] | None = None) -> Iterator[None]:
     """A section's rows are kept if it fails: the failure becomes a row of its own, each goal it would have
-    measured (`goals`: comparison and goal) a row not measured, and the suite goes on."""
+    measured (`goals`: comparison and goal) a row not measured, and the suite goes on. Its seconds (model loads and
+    warm-ups included) go to the log and to `took`."""
     started = time.perf_counter()
     log(f"— {name}")
     try:
@@ -232,7 +253,10 @@ def section(name: str, rows: list[Row], log: Callable[[str], None],
         rows += [skipped(name, comparison, f"the {name} section failed ({first_line(e)})", goal)
                  for comparison, goal in goals]
         log(f"{name} failed: {first_line(e)}")
-    log(f"{name}: {time.perf_counter() - started:.0f} s")
+    seconds = round(time.perf_counter() - started)
+    log(f"{name}: {seconds} s")
+    if took is not None:
+        took[name] = seconds
 
 
 def summary(rows: list[Row]) -> dict[str, int]:

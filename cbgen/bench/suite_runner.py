@@ -25,12 +25,13 @@ def run(plan: Plan, model: str | None, embed_model: str | None, allow_busy: bool
     machine = measure()
     log(f"{machine.label()}: bf16 {machine.bf16_gflops:,.0f} GFLOP/s, float32 {machine.fp32_gflops:,.0f} GFLOP/s")
     rows: list[Row] = []
+    took: dict[str, int] = {}  # seconds per section, model loads and warm-ups included
     with tempfile.TemporaryDirectory(prefix="cbgen-suite-") as folder:
         ctx = Context(plan, machine, model, embed_model, Path(folder), log)
         for name, measured in SECTIONS.items():
             if only and name not in only:
                 continue
-            with section(name, rows, log, section_goals(name, plan)):
+            with section(name, rows, log, section_goals(name, plan), took):
                 rows += measured(ctx)
     from cbgen.model import dtype_name
 
@@ -47,6 +48,7 @@ def run(plan: Plan, model: str | None, embed_model: str | None, allow_busy: bool
         row.applies = not row.why_not
     meta = {"suite": {"mode": plan.mode, "size": plan.size, "rounds": plan.rounds,
                       "generation_rounds": plan.generation_rounds, "seconds": round(time.perf_counter() - started),
-                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": list(only) or None},
+                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": list(only) or None,
+                      "section_seconds": took},
             "machine": machine.to_dict(), "dtype": default_dtype, "load_before": before, "goals": summary(rows)}
     return rows, meta

@@ -52,6 +52,20 @@ class BenchWorkload:
     def cap(self, i: int) -> int:
         return self.caps[i] if self.caps else self.max_new_tokens
 
+    def cut(self, requests: int, new_tokens: int, prompt_tokens: int | None = None) -> BenchWorkload:
+        """The first `requests` prompts (each cut to its first `prompt_tokens`, where given), each capped at
+        `new_tokens` new tokens: a smaller run of the same kind."""
+        prompts = [p[:prompt_tokens] for p in self.prompts[:requests]]
+        return BenchWorkload(self.name, prompts, new_tokens, schema=self.schema,
+                             continuations=self.continuations[:requests] if self.continuations else None,
+                             choices=self.choices[:requests] if self.choices else None, sampling=self.sampling)
+
+
+def warm_up(workload: BenchWorkload) -> BenchWorkload:
+    """First-call costs (weights packed, kernels built, buffers grown) paid off the clock on little work: the first
+    16 tokens of two of `workload`'s prompts, 2 new tokens each."""
+    return workload.cut(2, 2, 16)
+
 
 def _sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."

@@ -66,8 +66,10 @@ def bench(
         "dedup, warm start, --help), each against its goal, on the embedded models: one table, bench.json, "
         "bench.png. Under 30 minutes on 2 cores; --quick about 5. The options above but --model, --size and -o do "
         "not apply.", rich_help_panel="Suite")] = False,
-    quick: Annotated[bool, typer.Option(help="With --suite: every comparison, smaller and once (batch invariance "
-                                        "in the machine's dtype only, on the fixed workload).",
+    quick: Annotated[bool, typer.Option(help="With --suite: every comparison, smaller and once, under 5 minutes "
+                                        "on 2 cores (the fixed workload 16 x (128 + 32), sampling 16 x 64, 1B 4 x "
+                                        "(64 + 16); batch invariance in the machine's dtype only, whole embedding "
+                                        "commands and stock layers at 1B left to the full run).",
                                         rich_help_panel="Suite")] = False,
     allow_busy: Annotated[bool, typer.Option(
         "--allow-busy", help="With --suite: measure even when other processes use the cores (refused otherwise, "

@@ -54,6 +54,34 @@ def test_goals_and_ratios_read_as_they_say():
         "met": 1, "missed": 1, "void": 2, "not_measured": 1}
 
 
+def test_quick_cuts_the_long_workloads_and_names_what_it_leaves_to_the_full_run():
+    from cbgen.bench.sections import section_goals
+    from cbgen.bench.suite import Plan
+    from cbgen.bench.workloads import BenchWorkload, warm_up
+
+    prompts = [list(range(i, i + 128)) for i in range(64)]
+    fixed, sampling, mixed = (BenchWorkload("fixed", prompts, 64), BenchWorkload("sampling", prompts, 128,
+                              sampling=True), BenchWorkload("mixed", prompts, 256, [16] * 64))
+    quick, full = Plan.of(True, "small"), Plan.of(False, "small")
+    cut = quick.cut(fixed)
+    assert (len(cut.prompts), len(cut.prompts[0]), cut.max_new_tokens) == (16, 128, 32)
+    assert cut.prompts == prompts[:16] and fixed.max_new_tokens == 64  # a copy: the built workload is left as it was
+    cut = quick.cut(sampling)
+    assert (len(cut.prompts), cut.max_new_tokens, cut.sampling) == (16, 64, True)
+    assert quick.cut(mixed) is mixed and all(full.cut(w) is w for w in (fixed, sampling, mixed))
+    assert Plan.of(True, "tiny").cut(fixed) is fixed  # tiny workloads are small already
+    assert (quick.scale_fixed, full.scale_fixed) == ((4, 64, 16), (16, 128, 64))
+    warm = warm_up(fixed)
+    assert [len(p) for p in warm.prompts] == [16, 16] and warm.prompts[1] == prompts[1][:16]
+    assert warm.max_new_tokens == 2
+    # what --quick leaves to the full run has no goal row in its table, rather than one never measured
+    names = {plan.mode: [name for section in ("scale", "embedding") for name, _ in section_goals(section, plan)]
+             for plan in (quick, full)}
+    assert set(names["full"]) - set(names["quick"]) == {"invariant / stock linear layers, llama-1b",
+                                                        "cbgen embed vs a sentence-transformers script, whole commands"}
+    assert not set(names["quick"]) - set(names["full"])
+
+
 @pytest.mark.slow
 def test_quick_suite_runs_end_to_end_and_names_the_machine_everywhere(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "suite"
@@ -67,6 +95,8 @@ def test_quick_suite_runs_end_to_end_and_names_the_machine_everywhere(tiny_model
     assert machine["cores"] >= 1 and machine["held"] is False and data["meta"]["dtype"] in ("bfloat16", "float32")
     sections = {row["section"] for row in data["rows"]}
     assert sections == {"generation", "invariance", "sampling", "embedding", "dedup", "start"}
+    took = data["meta"]["suite"]["section_seconds"]  # every section's, scale's too (tiny runs none of it)
+    assert set(took) == sections | {"scale"} and sum(took.values()) <= data["meta"]["suite"]["seconds"]
     for row in data["rows"]:
         assert row["machine"] == machine["label"]
         assert "busy" in row and (row["figure"] is not None or row["note"].startswith("not measured"))
