@@ -64,8 +64,8 @@ def bench(
         "--suite", help="Run every headline comparison side by side instead (against generate_batch and llama.cpp, "
         "batch invariance's cost, sampling and the history controls, embeddings against sentence-transformers, "
         "dedup, warm start, --help), each against its goal, on the embedded models: one table, bench.json, "
-        "bench.png. Under 30 minutes on 2 cores; --quick about 5. The options above but --model, --size and -o do "
-        "not apply.", rich_help_panel="Suite")] = False,
+        "bench.png. About an hour on 2 cores (the 1B section included); --quick under 5 minutes. The options above "
+        "but --model, --size and -o do not apply.", rich_help_panel="Suite")] = False,
     quick: Annotated[bool, typer.Option(help="With --suite: every comparison, smaller and once, under 5 minutes "
                                         "on 2 cores (the fixed workload 16 x (128 + 32), sampling 16 x 64, 1B 4 x "
                                         "(64 + 16); batch invariance in the machine's dtype only, whole embedding "
