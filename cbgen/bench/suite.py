@@ -25,9 +25,10 @@ from cbgen.errors import CbgenError, ExitCode
 
 BF16_KINDS = frozenset({"amx-bf16", "avx512-bf16"})  # CPUs with bfloat16 units
 # --quick's cuts, (requests, new tokens): the fixed workload's 128-token prompts in the generation and invariance
-# sections, the sampling workload, and the fixed workload at 1B in the scale section
+# sections, and the sampling workload; the fixed workload at 1B in the scale section (requests, prompt tokens, new
+# tokens)
 QUICK_FIXED, QUICK_SAMPLING = (16, 32), (16, 64)
-QUICK_SCALE = (4, 64, 16)  # requests, prompt tokens, new tokens
+QUICK_SCALE = (4, 64, 16)
 NOT_MEASURED = "not measured"
 STANDINGS = ("met", "missed", "void", NOT_MEASURED)  # a goal's, on a machine where it applies
 
