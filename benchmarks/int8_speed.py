@@ -1,7 +1,7 @@
 """cbgen's int8 path against its float32 path on the same 1B shape, both models loaded in one process and timed
 alternately (round after round), so that a slower spell of the machine falls on both: the scale section's model
-folder (float32) and its Q8_0 file (int8, read as it is), the scale section's quick workload (8 prompts of 128
-tokens, 32 new), split into the prefill (each prompt and one token) and the whole workload.
+folder (float32) and its Q8_0 file (int8, read as it is), the scale section's quick workload (4 prompts of 64
+tokens, 16 new), split into the prefill (each prompt and one token) and the whole workload.
 
 The files are the scale section's (`cbgen bench --suite --sections scale` makes them once). About 5 GiB of memory.
 
@@ -23,6 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     from cbgen.bench.paths import Bench
     from cbgen.bench.scale import _workload, prepared
+    from cbgen.bench.suite import Plan
     from cbgen.bench.workloads import BenchWorkload
     from cbgen.config import ModelSection
     from cbgen.model.load import load_model
@@ -35,7 +36,7 @@ def main() -> None:
     for name, model, quantize in (("float32", folder, "none"), ("int8", q8_0, "auto")):
         settings = ModelSection(model=str(model), dtype="float32", device="cpu", quantize=quantize)
         loaded = load_model(settings)
-        workload = _workload(loaded.tokenizer, "quick")
+        workload = _workload(loaded.tokenizer, Plan.of(True, "small"))
         bench = Bench(loaded, {}, settings)
         bench.cbgen(BenchWorkload("warm-up", workload.prompts[:4], 4))
         benches[name] = (bench, workload)

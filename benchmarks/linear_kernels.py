@@ -1,5 +1,6 @@
 """One linear layer at a time, side by side in one process: torch's `F.linear`, cbgen's compiled float32 tiles
-(cbgen/kernels/linear_tiles.cpp, the batch-invariant default) and its int8 kernel (cbgen/kernels/int8_linear.cpp,
+(cbgen/kernels/linear_tiles.cpp, the batch-invariant default) in panels of 64 and of 32 columns (cbgen.model.
+tiles_kernel.block_n picks one per machine), and its int8 kernel (cbgen/kernels/int8_linear.cpp,
 `--quantize int8`), on Llama-3.2-1B's projection shapes at a decode step's row counts and a prefill's.
 
     python benchmarks/linear_kernels.py
@@ -36,23 +37,27 @@ def main() -> None:
         weight = torch.randn(n, k, generator=generator) * 0.02
         q, scales = int8.quantize(weight)
         packed, packed_scales = int8.pack(q, scales)
-        tiles = ops.linear_pack(weight, 64)
+        tiles = {width: ops.linear_pack(weight, width) for width in (64, 32)}
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, generator=generator)
             calls = {"torch": partial(torch.nn.functional.linear, x, weight),
-                     "tiles f32": partial(ops.linear_tiles, x, tiles, None, n),
+                     "tiles f32": partial(ops.linear_tiles, x, tiles[64], None, n),
+                     "tiles f32 32": partial(ops.linear_tiles, x, tiles[32], None, n),
                      "int8": partial(ops.int8_linear, x, packed, packed_scales, None, n)}
             reps = max(3, int(2e9 / (2 * m * n * k + 4 * n * k)))
             took = {}
-            for label, call in calls.items():
-                call()
-                call()
-                started = time.perf_counter()
-                for _ in range(reps):
+            times: dict[str, list[float]] = {label: [] for label in calls}
+            for _ in range(3):  # rounds in turn, so that a slower spell of the machine falls on every kernel
+                for label, call in calls.items():
                     call()
-                took[label] = (time.perf_counter() - started) / reps
+                    started = time.perf_counter()
+                    for _ in range(reps):
+                        call()
+                    times[label].append((time.perf_counter() - started) / reps)
+            took = {label: sorted(t)[1] for label, t in times.items()}  # medians of 3
             print(f"{n}x{k}, {m} rows: " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in took.items()) +
-                  f"; int8 / tiles {took['int8'] / took['tiles f32']:.2f}")
+                  f"; 32 / 64 columns {took['tiles f32 32'] / took['tiles f32']:.2f}"
+                  f", int8 / tiles {took['int8'] / took['tiles f32']:.2f}")
 
 
 if __name__ == "__main__":

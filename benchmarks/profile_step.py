@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-requests-per-batch", type=int, default=None)
     parser.add_argument("--size", default="small", help="tiny: a quick check of the script itself")
+    parser.add_argument("--requests", type=int, help="Only the workload's first N prompts (the suite's 1B shape: "
+                        "--requests 16 --min-decode 12)")
     parser.add_argument("--workload", default="fixed", help="The cbgen bench workload whose steps are profiled "
                         "(shared-prefix: prompt chunks after a cached prefix)")
     parser.add_argument("--onednn-linear", action="store_true", help="As for cbgen run.")
@@ -155,6 +157,8 @@ def main() -> None:
                                   ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     bench = Bench(loaded, batching, section)
     fixed = build_workloads(loaded.tokenizer, args.size, [args.workload])[0]
+    if args.requests:
+        fixed = fixed.cut(args.requests, fixed.max_new_tokens)
     invariant = args.batch_invariant
     bench.cbgen(BenchWorkload("warm-up", fixed.prompts[:8], 4), "input", invariant=invariant)
     _profiles.clear()

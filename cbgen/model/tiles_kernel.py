@@ -1,7 +1,7 @@
 """Batch-invariant linear layers as cbgen's compiled kernel (cbgen/kernels/linear_tiles.cpp): each output block of
-64 rows x 64 columns computed by one thread with oneDNN's brgemm micro-kernel, its reduction added in a fixed order
-(float32: 256 inputs a call, chunk after chunk), so a row's bits are its own whatever shares the call and however
-many threads run (the source says why), with no padded tiles.
+64 rows x a panel's columns (`block_n`) computed by one thread with oneDNN's brgemm micro-kernel, its reduction added
+in a fixed order (float32: 64 KiB of the panel a call, chunk after chunk), so a row's bits are its own whatever shares
+the call and however many threads run (the source says why), with no padded tiles.
 
 Where it serves (`unfit_reason`): float32 on a CPU with AVX2 or AVX-512, bfloat16 on one with bfloat16 units (AMX, or
 AVX-512 BF16), in a torch with oneDNN; anywhere else ATen's micro-kernel call would be a BLAS call, whose bits move
@@ -21,6 +21,7 @@ from cbgen.model import packs
 
 KERNEL = "linear_tiles"
 BLOCK_N = 64  # output columns a micro-kernel call computes: the panels the weight is packed in
+BLOCK_N_AVX2_FLOAT32 = 32  # narrower panels where float32 runs on AVX2 (see block_n)
 # oneDNN's ISA names under which its micro-kernel does not serve float32 (needs AVX2) or bfloat16 (needs AVX-512)
 _BELOW_AVX2 = ("SSE41", "AVX")
 _ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
@@ -46,6 +47,15 @@ def unfit_reason(dtype: torch.dtype) -> str | None:
     return None
 
 
+def block_n(dtype: torch.dtype) -> int:
+    """Output columns per packed panel for layers in `dtype` here: 32 in float32 where torch runs AVX2 kernels (a 1B
+    model's whole job 1.13x faster than in 64-column panels on a 2-core Zen 3; docs/performance.md), 64 elsewhere
+    (AVX-512 and AMX: not measured at 32). The kernel reads the width from the packed weight."""
+    if dtype == torch.float32 and str(torch.backends.cpu.get_cpu_capability()) == "AVX2":
+        return BLOCK_N_AVX2_FLOAT32
+    return BLOCK_N
+
+
 def layer_fits(module: torch.nn.Linear) -> bool:
     """Whether one layer's weight is one the kernel packs: float32, or bfloat16 with an even number of inputs."""
     weight = module.weight
@@ -55,7 +65,9 @@ def layer_fits(module: torch.nn.Linear) -> bool:
 def tiled_forward(ops: Any, module: torch.nn.Linear) -> functools.partial:
     """The layer's forward through the kernel, over its weight packed once for the loaded model (cbgen.model.packs:
     a second copy of it, kept while the weight lives and unchanged)."""
-    packed = packs.kept(module.weight, KERNEL, lambda w: ops.linear_pack(w.detach().contiguous(), BLOCK_N))
+    width = block_n(module.weight.dtype)
+    packed = packs.kept(module.weight, f"{KERNEL}/{width}",
+                        lambda w: ops.linear_pack(w.detach().contiguous(), width))
     bias = None if module.bias is None else packs.kept(  # added to the float32 sums
         module.bias, "float32", lambda b: b.detach().float().contiguous())
     return functools.partial(_forward, ops, module, packed, bias)

@@ -39,7 +39,8 @@ def layers(draw):
     count = draw(st.sampled_from([1, 63, 64, 65, 128, 600]) | st.integers(1, 300))
     return dict(dtype=dtype, in_features=in_features, count=count, place=draw(st.integers(0, count - 1)),
                 out_features=draw(st.sampled_from([1, 16, 64, 65, 576, 1536]) | st.integers(1, 300)),
-                bias=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                bias=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                block_n=draw(st.sampled_from([tiles_kernel.BLOCK_N, tiles_kernel.BLOCK_N_AVX2_FLOAT32])))
 
 
 def _layer(case):
@@ -56,7 +57,7 @@ def test_the_kernel_computes_the_linear_layer_and_a_row_gets_its_own_bits(ops, c
     if not served():
         pytest.skip(f"the kernel serves no dtype here: {tiles_kernel.unfit_reason(torch.float32)}")
     weight, bias, rows, plain = _layer(case)
-    packed = ops.linear_pack(weight, tiles_kernel.BLOCK_N)
+    packed = ops.linear_pack(weight, case["block_n"])  # both widths, whichever this machine's layers use
     out_features, place = weight.shape[0], case["place"]
     # the bits: rows whose sums show any change of order (probe_rows), on two threads, alone, and first of a call
     with torch_threads(TWO_THREADS):
@@ -84,9 +85,9 @@ def test_the_check_catches_a_sum_in_another_order(ops):
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(576, 576, generator=generator) * 0.05).to(dtype)
     rows = probe_rows(weight, 96, generator)
-    packed = ops.linear_pack(weight, tiles_kernel.BLOCK_N)
-    halves = [ops.linear_pack(weight[:, part].contiguous(), tiles_kernel.BLOCK_N) for part in (slice(0, None, 2),
-                                                                                               slice(1, None, 2))]
+    width = tiles_kernel.block_n(dtype)
+    packed = ops.linear_pack(weight, width)
+    halves = [ops.linear_pack(weight[:, part].contiguous(), width) for part in (slice(0, None, 2), slice(1, None, 2))]
 
     def other_order(x):
         if x.shape[0] == 1:
@@ -117,6 +118,26 @@ def test_a_models_layers_run_through_the_kernel_inside_the_block(ops):
         assert not any("forward" in vars(layer) for layer in model)
     tolerance = {"atol": 0.1, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(tiled, stock, **tolerance)
+
+
+@pytest.mark.parametrize(("capability", "dtype", "width"), [("AVX2", torch.float32, 32), ("AVX512", torch.float32, 64),
+                                                           ("AVX512", torch.bfloat16, 64)])
+def test_a_layer_is_packed_in_the_panel_width_its_machine_runs_fastest(ops, monkeypatch, capability, dtype, width):
+    """32-column panels for float32 under AVX2 kernels, 64 elsewhere: the width decided once (block_n), and the one a
+    model's layer is packed in; the layer's output the same rows as torch's linear at either width."""
+    from cbgen.model import packs
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert tiles_kernel.block_n(dtype) == width
+    layer = torch.nn.Linear(96, 100).to(torch.float32)
+    packs.clear()
+    forward = tiles_kernel.tiled_forward(ops, layer)
+    assert forward.args[2].shape == (-(-100 // tiles_kernel.block_n(torch.float32)), 96,
+                                     tiles_kernel.block_n(torch.float32))
+    rows = torch.randn(5, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(rows), layer(rows), atol=1e-5, rtol=1e-5)
+    packs.clear()
 
 
 def test_where_it_cannot_serve_the_reason_is_given(monkeypatch):

@@ -1,0 +1,66 @@
+"""cbgen's float32 tiles in panels of 64 output columns against 32 (cbgen.model.tiles_kernel.block_n), end to end on
+the scale section's 1B model: one model loaded, the workload run with each width in turn, round after round (the
+weights packed again at each switch, off the clock), so that a slower spell of the machine falls on both.
+
+The model folder is the scale section's (`cbgen bench --suite --sections scale` makes it once). About 10 GiB of
+memory (the weights and one packed copy).
+
+    python benchmarks/panel_width.py
+    python benchmarks/panel_width.py --rounds 3 --workload full
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shape", default="llama-1b")
+    parser.add_argument("--workload", default="quick", choices=("quick", "full"),
+                        help="the scale section's quick (4 x (64 + 16)) or full (16 x (128 + 64)) workload")
+    args = parser.parse_args()
+    import torch
+
+    from cbgen.bench.paths import Bench
+    from cbgen.bench.scale import _workload, prepared
+    from cbgen.bench.suite import Plan
+    from cbgen.bench.workloads import warm_up
+    from cbgen.config import ModelSection
+    from cbgen.model import packs, tiles_kernel
+    from cbgen.model.load import load_model
+
+    files = prepared(args.shape, print)
+    if isinstance(files, str):
+        raise SystemExit(f"panel_width.py: {files}")
+    settings = ModelSection(model=str(files[0]), dtype="float32", device="cpu", quantize="none")
+    loaded = load_model(settings)
+    workload = _workload(loaded.tokenizer, Plan.of(args.workload == "quick", "small"))
+    bench = Bench(loaded, {}, settings)
+    chosen = tiles_kernel.block_n
+
+    def width(columns: int) -> None:
+        tiles_kernel.block_n = lambda dtype: columns  # type: ignore[assignment]
+        packs.clear()
+        bench.cbgen(warm_up(workload))  # packs the weights at this width, off the clock
+
+    took: dict[int, list[float]] = {64: [], 32: []}
+    for round_ in range(args.rounds):
+        for columns in took:
+            width(columns)
+            started = time.perf_counter()
+            bench.cbgen(workload)
+            took[columns].append(time.perf_counter() - started)
+            print(f"round {round_ + 1}: {columns} columns {took[columns][-1]:.2f} s", flush=True)
+    tiles_kernel.block_n = chosen
+    wide, narrow = statistics.median(took[64]), statistics.median(took[32])
+    print(f"{len(workload.prompts)} x ({len(workload.prompts[0])} + {workload.max_new_tokens}), torch "
+          f"{torch.backends.cpu.get_cpu_capability()}: 64 columns {wide:.2f} s, 32 columns {narrow:.2f} s (medians): "
+          f"32 columns {wide / narrow:.2f}x; this machine's choice: {chosen(torch.float32)}")
+
+
+if __name__ == "__main__":
+    main()
