@@ -1,12 +1,15 @@
 """cbgen's float32 tiles in panels of 64 output columns against 32 (cbgen.model.tiles_kernel.block_n), end to end on
 the scale section's 1B model: one model loaded, the workload run with each width in turn, round after round (the
-weights packed again at each switch, off the clock), so that a slower spell of the machine falls on both.
+weights packed again at each switch, off the clock; which goes first turns each round), so that a slower spell of the
+machine falls on both.
 
 The model folder is the scale section's (`cbgen bench --suite --sections scale` makes it once). About 10 GiB of
-memory (the weights and one packed copy).
+memory (the weights and one packed copy). `--embedded` runs the embedded model on the quick suite's fixed workload
+(16 x (128 + 32)) instead.
 
     python benchmarks/panel_width.py
     python benchmarks/panel_width.py --rounds 3 --workload full
+    python benchmarks/panel_width.py --embedded --rounds 4
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shape", default="llama-1b")
+    parser.add_argument("--embedded", action="store_true", help="the embedded model, not the scale section's shape")
     parser.add_argument("--workload", default="quick", choices=("quick", "full"),
                         help="the scale section's quick (4 x (64 + 16)) or full (16 x (128 + 64)) workload")
     args = parser.parse_args()
@@ -28,17 +32,23 @@ def main() -> None:
     from cbgen.bench.paths import Bench
     from cbgen.bench.scale import _workload, prepared
     from cbgen.bench.suite import Plan
-    from cbgen.bench.workloads import warm_up
+    from cbgen.bench.workloads import build_workloads, warm_up
     from cbgen.config import ModelSection
     from cbgen.model import packs, tiles_kernel
     from cbgen.model.load import load_model
 
-    files = prepared(args.shape, print)
-    if isinstance(files, str):
-        raise SystemExit(f"panel_width.py: {files}")
-    settings = ModelSection(model=str(files[0]), dtype="float32", device="cpu", quantize="none")
-    loaded = load_model(settings)
-    workload = _workload(loaded.tokenizer, Plan.of(args.workload == "quick", "small"))
+    plan = Plan.of(args.workload == "quick", "small")
+    if args.embedded:
+        settings = ModelSection(dtype="float32", device="cpu", quantize="none")
+        loaded = load_model(settings)
+        workload = plan.cut(build_workloads(loaded.tokenizer, "small", ["fixed"])[0])
+    else:
+        files = prepared(args.shape, print)
+        if isinstance(files, str):
+            raise SystemExit(f"panel_width.py: {files}")
+        settings = ModelSection(model=str(files[0]), dtype="float32", device="cpu", quantize="none")
+        loaded = load_model(settings)
+        workload = _workload(loaded.tokenizer, plan)
     bench = Bench(loaded, {}, settings)
     chosen = tiles_kernel.block_n
 
@@ -49,7 +59,7 @@ def main() -> None:
 
     took: dict[int, list[float]] = {64: [], 32: []}
     for round_ in range(args.rounds):
-        for columns in took:
+        for columns in sorted(took, reverse=round_ % 2 == 0):  # the order turns each round: neither always first
             width(columns)
             started = time.perf_counter()
             bench.cbgen(workload)
