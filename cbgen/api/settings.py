@@ -67,10 +67,10 @@ class ModelSettings(TypedDict, total=False):
     # on where they build and fit the model (run.json says why not).
     compiled_ops: bool | None
     # model.compiled_linear: On CPU, in a batch-invariant job, run the linear layers as cbgen's compiled kernel: every
-    # block of 64 rows x 64 output columns one call of oneDNN's micro-kernel over the whole sum, by one thread, so a
-    # row's bits are its own with no padded tiles (the fixed tiles' way: --no-compiled-linear). float32 on AVX2 and up,
-    # bfloat16 on CPUs with bfloat16 units. Built from C++ on first use, as the compiled attention. Default: on where it
-    # builds and fits the model (run.json says why not).
+    # block of 64 rows x one panel of output columns (32 in float32 on AVX2, else 64) computed by oneDNN's micro-kernel
+    # in a fixed order, by one thread, so a row's bits are its own with no padded tiles (the fixed tiles' way: --no-
+    # compiled-linear). float32 on AVX2 and up, bfloat16 on CPUs with bfloat16 units. Built from C++ on first use, as
+    # the compiled attention. Default: on where it builds and fits the model (run.json says why not).
     compiled_linear: bool | None
     # model.compiled_attention: On CPU, attend with cbgen's compiled kernel: every query row of a step in one call per
     # layer, keys and values read where they lie in the paged cache, each row's result depending on its own keys only

@@ -48,9 +48,9 @@ def unfit_reason(dtype: torch.dtype) -> str | None:
 
 
 def block_n(dtype: torch.dtype) -> int:
-    """Output columns per packed panel for layers in `dtype` here: 32 in float32 where torch runs AVX2 kernels (a 1B
-    model's whole job 1.13x faster than in 64-column panels on a 2-core Zen 3; docs/performance.md), 64 elsewhere
-    (AVX-512 and AMX: not measured at 32). The kernel reads the width from the packed weight."""
+    """Output columns per packed panel for layers in `dtype` here: 32 in float32 where torch runs AVX2 kernels
+    (faster than 64 there, end to end: docs/performance.md, the constants), 64 elsewhere (AVX-512 and AMX, not
+    measured at 32). The kernel reads the width from the packed weight."""
     if dtype == torch.float32 and str(torch.backends.cpu.get_cpu_capability()) == "AVX2":
         return BLOCK_N_AVX2_FLOAT32
     return BLOCK_N
