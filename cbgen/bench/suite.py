@@ -3,9 +3,10 @@ naming the machine, its figure, its goal and whether the machine was quiet while
 bench.png.
 
 Each comparison times its paths alternately, round after round (so a slow minute of the machine falls on all of
-them), and its figure is a ratio of the paths' medians. Every timed path is watched (cbgen.bench.load): a figure taken
-while other processes used the cores is marked void, and a machine busy before the suite starts is refused unless
-asked to measure anyway. The sections are cbgen.bench.sections'; `--quick` runs them all, smaller and once.
+them), and its figure is a ratio of the paths' medians. Every timed path is watched (cbgen.bench.load): a run timed
+while other processes used the cores is left out of its figure where every path has quiet runs (the row names it),
+and the figure is marked void where one has none; a machine busy before the suite starts is refused unless asked to
+measure anyway. The sections are cbgen.bench.sections'; `--quick` runs them all, smaller and once.
 """
 
 from __future__ import annotations
@@ -130,6 +131,19 @@ class Timings:
     def median(self, path: str) -> float:
         return statistics.median(s.value for s in self.samples[path])
 
+    def figures(self, paths: tuple[str, ...]) -> tuple[dict[str, float], bool, str]:
+        """Each path's median for one figure, whether the figure is void, and which runs were left out of it. Where
+        some runs were timed under load and every path has quiet ones, the medians of the quiet runs (the others
+        named): one disturbed round of three does not void a figure the other two measured. Else the medians of all
+        runs, void where any was under load."""
+        quiet = {p: [s.value for s in self.samples[p] if not s.busy] for p in paths}
+        loud = {p: [i + 1 for i, s in enumerate(self.samples[p]) if s.busy] for p in paths}
+        if any(loud.values()) and not all(quiet.values()):
+            return {p: self.median(p) for p in paths}, True, ""
+        left = "; ".join(f"{p} run {', '.join(map(str, runs))}" for p, runs in loud.items() if runs)
+        return ({p: statistics.median(values) for p, values in quiet.items()}, False,
+                f"left out, timed under load: {left}" if left else "")
+
 
 @dataclass
 class Row:
@@ -176,21 +190,22 @@ class Row:
 
 def ratio(section: str, name: str, timings: Timings, top: str, bottom: str, meaning: str,
           goal: Goal | None = None, note: str = "") -> Row:
-    """median(top) / median(bottom), from the samples of both paths."""
-    return _row(section, name, timings.median(top) / timings.median(bottom), "x", meaning, timings, (top, bottom),
-                goal, note)
+    """median(top) / median(bottom), from the samples of both paths (Timings.figures: the quiet ones)."""
+    return _row(section, name, lambda m: m[top] / m[bottom], "x", meaning, timings, (top, bottom), goal, note)
 
 
 def seconds(section: str, name: str, timings: Timings, path: str, meaning: str, goal: Goal | None = None,
             note: str = "") -> Row:
-    return _row(section, name, timings.median(path), "s", meaning, timings, (path,), goal, note)
+    return _row(section, name, lambda m: m[path], "s", meaning, timings, (path,), goal, note)
 
 
-def _row(section: str, name: str, exact: float, unit: str, meaning: str, timings: Timings, paths: tuple[str, ...],
-         goal: Goal | None, note: str) -> Row:
+def _row(section: str, name: str, figure: Callable[[dict[str, float]], float], unit: str, meaning: str,
+         timings: Timings, paths: tuple[str, ...], goal: Goal | None, note: str) -> Row:
+    medians, void, left = timings.figures(paths)
+    exact = figure(medians)
     return Row(section, name, round(exact, 3), unit, meaning, goal,
                paths={p: [round(s.value, 6) for s in timings.samples[p]] for p in paths},
-               busy=any(s.busy for p in paths for s in timings.samples[p]), note=note, exact=exact)
+               busy=void, note="; ".join(part for part in (note, left) if part), exact=exact)
 
 
 def skipped(section: str, name: str, why: str, goal: Goal | None = None) -> Row:

@@ -73,7 +73,8 @@ def bench(
                                         rich_help_panel="Suite")] = False,
     allow_busy: Annotated[bool, typer.Option(
         "--allow-busy", help="With --suite: measure even when other processes use the cores (refused otherwise, "
-        "exit code 75); every figure taken under load is marked void.", rich_help_panel="Suite")] = False,
+        "exit code 75); a run timed under load is left out of its figure, which is void where a path has no "
+        "quiet run.", rich_help_panel="Suite")] = False,
     check: Annotated[bool, typer.Option(help="With --suite: exit with code 1 when a goal that applies here is "
                                         "missed, void or not measured.", rich_help_panel="Suite")] = False,
     allow_missing: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045

@@ -39,19 +39,36 @@ def test_goals_and_ratios_read_as_they_say():
     for slow, fast in ((3.0, 1.0), (2.0, 1.0), (9.0, 2.0)):  # medians 3.0 and 1.0
         t.record("other", lambda s=slow: s)
         t.record("cbgen", lambda f=fast: f)
-    row = ratio("s", "cbgen vs other", t, "other", "cbgen", "", Goal(">=", 2.0))
+    row = ratio("s", "cbgen vs other", t, "other", "cbgen", "", Goal(">=", 2.0), note="64 x (128 + 64)")
+    # the last cbgen run was timed under load: left out, and named, while both paths have quiet runs (medians of
+    # 3, 2, 9 and of 1, 1); every run is still in the row
     assert row.figure == 3.0 and row.paths == {"other": [3.0, 2.0, 9.0], "cbgen": [1.0, 1.0, 2.0]}
+    assert not row.busy and row.note == "64 x (128 + 64); left out, timed under load: cbgen run 3"
     row.applies = True
-    assert row.met is True and row.busy  # the last cbgen call was timed under load: the figure is void
+    assert row.met is True and row.standing == "met"
     assert not ratio("s", "other alone", t, "other", "other", "").busy
     assert [s.busy for s in t.samples["cbgen"]] == [False, False, True]
+    # a path with no quiet run: the figure (medians of every run) is void
+    readings = iter([quiet, loud, quiet])
+    once = Timings(watch=watch)
+    once.record("other", lambda: 4.0)
+    once.record("cbgen", lambda: 2.0)
+    once.record("cbgen", lambda: 1.0)  # the runs counted from 1: the second cbgen run is quiet, the first not
+    assert ratio("s", "x", once, "other", "cbgen", "").note == "left out, timed under load: cbgen run 1"
+    readings = iter([quiet, loud])
+    void = Timings(watch=watch)
+    void.record("other", lambda: 3.0)
+    void.record("cbgen", lambda: 2.0)
+    lost = ratio("s", "cbgen vs other", void, "other", "cbgen", "", Goal(">=", 2.0))
+    lost.applies = True
+    assert lost.figure == 1.5 and lost.busy and lost.standing == "void" and lost.note == ""
     missed = Row("s", "m", 1.2, "x", "", Goal("<=", 1.05), applies=True)
     busy = Row("s", "b", 1.0, "x", "", Goal("<=", 1.05), applies=True, busy=True)
     elsewhere = Row("s", "e", 0.5, "x", "", Goal(">=", 1.3), applies=False)
     met = Row("s", "q", 2.5, "x", "", Goal(">=", 2.0), applies=True)
     unmeasured = Row("s", "u", None, "x", "", Goal(">=", 1.0), applies=True, note="not measured: no llama.cpp")
-    assert summary([met, row, missed, busy, elsewhere, unmeasured, Row("s", "n", None, "x", "")]) == {
-        "met": 1, "missed": 1, "void": 2, "not_measured": 1}
+    assert summary([met, row, missed, busy, lost, elsewhere, unmeasured, Row("s", "n", None, "x", "")]) == {
+        "met": 2, "missed": 1, "void": 2, "not_measured": 1}
 
 
 def test_quick_cuts_the_long_workloads_and_names_what_it_leaves_to_the_full_run():
