@@ -2,15 +2,15 @@
 // by one thread with oneDNN's brgemm micro-kernel (through ATen's at::native::cpublas::brgemm): in bfloat16 one call
 // over the whole reduction, in float32 one call per chunk of inputs, each adding to the sums the one before left.
 //
-// Invariant by construction. A micro-kernel call adds each output's products in one order, fixed by the layer's
-// K and block_n (its chunks, its register blocking over K, AMX tiles of 32 bfloat16 pairs or one FMA per k): the rows of the
+// Invariant by construction. A micro-kernel call adds each output's products in one order, fixed by the layer's K and
+// block_n (its chunks, its register blocking over K, AMX tiles of 32 bfloat16 pairs or one FMA per k): the rows of the
 // call only say how many accumulators it fills, never in what order one of them sums. Each block is computed by one
-// thread, chunk after chunk, so a row's bits do not depend on how many rows share the layer's call, where it sits
-// among them or how many threads run; the float32 sum is rounded once, with the bias added before (as oneDNN's
-// linear does). A float32 chunk is 64 KiB of the panel (CHUNK_FLOATS / block_n inputs), kept in a core's L2 with
-// the block's rows for those inputs: over the whole reduction at once, a 1B model's down projection (K 8192) ran at a
-// third of the speed. Measured (the tests): a row alone, among 1-600 others and on one or two threads, bitwise;
-// float32 within rounding of torch's linear, at every panel width.
+// thread, chunk after chunk, so a row's bits do not depend on how many rows share the layer's call, where it sits among
+// them or how many threads run; the float32 sum is rounded once, with the bias added before (as oneDNN's linear does).
+// A float32 chunk is 64 KiB of the panel (CHUNK_FLOATS / block_n inputs), kept in a core's L2 with the block's rows for
+// those inputs: over the whole reduction at once, a 1B model's down projection (K 8192) ran at a third of the speed.
+// Measured (the tests): a row alone, among 1-600 others and on one or two threads, bitwise; float32 within rounding of
+// torch's linear, at every panel width.
 //
 // Why this and not oneDNN's linear primitive in fixed tiles (cbgen.model.invariant's fallback): a primitive picks
 // its kernel, blocking and thread split by the call's shape, so invariance there needs every call padded to a few
