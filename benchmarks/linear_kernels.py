@@ -10,6 +10,7 @@ tiles_kernel.block_n picks one per machine), and its int8 kernel (cbgen/kernels/
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from functools import partial
 
@@ -45,7 +46,6 @@ def main() -> None:
                      "tiles f32 32": partial(ops.linear_tiles, x, tiles[32], None, n),
                      "int8": partial(ops.int8_linear, x, packed, packed_scales, None, n)}
             reps = max(3, int(2e9 / (2 * m * n * k + 4 * n * k)))
-            took = {}
             times: dict[str, list[float]] = {label: [] for label in calls}
             for _ in range(3):  # rounds in turn, so that a slower spell of the machine falls on every kernel
                 for label, call in calls.items():
@@ -54,7 +54,7 @@ def main() -> None:
                     for _ in range(reps):
                         call()
                     times[label].append((time.perf_counter() - started) / reps)
-            took = {label: sorted(t)[1] for label, t in times.items()}  # medians of 3
+            took = {label: statistics.median(t) for label, t in times.items()}
             print(f"{n}x{k}, {m} rows: " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in took.items()) +
                   f"; 32 / 64 columns {took['tiles f32 32'] / took['tiles f32']:.2f}"
                   f", int8 / tiles {took['int8'] / took['tiles f32']:.2f}")
