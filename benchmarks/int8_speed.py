@@ -1,12 +1,14 @@
 """cbgen's int8 path against its float32 path on the same 1B shape, both models loaded in one process and timed
 alternately (round after round), so that a slower spell of the machine falls on both: the scale section's model
 folder (float32) and its Q8_0 file (int8, read as it is), the scale section's quick workload (4 prompts of 64
-tokens, 16 new), split into the prefill (each prompt and one token) and the whole workload.
+tokens, 16 new; `--workload full`: 16 of 128, 64 new), split into the prefill (each prompt and one token) and the whole
+workload.
 
 The files are the scale section's (`cbgen bench --suite --sections scale` makes them once). About 5 GiB of memory.
 
     python benchmarks/int8_speed.py
     python benchmarks/int8_speed.py --rounds 3
+    python benchmarks/int8_speed.py --workload full
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shape", default="llama-1b")
+    parser.add_argument("--workload", default="quick", choices=("quick", "full"),
+                        help="the scale section's quick (4 x (64 + 16)) or full (16 x (128 + 64)) workload")
     args = parser.parse_args()
     from cbgen.bench.paths import Bench
     from cbgen.bench.scale import _workload, prepared
@@ -36,7 +40,7 @@ def main() -> None:
     for name, model, quantize in (("float32", folder, "none"), ("int8", q8_0, "auto")):
         settings = ModelSection(model=str(model), dtype="float32", device="cpu", quantize=quantize)
         loaded = load_model(settings)
-        workload = _workload(loaded.tokenizer, Plan.of(True, "small"))
+        workload = _workload(loaded.tokenizer, Plan.of(args.workload == "quick", "small"))
         bench = Bench(loaded, {}, settings)
         bench.cbgen(BenchWorkload("warm-up", workload.prompts[:4], 4))
         benches[name] = (bench, workload)

@@ -84,7 +84,7 @@ def _structure_reason(layer: Any) -> str | None:
     parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if _int8(parts):  # cbgen's int8 layers (cbgen.model.int8): merged panel by panel
         if not all(type(parts[0]).mergeable(group) for group in _groups(layer)):
-            return "its int8 projections cannot be merged (a part's outputs are not whole panels of 64)"
+            return "its int8 projections cannot be merged (a part's outputs are not whole panels)"
     elif any(type(p) is not torch.nn.Linear for p in parts):
         return "its projections are not plain torch.nn.Linear layers (quantized or tensor-parallel)"
     else:

@@ -20,8 +20,17 @@ from typing import Any
 import torch
 
 GROUP = 32  # inputs that share a scale (Q8_0's block)
-BLOCK_N = 64  # output columns a packed panel holds: a micro-kernel call's
 KERNEL = "int8_linear"
+
+
+def block_n() -> int:
+    """Output columns a packed panel holds (a micro-kernel call's): the float32 tiles' width on this machine, since the
+    kernel's arithmetic is theirs (oneDNN's float32 micro-kernel over dequantized chunks): 32 where torch runs AVX2
+    kernels (0.70-0.95x the time of 64 on Llama-3.2-1B's projections at 16 and 512 rows, 2-core Zen 3:
+    docs/performance.md), 64 elsewhere. The kernel reads the width from the packed weight."""
+    from cbgen.model.tiles_kernel import block_n as tiles_block_n
+
+    return tiles_block_n(torch.float32)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,15 +49,16 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(q.shape[0], -1, GROUP) * scales.unsqueeze(-1)).reshape(q.shape)
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Panels of BLOCK_N outputs, the kernel's layout: int8 [P, K, BLOCK_N] and float16 scales [P, K/32, BLOCK_N]
-    (Q8_0's scales are float16: exact), the columns past N zero with zero scales."""
+def pack(q: torch.Tensor, scales: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panels of `width` outputs (this machine's `block_n()` where None), the kernel's layout: int8 [P, K, width] and
+    float16 scales [P, K/32, width] (Q8_0's scales are float16: exact), the columns past N zero with zero scales."""
+    width = width or block_n()
     n = q.shape[0]
-    padded = -(-n // BLOCK_N) * BLOCK_N
+    padded = -(-n // width) * width
     q = torch.nn.functional.pad(q, (0, 0, 0, padded - n))
     scales = torch.nn.functional.pad(scales, (0, 0, 0, padded - n))
-    return (q.reshape(-1, BLOCK_N, q.shape[1]).transpose(1, 2).contiguous(),
-            scales.half().reshape(-1, BLOCK_N, scales.shape[1]).transpose(1, 2).contiguous())
+    return (q.reshape(-1, width, q.shape[1]).transpose(1, 2).contiguous(),
+            scales.half().reshape(-1, width, scales.shape[1]).transpose(1, 2).contiguous())
 
 
 def unpack(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,12 +102,17 @@ class Int8Linear(torch.nn.Module):
         """The bytes its weights hold: int8 values and float16 scales."""
         return int(self.packed.nbytes + self.packed_scales.nbytes)
 
+    @property
+    def width(self) -> int:
+        """Output columns a panel holds (cbgen.model.int8.block_n when packed)."""
+        return int(self.packed.shape[2])
+
     @staticmethod
     def mergeable(parts: list[Any]) -> bool:
-        """Whether `parts` can compute side by side as one: int8 layers of one input size whose panels hold no
-        padding but in the last."""
+        """Whether `parts` can compute side by side as one: int8 layers of one input size and one panel width whose
+        panels hold no padding but in the last."""
         return all(isinstance(p, Int8Linear) for p in parts) and len({p.in_features for p in parts}) == 1 and \
-            all(p.out_features % BLOCK_N == 0 for p in parts[:-1])
+            len({p.width for p in parts}) == 1 and all(p.out_features % p.width == 0 for p in parts[:-1])
 
     @classmethod
     def merged(cls, parts: list[Int8Linear]) -> Int8Linear:

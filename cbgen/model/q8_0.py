@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 import numpy as np
 import torch
 
-from cbgen.model.int8 import BLOCK_N, GROUP, Int8Linear, Quantized, dequantize, kernel_ops
+from cbgen.model.int8 import GROUP, Int8Linear, Quantized, block_n, dequantize, kernel_ops
 
 if TYPE_CHECKING:
     from cbgen.model.gguf import GgufCache
@@ -51,7 +51,7 @@ class Int8Embedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        panel, column = flat // BLOCK_N, flat % BLOCK_N
+        panel, column = flat // self.table.width, flat % self.table.width
         rows = dequantize(self.table.packed[panel, :, column], self.table.packed_scales[panel, :, column].float())
         return rows.view(*ids.shape, self.embedding_dim)
 
@@ -135,11 +135,11 @@ def float_values(file: BinaryIO, tensor: Tensor) -> np.ndarray:
     return np.asarray(gguf.dequantize(raw, gguf.GGMLQuantizationType(tensor.tensor_type)), dtype=np.float32)
 
 
-def panel_shapes(tensor: Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """The shapes of a Q8_0 matrix's int8 panels and of their scales (cbgen.model.int8's layout)."""
+def panel_shapes(tensor: Tensor, width: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of a Q8_0 matrix's int8 panels of `width` outputs and of their scales (cbgen.model.int8's layout)."""
     columns, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest-moving dimension first
-    panels = -(-rows // BLOCK_N)
-    return (panels, columns, BLOCK_N), (panels, columns // GROUP, BLOCK_N)
+    panels = -(-rows // width)
+    return (panels, columns, width), (panels, columns // GROUP, width)
 
 
 def read_panels(file: BinaryIO, tensor: Tensor, order: torch.Tensor | None, packed: torch.Tensor,
@@ -151,8 +151,9 @@ def read_panels(file: BinaryIO, tensor: Tensor, order: torch.Tensor | None, pack
     blocks = columns // GROUP
     row_bytes = blocks * _Q8_0_BLOCK
     sources = order.numpy() if order is not None else np.arange(rows)
+    width = packed.shape[2]
     for panel in range(packed.shape[0]):
-        wanted = sources[panel * BLOCK_N : (panel + 1) * BLOCK_N]
+        wanted = sources[panel * width : (panel + 1) * width]
         low, high = int(wanted.min()), int(wanted.max()) + 1
         raw = _read(file, tensor, low * row_bytes, (high - low) * row_bytes).reshape(high - low, blocks,
                                                                                     _Q8_0_BLOCK)[wanted - low]
@@ -252,15 +253,16 @@ def load_q8_0(path: Path, table: Table, attn: str | None) -> tuple[torch.nn.Modu
     position = {name: index for index, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
     as_int8 = sorted((t for t in tensors if t.name in int8_rows),
                      key=lambda t: position[names[t.name].rpartition(".")[0]])  # the model's order of layers
-    arena = Arena([panel_shapes(t) for t in as_int8])
+    width = block_n()  # this machine's panels (cbgen.model.int8.block_n)
+    arena = Arena([panel_shapes(t, width) for t in as_int8])
     with open(path, "rb") as file:
         for tensor in tensors:  # the float tensors first: an int8 layer takes its bias from its float Linear
             if tensor.name not in int8_rows:
                 values = processor.process(weights=float_values(file, tensor), name=tensor.name,
                                            tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
                 _set_tensor(model, tensor, names[tensor.name], torch.from_numpy(np.array(values, dtype=np.float32)))
-        layers = {names[t.name]: _int8_layer(model, file, t, names[t.name], processor, arena, ops, done)
-                  for t in as_int8}
+        layers = {names[t.name]: _int8_layer(model, file, t, names[t.name], processor, arena.take(panel_shapes(
+            t, width)), ops, done) for t in as_int8}
     _tie_or_place(model, layers, done)
     _materialize_buffers(model)
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
@@ -279,12 +281,12 @@ def _as_int8(model: torch.nn.Module, hf_name: str, tensor: Tensor) -> bool:
         len(tensor.shape) == 2 and type(module) in (torch.nn.Linear, torch.nn.Embedding)
 
 
-def _int8_layer(model: torch.nn.Module, file: BinaryIO, tensor: Tensor, hf_name: str, processor: Any, arena: Arena,
-                ops: Any, done: Quantized) -> Int8Linear:
+def _int8_layer(model: torch.nn.Module, file: BinaryIO, tensor: Tensor, hf_name: str, processor: Any,
+                panels: tuple[torch.Tensor, torch.Tensor], ops: Any, done: Quantized) -> Int8Linear:
     module = model.get_submodule(hf_name.rpartition(".")[0])
     rows = int(tensor.shape[1])
     _check_shape(tensor, hf_name, (rows, int(tensor.shape[0])), tuple(module.get_parameter("weight").shape))
-    packed, packed_scales = arena.take(panel_shapes(tensor))
+    packed, packed_scales = panels
     read_panels(file, tensor, _row_order(processor, tensor.name, rows), packed, packed_scales)
     bias = getattr(module, "bias", None) if isinstance(module, torch.nn.Linear) else None
     layer = Int8Linear(packed, packed_scales, bias, rows, ops)

@@ -35,19 +35,23 @@ def layers(draw):
     return dict(in_features=in_features, count=count, place=draw(st.integers(0, count - 1)),
                 out_features=draw(st.sampled_from([1, 64, 65, 576]) | st.integers(1, 300)),
                 bias=draw(st.booleans()), dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
-                seed=draw(st.integers(0, 2**16)))
+                width=draw(st.sampled_from([64, 32])), seed=draw(st.integers(0, 2**16)))  # int8.block_n's widths
 
 
 @settings(max_examples=property_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers())
-@example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.float32, seed=1))
+@example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.float32, width=64,
+              seed=1))
+@example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.float32, width=32,
+              seed=1))
 def test_the_kernel_is_the_dequantized_matmul_and_a_row_gets_its_own_bits(ops, case):
     generator = torch.Generator().manual_seed(case["seed"])
     weight = torch.randn(case["out_features"], case["in_features"], generator=generator) * 0.05
     weight[0, :32] = 0  # a block of zeros: scale 0
     bias = torch.randn(case["out_features"], generator=generator) if case["bias"] else None
     q, scales = int8.quantize(weight)
-    packed, packed_scales = int8.pack(q, scales)
+    packed, packed_scales = int8.pack(q, scales, case["width"])
+    assert packed.shape == (-(-case["out_features"] // case["width"]), case["in_features"], case["width"])
     assert all(torch.equal(a, b) for a, b in zip(int8.unpack(packed, packed_scales, q.shape[0]), (q, scales),
                                                  strict=True))
     rows = probe_rows(weight, case["count"], generator).to(case["dtype"])
@@ -210,17 +214,48 @@ def test_a_job_with_int8_and_adapters_stops_before_loading(tiny_model_dir, lora_
     assert code != 0 and err.count("\n") == 1 and "--quantize int8 with --adapter" in err
 
 
-def test_int8_decoder_layers_fuse_with_their_panels_shared(ops, tiny_model_dir):
-    """cbgen's fused decoder layers merge int8 projections panel by panel: the merged layer computes what its parts
-    do, each part's panels become views of the merged ones (no second copy), and they own their panels again once
-    separated."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize(("capability", "width"), [("AVX2", 32), ("AVX512", 64)])
+def test_int8_layers_are_packed_in_the_float32_tiles_width(ops, tiny_model_dir, monkeypatch, capability, width):
+    """The int8 kernel's arithmetic is the float32 tiles' (oneDNN's float32 micro-kernel), so its panels take their
+    width, decided in one place (cbgen.model.tiles_kernel.block_n): 32 columns under AVX2 kernels, 64 elsewhere. A
+    quantized model's layers are packed so and compute the dequantized model; keys and values of 32 outputs are whole
+    panels at 32 columns (the decoder layers fuse) and not at 64 (the stock layers run, and the reason says so)."""
+    from transformers import AutoModelForCausalLM
 
     from cbgen.model import fused
 
-    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    int8.quantize_model(tiny)  # keys and values of 32 outputs: not whole panels, so not merged (the stock layers run)
-    assert "not whole panels of 64" in (fused.unfit_reason(tiny) or "")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert int8.block_n() == width
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    int8.quantize_model(model)
+    layers = [m for m in model.modules() if isinstance(m, int8.Int8Linear)]
+    assert layers and {m.width for m in layers} == {width}
+    assert {m.out_features for m in layers} >= {32}  # the tiny model's keys and values
+    assert (fused.unfit_reason(model) is None) == (width == 32)
+    if width == 64:
+        assert "not whole panels" in (fused.unfit_reason(model) or "")
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _dequantized_in_place(reference)
+        expected = reference(ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        if width == 32:  # fused (the caller asks unfit_reason first)
+            with fused.fused_layers(model):
+                torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_decoder_layers_fuse_with_their_panels_shared(ops, tiny_model_dir):
+    """cbgen's fused decoder layers merge int8 projections panel by panel: the merged layer computes what its parts
+    do, each part's panels become views of the merged ones (no second copy), and they own their panels again once
+    separated; layers in panels of different widths are never merged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cbgen.model import fused
+
+    parts = [int8.Int8Linear(*int8.pack(*int8.quantize(torch.randn(64, 64)), width), None, 64, ops)
+             for width in (64, 32)]
+    assert not int8.Int8Linear.mergeable(parts) and int8.Int8Linear.mergeable(parts[:1] * 2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).eval()

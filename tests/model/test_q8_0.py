@@ -20,11 +20,11 @@ from tests.helpers import property_examples
 @settings(max_examples=property_examples(30), deadline=None)
 @given(vocab=st.integers(1, 300), hidden=st.integers(1, 6).map(lambda n: 32 * n), ids=st.lists(st.integers(0, 10**6),
                                                                                                min_size=1, max_size=40),
-       seed=st.integers(0, 2**16))
-def test_an_int8_embedding_looks_up_the_dequantized_rows(vocab, hidden, ids, seed):
+       seed=st.integers(0, 2**16), width=st.sampled_from([64, 32]))
+def test_an_int8_embedding_looks_up_the_dequantized_rows(vocab, hidden, ids, seed, width):
     weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
     q, scales = int8.quantize(weight)
-    table = int8.Int8Linear.of(q, scales, None, None)
+    table = int8.Int8Linear(*int8.pack(q, scales, width), None, vocab, None)  # panels of either of int8.block_n's
     flat = torch.tensor([i % vocab for i in ids])
     index = flat.view(-1, 1) if len(ids) % 2 else flat  # ids of any shape
     looked_up = q8_0.Int8Embedding(table)(index)
@@ -80,7 +80,7 @@ def test_a_q8_0_file_is_read_as_its_own_int8_values_and_no_float_matrix(q8_0_fil
     embeddings = model.get_input_embeddings()
     assert isinstance(embeddings, q8_0.Int8Embedding) and model.get_output_embeddings() is embeddings.table
     layers = [(name, module) for name, module in model.named_modules() if isinstance(module, int8.Int8Linear)]
-    assert len(layers) == 30 * 7 + 1
+    assert len(layers) == 30 * 7 + 1 and {m.width for _, m in layers} == {int8.block_n()}
     for name, module in layers:
         reference = dequantized.model.get_input_embeddings() if name.endswith(".table") else \
             dequantized.model.get_submodule(name)
