@@ -1,7 +1,7 @@
 """8-bit weights (cbgen/kernels/int8_linear.cpp, cbgen.model.int8): the kernel against float32 matmul of the same
-int8 weights dequantized, over random shapes, on every instruction set the machine can run; a row's bits its own;
-Q8_0's values recovered exactly from the gguf package's own dequantization; and a job's greedy tokens against stock
-transformers running the dequantized weights."""
+int8 weights dequantized, over random shapes, on every instruction set the machine can run; a row's bits its own, and
+the same in panels of either width; Q8_0's values recovered exactly from the gguf package's own dequantization; and a
+job's greedy tokens against stock transformers running the dequantized weights."""
 
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def test_the_kernel_is_the_dequantized_matmul_and_a_row_gets_its_own_bits(ops, c
     alone = ops.int8_linear(rows[place : place + 1], packed, packed_scales, bias, case["out_features"])[0]
     assert together.dtype == case["dtype"] and torch.equal(together[place], alone)
     plain = torch.randn(case["count"], case["in_features"], generator=generator)
-    result = ops.int8_linear(plain, packed, packed_scales, bias, case["out_features"]).double()
+    result = ops.int8_linear(plain, packed, packed_scales, bias, case["out_features"])
+    other = int8.pack(q, scales, 96 - case["width"])  # the other width: dequantized by another loop on AVX2
+    assert torch.equal(result, ops.int8_linear(plain, *other, bias, case["out_features"]))
+    result = result.double()
     dequantized = int8.dequantize(q, scales).double()
     exact = torch.nn.functional.linear(plain.double(), dequantized, None if bias is None else bias.double())
     sizes = plain.double().abs() @ dequantized.abs().t() + (0 if bias is None else bias.double().abs())
