@@ -1,13 +1,14 @@
 // Linear layers over 8-bit weights: out = x W^T + bias, where W is held as int8 with one float16 scale per 32 inputs
 // of each output (GGUF's Q8_0 layout; cbgen.model.int8 makes it from float weights), and never as a whole float copy.
 //
-// The weight is packed once (cbgen.model.int8.pack) into panels of block_n output columns, each K x block_n int8 values and
-// K/32 x block_n scales. Every output block of BLOCK_M rows x block_n columns is one thread's: the panel's inputs are
-// dequantized KC at a time (q * scale, exact in float32: a scale of 11 significant bits times 8 bits) into a
-// buffer that stays in the core's cache, and oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm) adds those
-// KC products of each output to its float32 sum, chunk after chunk. The order of every output's sum is fixed by K,
-// KC and block_n, never by the rows that share the call or the threads that run: a row's bits are its own (batch
-// invariance holds by construction, as in linear_tiles.cpp). Rows arrive in float32 or bfloat16 (converted to
+// The weight is packed once (cbgen.model.int8.pack) into panels of block_n output columns (32 or 64:
+// cbgen.model.int8.block_n), each K x block_n int8 values and K/32 x block_n scales. Every output block of BLOCK_M rows
+// x block_n columns is one thread's: the panel's inputs are dequantized KC at a time (q * scale, exact in float32: a
+// scale of 11 significant bits times 8 bits) into a buffer that stays in the core's cache, and oneDNN's brgemm
+// micro-kernel (at::native::cpublas::brgemm) adds those KC products of each output to its float32 sum, chunk after
+// chunk. The order of every output's sum is fixed by K and KC, never by the rows that share the call, the threads
+// that run or the panel width: a row's bits are its own (batch invariance holds by construction, as in
+// linear_tiles.cpp). Rows arrive in float32 or bfloat16 (converted to
 // float32 once a call) and the arithmetic is float32 on every CPU kind with AVX2 or more.
 
 #include <ATen/core/Tensor.h>
