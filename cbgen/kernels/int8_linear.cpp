@@ -18,9 +18,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <immintrin.h>
 #include <cstdint>
 #include <vector>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>  // the 32-column dequantization below (x86 builds of AVX2 and up)
+#define CBGEN_DEQUANTIZE_32 1
+#endif
 
 namespace cbgen_kernels {
 namespace {
@@ -34,8 +37,7 @@ constexpr int64_t ROWS_CACHED = int64_t{4} << 20;  // bytes of rows a group of r
 // inputs [k0, k0 + kc) of one 32-column panel as float32 with AVX2 and F16C, the loop below written out: a group's
 // 32 scales converted once into four registers, each input's 32 values sign-extended, converted and scaled (alone on
 // a Zen 3 core over panels in cache: 0.19 cycles a weight, against 0.29 for the compiled loop)
-#if defined(__AVX2__) && defined(__F16C__)
-#define CBGEN_DEQUANTIZE_32 1
+#ifdef CBGEN_DEQUANTIZE_32
 void dequantize_32(const int8_t* __restrict__ q, const at::Half* __restrict__ scales, int64_t k0, int64_t kc,
                    float* __restrict__ out) {
   for (int64_t g = k0; g < k0 + kc; g += GROUP) {
