@@ -44,9 +44,8 @@ def main() -> None:
     from cbgen.model.load import load_model
 
     plan = Plan.of(args.workload == "quick", "small")
-    chosen = tiles_kernel.block_n
     if args.int8:
-        int8_widths(args, plan, chosen)
+        int8_widths(args, plan)
         return
     if args.embedded:
         settings = ModelSection(dtype="float32", device="cpu", quantize="none")
@@ -60,6 +59,7 @@ def main() -> None:
         loaded = load_model(settings)
         workload = _workload(loaded.tokenizer, plan)
     bench = Bench(loaded, {}, settings)
+    chosen = tiles_kernel.block_n
 
     def width(columns: int) -> Bench:
         tiles_kernel.block_n = lambda dtype: columns
@@ -72,7 +72,7 @@ def main() -> None:
     report(took, workload, chosen(torch.float32))
 
 
-def int8_widths(args: argparse.Namespace, plan: Any, chosen: Any) -> None:
+def int8_widths(args: argparse.Namespace, plan: Any) -> None:
     """The Q8_0 file loaded once in each width (block_n held to it while it loads), then timed in turn."""
     from cbgen.bench.paths import Bench
     from cbgen.bench.scale import _workload, prepared
@@ -85,6 +85,7 @@ def int8_widths(args: argparse.Namespace, plan: Any, chosen: Any) -> None:
     if isinstance(files, str):
         raise SystemExit(f"panel_width.py: {files}")
     settings = ModelSection(model=str(files[2]), dtype="float32", device="cpu", quantize="auto")
+    chosen = tiles_kernel.block_n
     benches = {}
     for columns in (64, 32):
         tiles_kernel.block_n = lambda dtype, columns=columns: columns  # type: ignore[misc]

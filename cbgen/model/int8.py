@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from cbgen.model import tiles_kernel
+
 GROUP = 32  # inputs that share a scale (Q8_0's block)
 KERNEL = "int8_linear"
 
@@ -28,9 +30,7 @@ def block_n() -> int:
     kernel's arithmetic is theirs (oneDNN's float32 micro-kernel over dequantized chunks): 32 where torch runs AVX2
     kernels (0.70-0.95x the time of 64 on Llama-3.2-1B's projections at 16 and 512 rows, 2-core Zen 3:
     docs/performance.md), 64 elsewhere. The kernel reads the width from the packed weight."""
-    from cbgen.model.tiles_kernel import block_n as tiles_block_n
-
-    return tiles_block_n(torch.float32)
+    return tiles_kernel.block_n(torch.float32)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

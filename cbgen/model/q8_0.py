@@ -254,15 +254,16 @@ def load_q8_0(path: Path, table: Table, attn: str | None) -> tuple[torch.nn.Modu
     as_int8 = sorted((t for t in tensors if t.name in int8_rows),
                      key=lambda t: position[names[t.name].rpartition(".")[0]])  # the model's order of layers
     width = block_n()  # this machine's panels (cbgen.model.int8.block_n)
-    arena = Arena([panel_shapes(t, width) for t in as_int8])
+    shapes = {t.name: panel_shapes(t, width) for t in as_int8}  # in the model's order, as the arena hands them out
+    arena = Arena(list(shapes.values()))
     with open(path, "rb") as file:
         for tensor in tensors:  # the float tensors first: an int8 layer takes its bias from its float Linear
             if tensor.name not in int8_rows:
                 values = processor.process(weights=float_values(file, tensor), name=tensor.name,
                                            tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
                 _set_tensor(model, tensor, names[tensor.name], torch.from_numpy(np.array(values, dtype=np.float32)))
-        layers = {names[t.name]: _int8_layer(model, file, t, names[t.name], processor, arena.take(panel_shapes(
-            t, width)), ops, done) for t in as_int8}
+        layers = {names[t.name]: _int8_layer(model, file, t, names[t.name], processor, arena.take(shapes[t.name]),
+                                             ops, done) for t in as_int8}
     _tie_or_place(model, layers, done)
     _materialize_buffers(model)
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
