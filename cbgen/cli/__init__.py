@@ -13,12 +13,13 @@ from typer.core import TyperGroup
 
 from cbgen.errors import DEBUG_VARIABLE, CbgenError, ExitCode, debug_enabled, first_line
 from cbgen.process.changes import Environ
-from cbgen.process.startup import hold_gc
+from cbgen.process.startup import HUGE_PAGES, hold_gc
 
 # cbgen shows its own progress; other libraries' bars (the GGUF dequantizer's) would break its display. tqdm reads
 # this when it is imported, so a command sets it before anything imports tqdm, and puts it back when it returns (a
 # program that imports cbgen.cli keeps its environment); TQDM_DISABLE=0 in the environment brings the bars back.
-NO_OTHER_BARS = {"TQDM_DISABLE": "1"}
+# HUGE_PAGES likewise (cbgen.process.startup says why); THP_MEM_ALLOC_ENABLE=0 keeps 4 KB pages.
+COMMAND_ENVIRONMENT = {"TQDM_DISABLE": "1", **HUGE_PAGES}
 
 HELP = ("Offline batch generation with LLMs on Hugging Face transformers' continuous batching.\n\n"
         "Give it a file of prompts; it answers every one and writes sharded outputs plus run.json.")
@@ -128,7 +129,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     """
     debug = debug_enabled()
     try:
-        with Environ(NO_OTHER_BARS, keep_set=True):
+        with Environ(COMMAND_ENVIRONMENT, keep_set=True):
             command()(args=argv, prog_name="cbgen")  # standalone: usage errors are printed by click, exit code 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
