@@ -11,9 +11,10 @@ A command also asks torch's CPU allocator for transparent huge pages (`HUGE_PAGE
 more (weights, packed panels, activations) aligned to 2 MB and marked MADV_HUGEPAGE, so that streaming a model's
 weights at each decode step costs a TLB miss every 2 MB instead of every 4 KB. torch reads the variable once, at its
 first allocation, so it is set before anything is loaded; a user's own THP_MEM_ALLOC_ENABLE=0 wins, and where the
-kernel's transparent huge pages are `never` it changes nothing. Measured on a 2-core AMD EPYC Zen 3 (AVX2): the
-1B float32 model's quick fixed workload 8.70 s -> 8.41 s (medians of 6 runs, processes alternated), resident memory
-the same (docs/performance.md). Library callers set it themselves (before torch allocates) if they want it.
+kernel's transparent huge pages are `never` it changes nothing. Measured on a 2-core AMD EPYC Zen 3 (AVX2), the
+1B float32 model, processes alternated: the quick fixed workload 8.70 s -> 8.41 s (medians of 6), the full one
+67.7 s -> 64.0 s (means of 2), resident memory 12.6 GB -> 12.6-13.0 GB (docs/performance.md). Library callers set it
+themselves (before torch allocates) if they want it.
 """
 
 from __future__ import annotations
