@@ -1,7 +1,8 @@
 """One linear layer at a time, side by side in one process: torch's `F.linear`, cbgen's compiled float32 tiles
 (cbgen/kernels/linear_tiles.cpp, the batch-invariant default) in panels of 64 and of 32 columns (cbgen.model.
-tiles_kernel.block_n picks one per machine), and its int8 kernel (cbgen/kernels/int8_linear.cpp,
-`--quantize int8`), on Llama-3.2-1B's projection shapes at a decode step's row counts and a prefill's.
+tiles_kernel.block_n picks one per machine; at 32 columns a decode step's 12-24 rows run the kernel's own
+decode loop where it is built with AVX2, timed against brgemm alone), and its int8 kernel (cbgen/kernels/
+int8_linear.cpp, `--quantize int8`), on Llama-3.2-1B's projection shapes at a decode step's row counts and a prefill's.
 
     python benchmarks/linear_kernels.py
     python benchmarks/linear_kernels.py --shapes 2048x8192 --rows 64
@@ -44,6 +45,7 @@ def main() -> None:
             calls = {"torch": partial(torch.nn.functional.linear, x, weight),
                      "tiles f32": partial(ops.linear_tiles, x, tiles[64], None, n),
                      "tiles f32 32": partial(ops.linear_tiles, x, tiles[32], None, n),
+                     "brgemm 32": partial(ops.linear_tiles_brgemm, x, tiles[32], None, n),
                      "int8": partial(ops.int8_linear, x, packed, packed_scales, None, n)}
             reps = max(3, int(2e9 / (2 * m * n * k + 4 * n * k)))
             times: dict[str, list[float]] = {label: [] for label in calls}
@@ -57,7 +59,8 @@ def main() -> None:
             took = {label: statistics.median(t) for label, t in times.items()}
             print(f"{n}x{k}, {m} rows: " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in took.items()) +
                   f"; 32 / 64 columns {took['tiles f32 32'] / took['tiles f32']:.2f}"
-                  f", int8 / tiles {took['int8'] / took['tiles f32']:.2f}")
+                  f", int8 / tiles {took['int8'] / took['tiles f32']:.2f}"
+                  f", 32 columns / brgemm alone {took['tiles f32 32'] / took['brgemm 32']:.2f}")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,36 @@ def test_the_kernel_computes_the_linear_layer_and_a_row_gets_its_own_bits(ops, c
                                    atol=1e-5)
 
 
+# linear_tiles.cpp's DECODE_MIN_ROWS..DECODE_MAX_ROWS: float32 calls of these many rows over 32-column panels run its
+# own decode-step kernel where it is built with AVX2; every other row count runs brgemm
+DECODE_ROWS = (12, 24)
+
+
+@settings(max_examples=property_examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(count=st.integers(*DECODE_ROWS), in_features=st.sampled_from([64, 512, 576, 1536, 2048]) | st.integers(1, 1100),
+       out_features=st.sampled_from([1, 32, 96, 100]) | st.integers(1, 200), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_decode_sized_call_gives_each_row_the_bits_brgemm_gives_it(ops, count, in_features, out_features, bias, seed):
+    """The decode-step kernel and brgemm sum in the same order: a 12-24 row call equals the same call through brgemm,
+    and each of its rows the row alone (one row: brgemm) and the row among 64 (brgemm), on rows that show any change
+    in a sum's order, with chunks of 512 inputs and their 64-input passes cut anywhere (in_features up to 1,100)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias_t = torch.randn(out_features, generator=generator) if bias else None
+    packed = ops.linear_pack(weight, tiles_kernel.BLOCK_N_AVX2_FLOAT32)
+    rows = probe_rows(weight, 64, generator)
+    with torch_threads(TWO_THREADS):
+        decode = ops.linear_tiles(rows[:count], packed, bias_t, out_features)
+        among = ops.linear_tiles(rows, packed, bias_t, out_features)
+    assert torch.equal(decode, ops.linear_tiles_brgemm(rows[:count], packed, bias_t, out_features))
+    assert torch.equal(decode, among[:count])
+    for i in (0, count // 2, count - 1):
+        assert torch.equal(decode[i], ops.linear_tiles(rows[i : i + 1], packed, bias_t, out_features)[0])
+    plain = torch.randn(count, in_features, generator=generator)  # the values: within rounding of torch's linear
+    torch.testing.assert_close(ops.linear_tiles(plain, packed, bias_t, out_features),
+                               torch.nn.functional.linear(plain, weight, bias_t), rtol=1e-5, atol=1e-5)
+
+
 def test_the_check_catches_a_sum_in_another_order(ops):
     """The control: a linear that is the kernel's for a row alone but adds a row's even and odd inputs apart when the
     call has more rows (only the order of the sum changes). The probe rows show it in bfloat16, where rounding hides
