@@ -136,12 +136,12 @@ void store_block(const float* sums, int64_t rows, int64_t block_n, int64_t width
 // a decode step's 16 rows (about 8 flops a weight byte, near this kind of machine's balance) memory and arithmetic
 // ran one after the other. Here a chunk is computed 64 inputs at a time (their 8 KiB of panel stays in L1 while every
 // row block passes over it), and each row block's loop prefetches a share of the next 64 inputs' panel, so that the
-// next lines arrive while these compute. Same arithmetic as brgemm's, so the same bits (the tests compare both paths
-// at every row count): per chunk each output's products summed from zero in input order, one FMA each (3 rows x 32
-// columns of accumulators, the panel's vectors as the FMAs' memory operands, as brgemm's AVX2 kernel), then added to
-// the sums of the chunks before. Measured (2-core AMD EPYC Zen 3, Llama-3.2-1B's projections, weights from memory,
-// alternating rounds): 0.70-0.85x brgemm's time at 16 rows; mixed at 8, 24 and 32; slower at 1-4 and 64 rows: so
-// used for DECODE_ROWS only.
+// next lines arrive while these compute. Same arithmetic as brgemm's, so the same bits (the tests compare the two at
+// every decode row count, and with a row alone): per chunk each output's products summed from zero in input order,
+// one FMA each (3 rows x 32 columns of accumulators, the panel's vectors as the FMAs' memory operands, as brgemm's
+// AVX2 kernel), then added to the sums of the chunks before. Measured (2-core AMD EPYC Zen 3, Llama-3.2-1B's
+// projections, weights from memory, alternating rounds): 0.70-0.85x brgemm's time at 16 rows; mixed at 8, 24 and 32;
+// slower at 1-4 and 64 rows: so used for DECODE_MIN_ROWS to DECODE_MAX_ROWS only.
 constexpr int64_t DECODE_MIN_ROWS = 12, DECODE_MAX_ROWS = 24;
 constexpr int64_t DECODE_STEP = 64;  // inputs a pass: 8 KiB of a 32-column panel
 constexpr int64_t DECODE_PREFETCH = 22;  // lines of the next pass a row block's loop asks for: 128 over ~6 blocks
@@ -155,7 +155,8 @@ inline void decode_block(const float* a, int64_t lda, const float* b, int64_t kn
       c[r][v] = zero ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * 32 + v * 8);
     }
   }
-  const int64_t lines = std::min<int64_t>(DECODE_PREFETCH, prefetch < prefetch_end ? (prefetch_end - prefetch) / 64 : 0);
+  const int64_t left = prefetch < prefetch_end ? static_cast<int64_t>(prefetch_end - prefetch) / 64 : 0;
+  const int64_t lines = std::min<int64_t>(DECODE_PREFETCH, left);
   uintptr_t next = prefetch;
   for (int64_t k = 0; k < kn; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
@@ -184,7 +185,8 @@ void run_decode(const at::Tensor& x, const at::Tensor& packed, const float* bias
   float* o = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(m * 32), acc(m * 32);
-    for (int64_t p = begin; p < end; ++p) {  // a thread's panels lie one after the other: its prefetch runs on
+    for (int64_t p = begin; p < end; ++p) {  // a thread's panels lie one after another: the last pass of one
+      // prefetches the first of the next
       const float* panel = b + p * k * 32;
       for (int64_t k0 = 0; k0 < k; k0 += chunk) {
         const int64_t kk = std::min(chunk, k - k0);
@@ -193,22 +195,23 @@ void run_decode(const at::Tensor& x, const at::Tensor& packed, const float* bias
           const float* step = panel + (k0 + s) * 32;
           uintptr_t prefetch = reinterpret_cast<uintptr_t>(step + kn * 32);  // the next pass's panel lines
           const uintptr_t prefetch_end = prefetch + DECODE_STEP * 32 * sizeof(float);
+          const float* rows = a + k0 + s;
           int64_t r = 0;
           for (; r + 3 <= m; r += 3) {
-            decode_block<3>(a + r * ld_x + k0 + s, ld_x, step, kn, acc.data() + r * 32, s == 0, prefetch, prefetch_end);
+            decode_block<3>(rows + r * ld_x, ld_x, step, kn, acc.data() + r * 32, s == 0, prefetch, prefetch_end);
           }
           if (m - r == 2) {
-            decode_block<2>(a + r * ld_x + k0 + s, ld_x, step, kn, acc.data() + r * 32, s == 0, prefetch, prefetch_end);
+            decode_block<2>(rows + r * ld_x, ld_x, step, kn, acc.data() + r * 32, s == 0, prefetch, prefetch_end);
           } else if (m - r == 1) {
-            decode_block<1>(a + r * ld_x + k0 + s, ld_x, step, kn, acc.data() + r * 32, s == 0, prefetch, prefetch_end);
+            decode_block<1>(rows + r * ld_x, ld_x, step, kn, acc.data() + r * 32, s == 0, prefetch, prefetch_end);
           }
         }
         for (int64_t i = 0; i < m * 32; ++i) {  // brgemm's C + acc (the first chunk: acc)
           sums[i] = k0 == 0 ? acc[i] : sums[i] + acc[i];
         }
       }
-      store_block<float>(sums.data(), m, 32, std::min<int64_t>(32, n - p * 32), bias == nullptr ? nullptr : bias + p * 32,
-                         o + p * 32, n);
+      const float* panel_bias = bias == nullptr ? nullptr : bias + p * 32;
+      store_block<float>(sums.data(), m, 32, std::min<int64_t>(32, n - p * 32), panel_bias, o + p * 32, n);
     }
   });
 }
