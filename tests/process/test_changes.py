@@ -94,12 +94,14 @@ def test_a_kernel_build_puts_path_back(monkeypatch, tmp_path):
     assert during == [f"{ninja.BIN_DIR}:{no_ninja}"] and os.environ["PATH"] == no_ninja
 
 
-def test_importing_the_command_line_changes_no_environment():
-    """A program that imports cbgen.cli (or runs a command in its own process) keeps its environment: TQDM_DISABLE is
-    set while a command runs, so that other libraries' bars stay off, and taken away after."""
-    code = ("import os; import cbgen.cli as cli; print('TQDM_DISABLE' in os.environ); "
-            "seen = []; cli.command = lambda: lambda **kw: seen.append(os.environ.get('TQDM_DISABLE')); "
-            "cli.run_cli([]); print(seen, 'TQDM_DISABLE' in os.environ)")
-    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+@pytest.mark.parametrize("name", ["TQDM_DISABLE", "THP_MEM_ALLOC_ENABLE"])
+def test_importing_the_command_line_changes_no_environment(name):
+    """A program that imports cbgen.cli (or runs a command in its own process) keeps its environment: TQDM_DISABLE
+    (other libraries' bars off) and THP_MEM_ALLOC_ENABLE (torch's allocator in huge pages) are set while a command
+    runs, and taken away after."""
+    code = (f"import os; import cbgen.cli as cli; print({name!r} in os.environ); "
+            f"seen = []; cli.command = lambda: lambda **kw: seen.append(os.environ.get({name!r})); "
+            f"cli.run_cli([]); print(seen, {name!r} in os.environ)")
+    env = {k: v for k, v in os.environ.items() if k != name}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["False", "['1'] False"]
