@@ -3,20 +3,22 @@
 A shape of a real model (cbgen's random-weight shapes: Llama-3.2-1B's config, and in the full run Qwen3-4B's where
 the machine's memory holds it) gets random weights made here, seeded (cbgen's own random loader), saved once as a
 model folder and converted once by llama.cpp's own script (convert_hf_to_gguf.py, from the build of
-benchmarks/build_llamacpp.sh) to f32 and Q8_0 GGUF files, all kept in llama.cpp's models folder. The fixed workload
-(full: 16 x (128 + 64), --quick: 4 x (64 + 16); each path once, as its runs take minutes at this size on a 2-core
-CPU: `cbgen bench --model DIR --workloads fixed --paths cbgen,llamacpp,llamacpp-q8_0` times all 64 requests) then runs
-through four paths, alternately:
+benchmarks/build_llamacpp.sh) to GGUF files in the model's precision and in Q8_0, all kept in llama.cpp's models
+folder. The model's precision is what `--dtype auto` picks on this CPU kind (`precision`): float32 (f32 files) on
+AVX2, bfloat16 (bf16 files) where the CPU has bfloat16 units. The fixed workload (full: 16 x (128 + 64), --quick:
+4 x (64 + 16); each path once, as its runs take minutes at this size on a 2-core CPU) then runs through four paths,
+alternately:
 
-    cbgen float32        the folder, as `cbgen run --model DIR --dtype float32` runs it (and, in the full run, with
-                         stock linear layers, --no-batch-invariant: what batch invariance costs at this size)
-    cbgen int8           the Q8_0 file, as `cbgen run --model FILE` runs it: its int8 values read as they are
-                         (embeddings and output layer too), through cbgen's compiled int8 kernel
-    llama.cpp f32        the f32 file
-    llama.cpp Q8_0       the Q8_0 file
+    cbgen float32|bfloat16   the folder, as `cbgen run --model DIR` runs it (and, in the full run, with stock linear
+                             layers, --no-batch-invariant: what batch invariance costs at this size)
+    cbgen int8               the Q8_0 file, as `cbgen run --model FILE` runs it: its int8 values read as they are
+                             (embeddings and output layer too), through cbgen's compiled int8 kernel
+    llama.cpp f32|bf16       the file in the model's precision
+    llama.cpp Q8_0           the Q8_0 file
 
-Each path's MFU is its tokens (prompt and generated) a second times 2 x the parameters, over the float32 matmul
-rate: the higher of the run's first reading (the machine's `fp32_gflops`) and one taken as the section starts.
+Each path's MFU is its tokens (prompt and generated) a second times 2 x the parameters, over the matmul rate in the
+model's precision: the higher of the run's first reading (the machine's `fp32_gflops` or `bf16_gflops`) and one taken
+as the section starts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cbgen.bench.workloads import BenchWorkload, warm_up
 
 AHEAD = Goal(">=", 1.2)  # cbgen against llama.cpp at 1B, in the model's precision and in Q8_0
 MFU = Goal(">=", 0.75)
-INT8_SPEED = Goal(">=", 1.0)  # int8 against float32: at least as fast
+INT8_SPEED = Goal(">=", 1.0)  # int8 against the model's precision: at least as fast
 INVARIANCE_COST = Goal("<=", 1.05)  # batch invariance free at 1B too
 FASTER = "how many times as fast cbgen is (the other path's median time over cbgen's)"
 COST = "the first path's median time over the second's"
@@ -41,10 +43,21 @@ SHAPES = {"quick": ("llama-1b",), "full": ("llama-1b", "qwen3-4b")}
 MEMORY_PER_PARAMETER = 10  # bytes of RAM a shape needs a parameter: float32 weights in cbgen and in llama.cpp's map
 
 
+def precision() -> tuple[str, str]:
+    """The model's precision on this machine, as cbgen's dtype and llama.cpp's GGUF type: what `--dtype auto` picks on
+    this CPU kind (or the kind it is held to): ("float32", "f32") on AVX2, ("bfloat16", "bf16") with bfloat16 units."""
+    from cbgen.bench.llamacpp import GGUF_TYPES
+    from cbgen.config.cpu import cpu_row
+
+    dtype = cpu_row().dtype
+    return dtype, GGUF_TYPES[dtype]
+
+
 def goals(plan: Plan) -> tuple[tuple[str, Goal], ...]:
+    dtype, gguf = precision()
     stock = (("invariant / stock linear layers, llama-1b", INVARIANCE_COST),) if plan.scale_stock else ()
-    return (("cbgen float32 vs llama.cpp f32, llama-1b", AHEAD), ("cbgen int8 vs llama.cpp Q8_0, llama-1b", AHEAD),
-            ("cbgen float32 MFU, llama-1b", MFU), ("cbgen int8 vs cbgen float32, llama-1b", INT8_SPEED)) + stock
+    return ((f"cbgen {dtype} vs llama.cpp {gguf}, llama-1b", AHEAD), ("cbgen int8 vs llama.cpp Q8_0, llama-1b", AHEAD),
+            (f"cbgen {dtype} MFU, llama-1b", MFU), (f"cbgen int8 vs cbgen {dtype}, llama-1b", INT8_SPEED)) + stock
 
 
 def _converter() -> Path | None:
@@ -58,7 +71,8 @@ def _memory_bytes() -> int:
 
 
 def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
-    """(the model folder, its f32 GGUF, its Q8_0 GGUF), made once and kept; or why this shape cannot run here."""
+    """(the model folder, its GGUF in the model's precision, its Q8_0 GGUF), made once and kept; or why this shape
+    cannot run here."""
     from cbgen.bench.llamacpp import BUILD_HINT, llamacpp_dir
     from cbgen.model.source import RANDOM_SHAPES
 
@@ -72,7 +86,7 @@ def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
     if converter is None:
         return f"no llama.cpp converter ({BUILD_HINT})"
     root = llamacpp_dir() / "models" / shape
-    folder, files = root / "hf", {kind: root / f"{shape}-{kind}.gguf" for kind in ("f32", "q8_0")}
+    folder, files = root / "hf", {kind: root / f"{shape}-{kind}.gguf" for kind in (precision()[1], "q8_0")}
     if not (folder / "config.json").is_file():
         log(f"making random weights of {shape} in {folder} (once)")
         _save_random(shape, folder)
@@ -86,7 +100,7 @@ def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
                 target.unlink(missing_ok=True)
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 return f"llama.cpp's converter failed on {shape} ({kind}): {lines[-1] if lines else done.returncode}"
-    return folder, files["f32"], files["q8_0"]
+    return folder, files[precision()[1]], files["q8_0"]
 
 
 def _parameters(config: dict[str, Any]) -> int:
@@ -132,13 +146,13 @@ def scale(ctx: Context) -> list[Row]:
     return rows
 
 
-def _shape_rows(ctx: Context, shape: str, folder: Path, f32: Path, q8_0: Path) -> list[Row]:
+def _shape_rows(ctx: Context, shape: str, folder: Path, floats: Path, q8_0: Path) -> list[Row]:
     t = Timings(ctx.log)
-    tokens, parameters, workload = _timed(ctx, t, shape, folder, f32, q8_0)
+    tokens, parameters, workload = _timed(ctx, t, shape, folder, floats, q8_0)
     return _rows(ctx, t, shape, tokens, parameters, workload)
 
 
-def _timed(ctx: Context, t: Timings, shape: str, folder: Path, f32: Path, q8_0: Path
+def _timed(ctx: Context, t: Timings, shape: str, folder: Path, floats: Path, q8_0: Path
            ) -> tuple[dict[str, float], int, BenchWorkload]:
     """Every path of the shape timed into `t`: (tokens a second by path, the model's parameters, the workload)."""
     from cbgen.bench.llamacpp import bindings
@@ -150,11 +164,13 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, f32: Path, q8_0: 
     tokens: dict[str, float] = {}
     workload = None
     parameters = 0
-    # cbgen int8 runs the Q8_0 file llama.cpp runs: its int8 values read as they are (cbgen.model.q8_0)
-    paths: tuple[tuple[str, Path, Literal["none", "auto"]], ...] = (("cbgen float32", folder, "none"),
+    dtype, gguf = precision()
+    # cbgen int8 runs the Q8_0 file llama.cpp runs: its int8 values read as they are (cbgen.model.q8_0), the rest of
+    # the model in the model's precision, as `cbgen run --model FILE` would
+    paths: tuple[tuple[str, Path, Literal["none", "auto"]], ...] = ((f"cbgen {dtype}", folder, "none"),
                                                                     ("cbgen int8", q8_0, "auto"))
     for name, model, quantize in paths:
-        settings = ModelSection(model=str(model), dtype="float32", device="cpu", quantize=quantize)
+        settings = ModelSection(model=str(model), dtype=dtype, device="cpu", quantize=quantize)  # type: ignore[arg-type]
         loaded = load_model(settings)
         parameters = parameters or parameter_count(loaded.model)
         workload = workload or _workload(loaded.tokenizer, ctx.plan)
@@ -166,10 +182,10 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, f32: Path, q8_0: 
             if quantize == "none" and ctx.plan.scale_stock:  # batch invariance (the default) against stock layers
                 t.record(f"{name} stock, {shape}", partial(bench.cbgen, workload, invariant=False))
         tokens[name] = reference.total_tokens_per_s if reference is not None else 0.0
-        if name == "cbgen float32" and bindings()[1] is None:
-            for other, gguf in (("llama.cpp f32", f32), ("llama.cpp Q8_0", q8_0)):
+        if quantize == "none" and bindings()[1] is None:
+            for other, file in ((f"llama.cpp {gguf}", floats), ("llama.cpp Q8_0", q8_0)):
                 for _ in range(ctx.plan.scale_rounds):
-                    measured = t.record(f"{other}, {shape}", partial(bench.llamacpp, workload, gguf,
+                    measured = t.record(f"{other}, {shape}", partial(bench.llamacpp, workload, file,
                                                                      len(workload.prompts), reference, other))
                 tokens[other] = measured.total_tokens_per_s
         del bench, loaded
@@ -186,27 +202,30 @@ def _rows(ctx: Context, t: Timings, shape: str, tokens: dict[str, float], parame
 
     main = shape == "llama-1b"
     shape_text = f"{shape}, fixed, {len(workload.prompts)} x ({len(workload.prompts[0])} + {workload.max_new_tokens})"
-    # the higher of two readings of the float32 matmul rate, the run's first and one now: a reading disturbed by
-    # something else on the machine under-states the rate, and an MFU over it reads above 100 %
-    peak = max(ctx.machine.fp32_gflops * 1e9, matmul_flops(torch.float32))
+    dtype, gguf = precision()
+    ours_ = f"cbgen {dtype}"
+    # the higher of two readings of the matmul rate in the model's precision, the run's first and one now: a reading
+    # disturbed by something else on the machine under-states the rate, and an MFU over it reads above 100 %
+    first = ctx.machine.fp32_gflops if dtype == "float32" else ctx.machine.bf16_gflops
+    peak = max(first * 1e9, matmul_flops(getattr(torch, dtype)))
     mfu = {name: rate * 2 * parameters / peak for name, rate in tokens.items()}
     note = "MFU: " + ", ".join(f"{name} {value:.0%}" for name, value in mfu.items())
     rows = []
-    for ours, theirs in (("cbgen float32", "llama.cpp f32"), ("cbgen int8", "llama.cpp Q8_0")):
+    for ours, theirs in ((ours_, f"llama.cpp {gguf}"), ("cbgen int8", "llama.cpp Q8_0")):
         title = f"{ours} vs {theirs}, {shape}"
         rows.append(ratio("scale", title, t, f"{theirs}, {shape}", f"{ours}, {shape}", FASTER,
                           AHEAD if main else None, note=f"{shape_text}; {note}") if theirs in tokens
                     else skipped("scale", title, bindings()[1] or "llama.cpp did not run", AHEAD if main else None))
-    rows.append(ratio("scale", f"cbgen int8 vs cbgen float32, {shape}", t, f"cbgen float32, {shape}",
+    rows.append(ratio("scale", f"cbgen int8 vs {ours_}, {shape}", t, f"{ours_}, {shape}",
                       f"cbgen int8, {shape}", FASTER, INT8_SPEED if main else None, note=shape_text))
     if ctx.plan.scale_stock:
-        rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"cbgen float32, {shape}",
-                          f"cbgen float32 stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
-    rows.append(Row("scale", f"cbgen float32 MFU, {shape}", round(mfu["cbgen float32"], 3), "x",
-                    "tokens a second x 2 x parameters over the float32 matmul rate (the higher of two readings)",
-                    MFU if main else None, note=note, exact=mfu["cbgen float32"],
-                    paths={p: [round(s.value, 6) for s in t.samples[p]] for p in (f"cbgen float32, {shape}",)},
-                    busy=any(s.busy for s in t.samples[f"cbgen float32, {shape}"])))
+        rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"{ours_}, {shape}",
+                          f"{ours_} stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
+    rows.append(Row("scale", f"{ours_} MFU, {shape}", round(mfu[ours_], 3), "x",
+                    f"tokens a second x 2 x parameters over the {dtype} matmul rate (the higher of two readings)",
+                    MFU if main else None, note=note, exact=mfu[ours_],
+                    paths={p: [round(s.value, 6) for s in t.samples[p]] for p in (f"{ours_}, {shape}",)},
+                    busy=any(s.busy for s in t.samples[f"{ours_}, {shape}"])))
     for row in rows:
-        row.dtype = "float32"
+        row.dtype = dtype
     return rows
