@@ -9,10 +9,16 @@ exactly: a float16 scale times an int8 value) and is quantized again here by the
 file's own int8 values and scales (tests/model/test_int8.py checks it against the gguf package's dequantization). A
 layer whose input count is not a multiple of 32 stays float, and the summary says how many were kept so. Where the
 compiled kernel is unavailable a layer dequantizes its whole weight each call (slow, right; run.json says why).
+
+Rows in float32 are computed in float32. Rows in bfloat16 are too, except on a CPU with bfloat16 units
+(`bf16_arithmetic`), where the kernel dequantizes into bfloat16 and runs the bfloat16 micro-kernel (float32 sums): the
+weights it computes with are then those of a bfloat16 model of the dequantized weights, and prefill runs at the
+bfloat16 rate (twice float32's on an AVX-512 BF16 CPU) instead of float32's.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,14 @@ def block_n() -> int:
     kernels (0.70-0.95x the time of 64 on Llama-3.2-1B's projections at 16 and 512 rows, 2-core Zen 3:
     docs/performance.md), 64 elsewhere. The kernel reads the width from the packed weight."""
     return tiles_kernel.block_n(torch.float32)
+
+
+@functools.cache
+def bf16_arithmetic() -> bool:
+    """Whether bfloat16 rows are computed in bfloat16 (`int8_linear_bf16`: chunks dequantized into bfloat16, the
+    bfloat16 micro-kernel, float32 sums): where the CPU has bfloat16 units, as for the float tiles
+    (tiles_kernel.unfit_reason). Elsewhere bfloat16 rows are converted to float32 and computed so."""
+    return tiles_kernel.unfit_reason(torch.bfloat16) is None
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +102,14 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        bf16 = x.dtype == torch.bfloat16 and bf16_arithmetic()
         if self.ops is not None and x.device.type == "cpu":
-            out = self.ops.int8_linear(rows, self.packed, self.packed_scales, self.bias, self.out_features)
+            op = self.ops.int8_linear_bf16 if bf16 else self.ops.int8_linear
+            out = op(rows, self.packed, self.packed_scales, self.bias, self.out_features)
         else:
             weight = dequantize(*unpack(self.packed, self.packed_scales, self.out_features))
+            if bf16:  # the kernel's weights: rounded to bfloat16
+                weight = weight.bfloat16().float()
             out = torch.nn.functional.linear(rows.float(), weight, self.bias).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -71,6 +71,68 @@ def test_the_kernel_is_the_dequantized_matmul_and_a_row_gets_its_own_bits(ops, c
     assert ((result - exact).abs() <= sizes * (case["in_features"] + 1) * 2**-24).all()
 
 
+@settings(max_examples=property_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers())
+@example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.bfloat16, width=64,
+              seed=1))
+def test_bf16_rows_on_bf16_units_compute_the_bf16_rounded_weights_and_a_row_gets_its_own_bits(ops, case):
+    """int8_linear_bf16 (bfloat16 rows on a CPU with bfloat16 units): the matmul of the int8 weights dequantized and
+    rounded to bfloat16 (a bfloat16 model's weights), summed in float32, the output rounded once; a row's bits its
+    own, in panels of either width."""
+    if not int8.bf16_arithmetic():
+        pytest.skip("bfloat16 arithmetic needs a CPU with bfloat16 units (AMX or AVX-512 BF16)")
+    generator = torch.Generator().manual_seed(case["seed"])
+    weight = torch.randn(case["out_features"], case["in_features"], generator=generator) * 0.05
+    weight[0, :32] = 0
+    bias = torch.randn(case["out_features"], generator=generator) if case["bias"] else None
+    q, scales = int8.quantize(weight)
+    packed, packed_scales = int8.pack(q, scales, case["width"])
+    rows = probe_rows(weight, case["count"], generator).bfloat16()
+    with torch_threads(TWO_THREADS):
+        together = ops.int8_linear_bf16(rows, packed, packed_scales, bias, case["out_features"])
+    place = case["place"]
+    alone = ops.int8_linear_bf16(rows[place : place + 1], packed, packed_scales, bias, case["out_features"])[0]
+    assert together.dtype == torch.bfloat16 and torch.equal(together[place], alone)
+    other = int8.pack(q, scales, {64: 32, 32: 64}[case["width"]])
+    assert torch.equal(together, ops.int8_linear_bf16(rows, *other, bias, case["out_features"]))
+    weights = int8.dequantize(q, scales).bfloat16().double()
+    exact = torch.nn.functional.linear(rows.double(), weights, None if bias is None else bias.double())
+    sizes = rows.double().abs() @ weights.abs().t() + (0 if bias is None else bias.double().abs())
+    error = (together.double() - exact).abs()
+    assert (error <= exact.abs() * 2**-8 + sizes * (case["in_features"] + 1) * 2**-23).all()
+
+
+class _Ops:
+    """torch.ops.cbgen_kernels as an Int8Linear sees it, saying which op each call took."""
+
+    def __init__(self) -> None:
+        self.called: list[str] = []
+
+    def __getattr__(self, name):
+        def op(rows, packed, scales, bias, out_features):
+            self.called.append(name)
+            return torch.zeros(rows.shape[0], out_features, dtype=rows.dtype)
+
+        return op
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_bf16_rows_take_the_bf16_kernel_only_where_the_cpu_has_bf16_units(monkeypatch, units):
+    monkeypatch.setattr(int8, "bf16_arithmetic", lambda: units)
+    ops = _Ops()
+    q, scales = int8.quantize(torch.randn(8, 64))
+    layer = int8.Int8Linear.of(q, scales, None, ops)
+    layer(torch.randn(2, 3, 64))
+    layer(torch.randn(2, 64).bfloat16())
+    assert ops.called == ["int8_linear", "int8_linear_bf16" if units else "int8_linear"]
+    # without the kernel: the weights the bfloat16 kernel would compute with, or the float32 ones
+    layer.ops = None
+    rows = torch.randn(3, 64).bfloat16()
+    weights = int8.dequantize(q, scales)
+    expected = torch.nn.functional.linear(rows.float(), weights.bfloat16().float() if units else weights)
+    assert torch.equal(layer(rows), expected.bfloat16())
+
+
 def test_the_values_of_a_q8_0_file_come_back_exactly():
     """What transformers loads from a Q8_0 GGUF (the gguf package's dequantization, in float32) quantized again by
     cbgen gives the file's own int8 values and float16 scales."""
