@@ -193,17 +193,25 @@ def _dequantized_in_place(model) -> None:
                 module.weight.copy_(int8.dequantize(*int8.quantize(module.weight)))
 
 
-def test_a_models_layers_become_int8_and_compute_the_dequantized_model(ops, tiny_model_dir):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_models_layers_become_int8_and_compute_the_dequantized_model(ops, tiny_model_dir, dtype):
+    """In float32 to float32's rounding; in bfloat16 (the kernel's bfloat16 path on a CPU with bfloat16 units, else
+    float32 arithmetic) within a few bfloat16 steps of the logits' size of the dequantized model run in bfloat16."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     done = int8.quantize_model(model)
-    assert done.layers == 2 * 7 and done.kernel == "compiled" and done.bytes_after < done.bytes_before / 3
+    # a byte a weight and a float16 scale per 32 (and the last panel's padding), against 4 or 2 bytes
+    assert done.layers == 2 * 7 and done.kernel == "compiled"
+    assert done.bytes_after < done.bytes_before * 1.2 / dtype.itemsize
     with torch.no_grad():
         _dequantized_in_place(reference)
+        reference = reference.to(dtype)
         ids = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(0))
-        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+        logits, expected = model(ids).logits.float(), reference(ids).logits.float()
+        tolerance = 1e-4 if dtype == torch.float32 else 4 * 2**-8 * expected.abs().max().item()
+        torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
     assert not any(type(m) is torch.nn.Linear for layer in model.model.layers for m in layer.modules())
 
 
@@ -226,13 +234,20 @@ def _job_tokens(out) -> dict[str, list[int]]:
     return {str(row["id"]): row["token_ids"] for row in read_shards(out)}
 
 
-def test_an_int8_job_answers_as_the_dequantized_model_and_is_batch_invariant(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_int8_job_answers_as_the_dequantized_model_and_is_batch_invariant(tiny_model_dir, tmp_path, dtype):
     """Greedy tokens of a --quantize int8 job against the float32 model whose weights are the same int8 values
     dequantized (cbgen's float32 path is stock transformers' greedy: tests/test_greedy_temperature.py and the
     architecture tests): the first 32 tokens of at least 95 % of rows equal (the rest is rounding: the kernel adds
     in chunks, torch in its own order). And the int8 job is batch-invariant: the same rows shuffled, under other
-    batch limits, give bitwise the same tokens."""
+    batch limits, give bitwise the same tokens. In bfloat16 on a CPU with bfloat16 units (the kernel's bfloat16 path)
+    the job is batch-invariant too; its tokens are not compared: this random model's logits are nearly flat (top-two
+    margins 0.005-0.09 at logits of 0.7, where a bfloat16 step is 0.004), so any rounding flips greedy choices (the
+    layers' closeness in bfloat16 is checked in test_a_models_layers_become_int8_and_compute_the_dequantized_model)."""
     import random
+
+    if dtype == "bfloat16" and not int8.bf16_arithmetic():
+        pytest.skip("bfloat16 arithmetic needs a CPU with bfloat16 units (AMX or AVX-512 BF16)")
 
     from transformers import AutoModelForCausalLM
 
@@ -250,13 +265,14 @@ def test_an_int8_job_answers_as_the_dequantized_model_and_is_batch_invariant(tin
     rows = [{"id": str(i), "prompt": f"Tell me about the number {i} and the colour {c}."}
             for i, c in zip(range(24), ["red", "green", "blue", "amber"] * 6, strict=True)]
     source = write_jsonl(tmp_path / "p.jsonl", rows)
-    common = ["--max-new-tokens", "32", "--dtype", "float32", "-q"]
+    common = ["--max-new-tokens", "32", "--dtype", dtype, "-q"]
     assert run_cli(["run", str(source), "-o", str(tmp_path / "ref"), "--model", str(dequantized), *common]) == 0
     assert run_cli(["run", str(source), "-o", str(tmp_path / "q"), "--model", str(tiny_model_dir), "--quantize",
                     "int8", *common]) == 0
     reference, quantized = _job_tokens(tmp_path / "ref"), _job_tokens(tmp_path / "q")
-    same = sum(quantized[key][:32] == reference[key][:32] for key in reference)
-    assert same >= 0.95 * len(reference), f"{same} of {len(reference)} rows"
+    if dtype == "float32":
+        same = sum(quantized[key][:32] == reference[key][:32] for key in reference)
+        assert same >= 0.95 * len(reference), f"{same} of {len(reference)} rows"
     manifest = json.loads((tmp_path / "q" / "run.json").read_text())
     assert manifest["model"]["quantized"]["layers"] == 14 and manifest["model"]["quantized"]["kernel"] == "compiled"
     assert manifest["batch_invariant"]["on"] is True
