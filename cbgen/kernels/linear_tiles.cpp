@@ -1,14 +1,15 @@
 // Batch-invariant linear layers: out = x W^T + bias, every output block of BLOCK_M rows x block_n columns computed
-// by one thread with oneDNN's brgemm micro-kernel (through ATen's at::native::cpublas::brgemm): in bfloat16 one call
-// over the whole reduction, in float32 one call per chunk of inputs, each adding to the sums the one before left.
+// by one thread with oneDNN's brgemm micro-kernel (through ATen's at::native::cpublas::brgemm): one call per chunk of
+// inputs, each adding to the sums the one before left (bfloat16 on AMX: one call over the whole reduction).
 //
 // Invariant by construction. A micro-kernel call adds each output's products in one order, fixed by the layer's K and
 // block_n (its chunks, its register blocking over K, AMX tiles of 32 bfloat16 pairs or one FMA per k): the rows of the
 // call only say how many accumulators it fills, never in what order one of them sums. Each block is computed by one
 // thread, chunk after chunk, so a row's bits do not depend on how many rows share the layer's call, where it sits among
 // them or how many threads run; the float32 sum is rounded once, with the bias added before (as oneDNN's linear does).
-// A float32 chunk is 64 KiB of the panel (CHUNK_FLOATS / block_n inputs), kept in a core's L2 with the block's rows for
-// those inputs: over the whole reduction at once, a 1B model's down projection (K 8192) ran at a third of the speed.
+// A chunk is 64 KiB of the panel (CHUNK_FLOATS / block_n float32 inputs, twice as many bfloat16 ones), kept in a
+// core's L2 with the block's rows for those inputs: over the whole reduction at once, a 1B model's down projection
+// (K 8192) ran at a third of the speed in float32 on AVX2, and at 0.6-0.7x in bfloat16 on an AVX-512 BF16 CPU.
 // Measured (the tests): a row alone, among 1-600 others and on one or two threads, bitwise; float32 within rounding of
 // torch's linear, at every panel width.
 //
@@ -49,7 +50,7 @@ namespace cpublas = at::native::cpublas;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t BLOCK_M = 64;  // rows a call: a decode step's; a call's last block has its own row count
-constexpr int64_t CHUNK_FLOATS = 16384;  // float32: a call adds CHUNK_FLOATS / block_n inputs, 64 KiB of the panel
+constexpr int64_t CHUNK_FLOATS = 16384;  // a call adds 64 KiB of the panel: CHUNK_FLOATS / block_n float32 inputs
 constexpr int64_t PANELS_CACHED = 1 << 18;  // bytes of weight panels a group of blocks shares: half of a Zen 3's L2
 
 // Panel p of the weight [N, K] as K x block_n (output columns past N zero): `pairs` interleaves each two rows of K
@@ -223,6 +224,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::T
   const int64_t panels = packed.size(0), block_n = packed.size(2);
   const int64_t row_blocks = (m + BLOCK_M - 1) / BLOCK_M;
   const bool vnni = std::is_same_v<T, at::BFloat16>;
+  // float32 adds a row's products a chunk of inputs at a time (each chunk's A and B stay in a core's L2), chunk after
+  // chunk into the same sums: an order fixed by K and block_n alone. bfloat16 too, in chunks of the same bytes (the
+  // pair-interleaved layout's chunks are its rows of pairs), but on AMX, whose packed layout ATen owns: one call
+  const bool whole = vnni && cpublas::could_pack(at::kBFloat16);
+  const int64_t step = whole ? k : std::max<int64_t>(vnni ? 2 : 1, CHUNK_FLOATS * 4 / (block_n * x.element_size()));
   const T* a = x.data_ptr<T>();
   const T* b = packed.data_ptr<T>();
   T* o = out.data_ptr<T>();
@@ -236,10 +242,6 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::T
       const int64_t width_g = std::min(chunk, panels - group * chunk);
       const int64_t p = group * chunk + in_group % width_g, first = (in_group / width_g) * BLOCK_M;
       const int64_t rows = std::min(BLOCK_M, m - first), width = std::min(block_n, n - p * block_n);
-      // float32 adds a row's products a chunk of inputs at a time (each chunk's A and B stay in a core's L2), chunk
-      // after chunk into the same sums: an order fixed by K and block_n alone. bfloat16 adds them in one call (its
-      // packed layouts)
-      const int64_t step = vnni ? k : std::max<int64_t>(1, CHUNK_FLOATS / block_n);
       for (int64_t k0 = 0; k0 < k; k0 += step) {
         cpublas::brgemm(rows, block_n, std::min(step, k - k0), ld_x, block_n, block_n, k0 > 0,
                         a + first * ld_x + k0, b + p * k * block_n + k0 * block_n, sums.data(), vnni);
