@@ -29,7 +29,7 @@
 #define CBGEN_DEQUANTIZE_32 1
 #endif
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>  // the bfloat16 dequantization below (AVX-512 builds: the CPUs with bfloat16 units)
+#include <immintrin.h>  // the bfloat16 dequantization below (AVX-512 builds, on CPUs with bfloat16 units)
 #define CBGEN_DEQUANTIZE_BF16 1
 #endif
 
@@ -40,6 +40,9 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BLOCK_M = 64;  // rows a micro-kernel call: a decode step's
 constexpr int64_t GROUP = 32;    // inputs that share a scale
 constexpr int64_t KC = 256;      // inputs dequantized at a time: KC x block_n floats stay in L1/L2
+// bfloat16 inputs dequantized at a time: the bfloat16 tiles' chunk (linear_tiles.cpp: 64 KiB of a 64-column panel),
+// so that off AMX a layer's bits are those of the tiles over its dequantized weights rounded to bfloat16
+constexpr int64_t KC_BF16 = 512;
 constexpr int64_t ROWS_CACHED = int64_t{4} << 20;  // bytes of rows a group of row blocks holds (stays in L3)
 
 // inputs [k0, k0 + kc) of one 32-column panel as float32 with AVX2 and F16C, the loop below written out: a group's
@@ -90,56 +93,73 @@ void dequantize(const int8_t* __restrict__ q, const at::Half* __restrict__ scale
   }
 }
 
-// inputs [k0, k0 + kc) of one panel as bfloat16 in pairs of inputs, the layout the bfloat16 micro-kernel reads
-// without AMX: input i of column j at ((i / 2) * block_n + j) * 2 + i % 2. Each value is the float32 product q * scale
-// (exact) rounded to nearest even, as torch rounds float32 to bfloat16. k0 and kc are multiples of 32.
-void dequantize_pairs(const int8_t* __restrict__ q, const at::Half* __restrict__ scales, int64_t k0, int64_t kc,
-                      int64_t block_n, at::BFloat16* __restrict__ out) {
 #ifdef CBGEN_DEQUANTIZE_BF16
-  if (block_n % 16 == 0) {  // 16 columns of two inputs a step: two products rounded, their upper halves paired
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32(~0xFFFF);
-    const auto rounded = [&](__m512 v) {  // the float32 bits rounded to nearest even at bit 16
-      const __m512i bits = _mm512_castps_si512(v);
-      return _mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
-    };
-    for (int64_t g = k0; g < k0 + kc; g += GROUP) {
-      const at::Half* group = scales + (g / GROUP) * block_n;
-      for (int64_t j = 0; j < block_n; j += 16) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j)));
+// 16 consecutive int8 values times their scales, in float32 (each product exact)
+inline __m512 products(const int8_t* q, __m512 scale) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))),
+                       scale);
+}
+
+// inputs [k0, k0 + kc) of one panel as bfloat16 by the CPU's own conversion (VCVTNE2PS2BF16: round to nearest even,
+// as torch rounds; the products are never subnormal), in pairs of inputs or in plain rows (see dequantize_bf16)
+__attribute__((target("avx512bf16"))) void dequantize_bf16_units(const int8_t* __restrict__ q,
+                                                                 const at::Half* __restrict__ scales, int64_t k0,
+                                                                 int64_t kc, int64_t block_n, bool pairs,
+                                                                 at::BFloat16* __restrict__ out) {
+  // the conversion gives 16 values of one input, then 16 of the next; the pairs layout wants them interleaved
+  alignas(64) static const int16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(interleave);
+  for (int64_t g = k0; g < k0 + kc; g += GROUP) {
+    const at::Half* group = scales + (g / GROUP) * block_n;
+    for (int64_t j = 0; j < block_n; j += 32) {
+      const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j)));
+      const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j + 16)));
+      if (pairs) {  // inputs i and i + 1 of 16 columns a step, twice
         for (int64_t i = g; i < g + GROUP; i += 2) {
-          const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * block_n + j)))), s);
-          const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (i + 1) * block_n + j)))), s);
-          const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(rounded(a), 16), _mm512_and_si512(rounded(b), high));
-          _mm512_storeu_si512(out + (((i - k0) / 2) * block_n + j) * 2, pairs);
+          const int8_t* row = q + i * block_n + j;
+          at::BFloat16* target = out + ((i - k0) / 2) * block_n * 2 + j * 2;
+          const __m512i low = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(products(row + block_n, s0),
+                                                                            products(row, s0)));
+          const __m512i high = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(products(row + block_n + 16, s1),
+                                                                             products(row + 16, s1)));
+          _mm512_storeu_si512(target, _mm512_permutexvar_epi16(order, low));
+          _mm512_storeu_si512(target + 32, _mm512_permutexvar_epi16(order, high));
+        }
+      } else {  // one input's 32 columns a step
+        for (int64_t i = g; i < g + GROUP; ++i) {
+          const int8_t* row = q + i * block_n + j;
+          _mm512_storeu_si512(out + (i - k0) * block_n + j,
+                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(products(row + 16, s1), products(row, s0))));
         }
       }
     }
-    return;
+  }
+}
+
+const bool BF16_UNITS = __builtin_cpu_supports("avx512bf16");
+#endif
+
+// inputs [k0, k0 + kc) of one panel as bfloat16: each value the float32 product q * scale (exact) rounded to nearest
+// even, as torch rounds float32 to bfloat16. In pairs of inputs (the layout the bfloat16 micro-kernel reads without
+// AMX: input i of column j at ((i / 2) * block_n + j) * 2 + i % 2), or plain rows (i * block_n + j). k0 and kc are
+// multiples of 32.
+void dequantize_bf16(const int8_t* __restrict__ q, const at::Half* __restrict__ scales, int64_t k0, int64_t kc,
+                     int64_t block_n, bool pairs, at::BFloat16* __restrict__ out) {
+#ifdef CBGEN_DEQUANTIZE_BF16
+  if (BF16_UNITS && block_n % 32 == 0) {
+    return dequantize_bf16_units(q, scales, k0, kc, block_n, pairs, out);
   }
 #endif
   for (int64_t i = 0; i < kc; ++i) {
     const at::Half* group = scales + ((k0 + i) / GROUP) * block_n;
     const int8_t* row = q + (k0 + i) * block_n;
-    at::BFloat16* target = out + (i / 2) * block_n * 2 + i % 2;
+    at::BFloat16* target = pairs ? out + (i / 2) * block_n * 2 + i % 2 : out + i * block_n;
+    const int64_t step = pairs ? 2 : 1;
     for (int64_t j = 0; j < block_n; ++j) {
-      target[j * 2] = at::BFloat16(static_cast<float>(row[j]) * static_cast<float>(group[j]));
+      target[j * step] = at::BFloat16(static_cast<float>(row[j]) * static_cast<float>(group[j]));
     }
   }
-}
-
-// The same chunk in ATen's packed layout for AMX (the one linear_pack makes there): pairs made plain, then packed
-void dequantize_amx(const int8_t* q, const at::Half* scales, int64_t k0, int64_t kc, int64_t block_n,
-                    at::BFloat16* plain, at::BFloat16* out) {
-  for (int64_t i = 0; i < kc; ++i) {
-    const at::Half* group = scales + ((k0 + i) / GROUP) * block_n;
-    const int8_t* row = q + (k0 + i) * block_n;
-    for (int64_t j = 0; j < block_n; ++j) {
-      plain[i * block_n + j] = at::BFloat16(static_cast<float>(row[j]) * static_cast<float>(group[j]));
-    }
-  }
-  cpublas::pack(kc, block_n, block_n, block_n, at::kBFloat16, at::kBFloat16, plain, out);
 }
 
 // The kernel's loop (see the file's head) over rows of T, float or bfloat16, the type the chunks are dequantized into
@@ -162,8 +182,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
   const int64_t group = std::max<int64_t>(1, ROWS_CACHED / (BLOCK_M * k * static_cast<int64_t>(sizeof(T))));
   const int64_t groups_m = (row_blocks + group - 1) / group;
   at::parallel_for(0, groups_m * panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> weights(KC * block_n);
-    std::vector<T> plain(amx ? KC * block_n : 0);
+    constexpr int64_t chunk = vnni ? KC_BF16 : KC;
+    std::vector<T> weights(chunk * block_n);
+    std::vector<T> plain(amx ? chunk * block_n : 0);
     std::vector<float> scale(block_n);
     std::vector<float> sums(std::min(group, row_blocks) * BLOCK_M * block_n);
     for (int64_t task = begin; task < end; ++task) {
@@ -171,13 +192,14 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
       const int64_t first_block = g * group, blocks = std::min(group, row_blocks - first_block);
       const int8_t* panel = b + p * k * block_n;
       const at::Half* panel_scales = s + p * groups * block_n;
-      for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const int64_t kc = std::min(KC, k - k0);
+      for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        const int64_t kc = std::min(chunk, k - k0);
         if constexpr (vnni) {
-          if (amx) {
-            dequantize_amx(panel, panel_scales, k0, kc, block_n, plain.data(), weights.data());
+          if (amx) {  // ATen's packed layout for AMX (the one linear_pack makes there): plain rows, then packed
+            dequantize_bf16(panel, panel_scales, k0, kc, block_n, false, plain.data());
+            cpublas::pack(kc, block_n, block_n, block_n, at::kBFloat16, at::kBFloat16, plain.data(), weights.data());
           } else {
-            dequantize_pairs(panel, panel_scales, k0, kc, block_n, weights.data());
+            dequantize_bf16(panel, panel_scales, k0, kc, block_n, true, weights.data());
           }
         } else {
           dequantize(panel, panel_scales, k0, kc, block_n, scale.data(), weights.data());

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from cbgen.config.cpu import cpu_row
 from cbgen.model import int8
 from cbgen.model.invariant import probe_rows
 from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
@@ -78,7 +79,7 @@ def test_the_kernel_is_the_dequantized_matmul_and_a_row_gets_its_own_bits(ops, c
 def test_bf16_rows_on_bf16_units_compute_the_bf16_rounded_weights_and_a_row_gets_its_own_bits(ops, case):
     """int8_linear_bf16 (bfloat16 rows on a CPU with bfloat16 units): the matmul of the int8 weights dequantized and
     rounded to bfloat16 (a bfloat16 model's weights), summed in float32, the output rounded once; a row's bits its
-    own, in panels of either width."""
+    own, in panels of either width; off AMX, bitwise the bfloat16 tiles' over those weights."""
     if not int8.bf16_arithmetic():
         pytest.skip("bfloat16 arithmetic needs a CPU with bfloat16 units (AMX or AVX-512 BF16)")
     generator = torch.Generator().manual_seed(case["seed"])
@@ -95,6 +96,12 @@ def test_bf16_rows_on_bf16_units_compute_the_bf16_rounded_weights_and_a_row_gets
     assert together.dtype == torch.bfloat16 and torch.equal(together[place], alone)
     other = int8.pack(q, scales, {64: 32, 32: 64}[case["width"]])
     assert torch.equal(together, ops.int8_linear_bf16(rows, *other, bias, case["out_features"]))
+    if cpu_row().kind != "amx-bf16" and case["width"] == 64:  # the bfloat16 tiles' own bits, in the same chunks
+        from cbgen.kernels import kernel
+
+        assert kernel("linear_tiles").loaded
+        tiles = ops.linear_pack(int8.dequantize(q, scales).bfloat16(), 64)
+        assert torch.equal(together, ops.linear_tiles(rows, tiles, bias, case["out_features"]))
     weights = int8.dequantize(q, scales).bfloat16().double()
     exact = torch.nn.functional.linear(rows.double(), weights, None if bias is None else bias.double())
     sizes = rows.double().abs() @ weights.abs().t() + (0 if bias is None else bias.double().abs())
