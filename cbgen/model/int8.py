@@ -204,6 +204,23 @@ class Quantized:
                 "embeddings": self.embeddings}
 
 
+def cast_around(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The model in `dtype` around its int8 layers, for a job asked to run in `dtype` (int8 weights are made and read
+    in float32, where their values come back exactly): every float parameter outside the int8 layers (norms, layers
+    kept float, a float embedding table) cast, and modules with an `out_dtype` (an int8 embedding table's lookup)
+    answering in it. The int8 layers keep their panels, float16 scales and float32 bias; buffers (rotary
+    frequencies) stay as loaded, as in a model loaded in `dtype`."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            continue
+        if hasattr(module, "out_dtype"):
+            setattr(module, "out_dtype", dtype)  # noqa: B010 (an attribute of some modules only)
+        for parameter in module.parameters(recurse=False):
+            if parameter.is_floating_point():
+                parameter.data = parameter.data.to(dtype)
+    model.config.dtype = dtype
+
+
 def kernel_ops() -> tuple[Any, str]:
     from cbgen.kernels import kernel
 

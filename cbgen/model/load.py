@@ -283,6 +283,7 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
             # parsed_once: a GGUF file is read once for tokenizer, config and weights (cbgen.model.gguf_parse), and
             # for its weight type where that is not known yet
             quantize = _quantize_choice(settings, source, weights, device)
+            wanted = dtype
             if quantize:
                 dtype = torch.float32  # the file's int8 values come back exactly from float32 (cbgen.model.int8)
             read = _read_q8_0(source, settings, cache_root, attn) if quantize == Q8_0_FILE else None
@@ -297,6 +298,11 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
         raise CbgenError(f"--model {source.name}: cannot load: {first_line(e)}{hint}") from None
     except ValueError as e:
         raise CbgenError(f"--model {source.name}: {first_line(e)}") from None
+    if quantized is not None and wanted != dtype:  # the rest of the model in the dtype asked for (bfloat16: the
+        from cbgen.model.int8 import cast_around  # int8 kernel's bfloat16 path where the CPU has bfloat16 units)
+
+        cast_around(model, wanted)
+        dtype = wanted
     model.eval()
     chosen = getattr(model.config, "_attn_implementation", None) or attn or "sdpa"
     return LoadedModel(model, tokenizer, source, device, dtype, chosen, time.perf_counter() - start, cache, quantized)

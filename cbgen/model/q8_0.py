@@ -48,12 +48,13 @@ class Int8Embedding(torch.nn.Module):
         self.table = table
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.padding_idx = padding_idx
+        self.out_dtype = torch.float32  # the model's dtype (cbgen.model.int8.cast_around sets it)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         panel, column = flat // self.table.width, flat % self.table.width
         rows = dequantize(self.table.packed[panel, :, column], self.table.packed_scales[panel, :, column].float())
-        return rows.view(*ids.shape, self.embedding_dim)
+        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 (32-input scales)"

@@ -70,8 +70,8 @@ def test_a_q8_0_file_is_read_as_its_own_int8_values_and_no_float_matrix(q8_0_fil
     from cbgen.config import ModelSection
     from cbgen.model.load import load_model
 
-    quantized = load_model(ModelSection(model=str(q8_0_file), use_cache=False))
-    dequantized = load_model(ModelSection(model=str(q8_0_file), quantize="none", use_cache=False))
+    quantized = load_model(ModelSection(model=str(q8_0_file), dtype="float32", use_cache=False))
+    dequantized = load_model(ModelSection(model=str(q8_0_file), quantize="none", dtype="float32", use_cache=False))
     summary = quantized.quantized
     assert summary is not None and dequantized.quantized is None
     assert summary["loader"] == "read as int8 from the file" and summary["embeddings"] == "int8"
@@ -94,6 +94,29 @@ def test_a_q8_0_file_is_read_as_its_own_int8_values_and_no_float_matrix(q8_0_fil
 
 
 @pytest.mark.embedded
+def test_a_q8_0_model_asked_for_in_bfloat16_is_bfloat16_around_its_int8_layers(q8_0_file):
+    """Int8 values are read in float32 (exact); a job asked for bfloat16 then holds the rest of the model in bfloat16
+    (norms; the int8 embedding table answers in bfloat16) while the int8 layers keep their float16 scales, and its
+    logits are the dequantized model's in bfloat16 within a few bfloat16 steps."""
+    from cbgen.config import ModelSection
+    from cbgen.model.load import load_model
+
+    quantized = load_model(ModelSection(model=str(q8_0_file), dtype="bfloat16", use_cache=False))
+    dequantized = load_model(ModelSection(model=str(q8_0_file), quantize="none", dtype="bfloat16", use_cache=False))
+    model = quantized.model
+    assert quantized.dtype == torch.bfloat16 and model.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    layers = [m for m in model.modules() if isinstance(m, int8.Int8Linear)]
+    assert {m.packed_scales.dtype for m in layers} == {torch.float16}
+    assert {m.packed.dtype for m in layers} == {torch.int8}
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert model.get_input_embeddings()(ids).dtype == torch.bfloat16
+    with torch.no_grad():
+        logits, expected = model(ids).logits.float(), dequantized.model(ids).logits.float()
+    tolerance = 4 * 2**-8 * expected.abs().max().item()
+    torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.embedded
 def test_a_q8_0_models_fused_projections_are_views_of_its_panels(q8_0_file):
     """The fused decoder layers' merged projections of a model read from a Q8_0 file are views of the panels as they
@@ -133,19 +156,22 @@ def test_a_file_that_cannot_be_read_as_int8_loads_dequantized_and_says_why(q8_0_
 
 
 @pytest.mark.embedded
-def test_a_q8_0_job_answers_as_the_dequantized_model(q8_0_file, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_q8_0_job_answers_as_the_dequantized_model(q8_0_file, tmp_path, dtype):
     """Greedy tokens of a job on the Q8_0 file (int8, read directly) against the same file dequantized to float32
-    (stock transformers' arithmetic): the first 32 tokens of at least 95 % of rows equal."""
+    (stock transformers' arithmetic): the first 32 tokens of at least 95 % of rows equal. In bfloat16 on a CPU with
+    bfloat16 units (the int8 kernel's bfloat16 path), against the dequantized file run in bfloat16."""
     from cbgen.cli import run_cli
     from cbgen.rows import read_shards
     from tests.helpers import write_jsonl
 
+    if dtype == "bfloat16" and not int8.bf16_arithmetic():
+        pytest.skip("bfloat16 arithmetic needs a CPU with bfloat16 units (AMX or AVX-512 BF16)")
     rows = [{"id": str(i), "prompt": f"Name {i} fruits and one colour."} for i in range(10)]
     source = write_jsonl(tmp_path / "p.jsonl", rows)
-    common = ["--max-new-tokens", "32", "-q", "--model", str(q8_0_file), "--no-model-cache"]
+    common = ["--max-new-tokens", "32", "-q", "--model", str(q8_0_file), "--no-model-cache", "--dtype", dtype]
     assert run_cli(["run", str(source), "-o", str(tmp_path / "q"), *common]) == 0
-    assert run_cli(["run", str(source), "-o", str(tmp_path / "ref"), "--quantize", "none", "--dtype", "float32",
-                    *common]) == 0
+    assert run_cli(["run", str(source), "-o", str(tmp_path / "ref"), "--quantize", "none", *common]) == 0
     tokens = {kind: {str(r["id"]): r["token_ids"][:32] for r in read_shards(tmp_path / kind)} for kind in ("q", "ref")}
     same = sum(tokens["q"][key] == tokens["ref"][key] for key in tokens["ref"])
     assert same >= 0.95 * len(rows), f"{same} of {len(rows)} rows"
