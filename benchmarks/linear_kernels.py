@@ -3,6 +3,7 @@
 tiles_kernel.block_n picks one per machine; at 32 columns a decode step's 12-24 rows run the kernel's own
 decode loop where it is built with AVX2, timed against brgemm alone), and its int8 kernel (cbgen/kernels/
 int8_linear.cpp, `--quantize int8`), on Llama-3.2-1B's projection shapes at a decode step's row counts and a prefill's.
+On a CPU with bfloat16 units the bfloat16 tiles and the int8 kernel's bfloat16 path (int8_linear_bf16) too.
 
     python benchmarks/linear_kernels.py
     python benchmarks/linear_kernels.py --shapes 2048x8192 --rows 64
@@ -40,6 +41,8 @@ def main() -> None:
         q, scales = int8.quantize(weight)
         packed, packed_scales = int8.pack(q, scales)
         tiles = {width: ops.linear_pack(weight, width) for width in (64, 32)}
+        bf16 = int8.bf16_arithmetic()
+        tiles_bf16 = ops.linear_pack(weight.bfloat16(), 64) if bf16 else None
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, generator=generator)
             calls = {"torch": partial(torch.nn.functional.linear, x, weight),
@@ -47,6 +50,9 @@ def main() -> None:
                      "tiles f32 32": partial(ops.linear_tiles, x, tiles[32], None, n),
                      "brgemm 32": partial(ops.linear_tiles_brgemm, x, tiles[32], None, n),
                      "int8": partial(ops.int8_linear, x, packed, packed_scales, None, n)}
+            if bf16:
+                calls |= {"tiles bf16": partial(ops.linear_tiles, x.bfloat16(), tiles_bf16, None, n),
+                          "int8 bf16": partial(ops.int8_linear_bf16, x.bfloat16(), packed, packed_scales, None, n)}
             reps = max(3, int(2e9 / (2 * m * n * k + 4 * n * k)))
             times: dict[str, list[float]] = {label: [] for label in calls}
             for _ in range(3):  # rounds in turn, so that a slower spell of the machine falls on every kernel
@@ -60,7 +66,8 @@ def main() -> None:
             print(f"{n}x{k}, {m} rows: " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in took.items()) +
                   f"; 32 / 64 columns {took['tiles f32 32'] / took['tiles f32']:.2f}"
                   f", int8 / tiles {took['int8'] / took['tiles f32']:.2f}"
-                  f", 32 columns / brgemm alone {took['tiles f32 32'] / took['brgemm 32']:.2f}")
+                  f", 32 columns / brgemm alone {took['tiles f32 32'] / took['brgemm 32']:.2f}" +
+                  (f", int8 bf16 / tiles bf16 {took['int8 bf16'] / took['tiles bf16']:.2f}" if bf16 else ""))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from cbgen.model.load import load_model
 
 BUCKETS = (  # first match wins; operator names as torch.profiler reports them
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn", "aten::_mkl", "onednn",
-                "cbgen_kernels::linear_tiles")),
+                "cbgen_kernels::linear_tiles", "cbgen_kernels::int8_linear")),
     ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax", "cbgen_kernels::")),
     ("copy / gather / index", ("aten::copy_", "aten::index", "aten::cat", "aten::gather", "aten::scatter",
                                "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::embedding",
