@@ -40,9 +40,10 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BLOCK_M = 64;  // rows a micro-kernel call: a decode step's
 constexpr int64_t GROUP = 32;    // inputs that share a scale
 constexpr int64_t KC = 256;      // inputs dequantized at a time: KC x block_n floats stay in L1/L2
-// bfloat16 inputs dequantized at a time: the bfloat16 tiles' chunk (linear_tiles.cpp: 64 KiB of a 64-column panel),
-// so that off AMX a layer's bits are those of the tiles over its dequantized weights rounded to bfloat16
-constexpr int64_t KC_BF16 = 512;
+// bfloat16 inputs dequantized at a time: the bfloat16 tiles' chunks (linear_tiles.cpp: 64 KiB of a 64-column panel,
+// the whole reduction up to BF16_WHOLE_K inputs), so that off AMX a layer's bits are those of the tiles over its
+// dequantized weights rounded to bfloat16
+constexpr int64_t KC_BF16 = 512, BF16_WHOLE_K = 2048;
 constexpr int64_t ROWS_CACHED = int64_t{4} << 20;  // bytes of rows a group of row blocks holds (stays in L3)
 
 // inputs [k0, k0 + kc) of one 32-column panel as float32 with AVX2 and F16C, the loop below written out: a group's
@@ -182,7 +183,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
   const int64_t group = std::max<int64_t>(1, ROWS_CACHED / (BLOCK_M * k * static_cast<int64_t>(sizeof(T))));
   const int64_t groups_m = (row_blocks + group - 1) / group;
   at::parallel_for(0, groups_m * panels, 1, [&](int64_t begin, int64_t end) {
-    constexpr int64_t chunk = vnni ? KC_BF16 : KC;
+    const int64_t chunk = !vnni ? KC : k <= BF16_WHOLE_K ? k : KC_BF16;
     std::vector<T> weights(chunk * block_n);
     std::vector<T> plain(amx ? chunk * block_n : 0);
     std::vector<float> scale(block_n);

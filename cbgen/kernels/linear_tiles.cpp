@@ -51,6 +51,9 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t BLOCK_M = 64;  // rows a call: a decode step's; a call's last block has its own row count
 constexpr int64_t CHUNK_FLOATS = 16384;  // a call adds 64 KiB of the panel: CHUNK_FLOATS / block_n float32 inputs
+// bfloat16 layers of up to this many inputs add them in one call (2-core Zen 4: chunked calls cost 1.03-1.08x at
+// SmolLM2's K of 576 and 1.01-1.02x at 1,536, alike at 2,048, 0.6-0.75x at 8,192)
+constexpr int64_t BF16_WHOLE_K = 2048;
 constexpr int64_t PANELS_CACHED = 1 << 18;  // bytes of weight panels a group of blocks shares: half of a Zen 3's L2
 
 // Panel p of the weight [N, K] as K x block_n (output columns past N zero): `pairs` interleaves each two rows of K
@@ -226,8 +229,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::T
   const bool vnni = std::is_same_v<T, at::BFloat16>;
   // float32 adds a row's products a chunk of inputs at a time (each chunk's A and B stay in a core's L2), chunk after
   // chunk into the same sums: an order fixed by K and block_n alone. bfloat16 too, in chunks of the same bytes (the
-  // pair-interleaved layout's chunks are its rows of pairs), but on AMX, whose packed layout ATen owns: one call
-  const bool whole = vnni && cpublas::could_pack(at::kBFloat16);
+  // pair-interleaved layout's chunks are its rows of pairs), where K is over BF16_WHOLE_K; on AMX, whose packed
+  // layout ATen owns, in one call
+  const bool whole = vnni && (k <= BF16_WHOLE_K || cpublas::could_pack(at::kBFloat16));
   const int64_t step = whole ? k : std::max<int64_t>(vnni ? 2 : 1, CHUNK_FLOATS * 4 / (block_n * x.element_size()));
   const T* a = x.data_ptr<T>();
   const T* b = packed.data_ptr<T>();
