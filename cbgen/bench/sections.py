@@ -3,8 +3,8 @@ through a `Timings` and returns its rows, with the goals the project set for the
 
   generation   cbgen against transformers' own `generate_batch` and llama.cpp (bf16 or f32, and Q8_0) on the fixed
                workload, 64 x (128 + 64) tokens: llama-batched-bench's shape (--quick: 16 x (128 + 32))
-  scale        the same at the sizes people run: a 1B shape (and 4B where memory allows) against llama.cpp f32 and
-               Q8_0, cbgen's int8 weights against its float32 ones, and MFU (cbgen.bench.scale)
+  scale        the same at the sizes people run: a 1B shape (and 4B where memory allows) against llama.cpp in the
+               model's precision and Q8_0, cbgen's int8 weights against its float ones, and MFU (cbgen.bench.scale)
   invariance   batch-invariant linear layers (the default) against stock ones, per workload, in the machine's dtype
                and in float32
   sampling     seeded and unseeded sampling against greedy decoding, per generated token; every history control
