@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from cbgen.config.cpu import cpu_row
 from cbgen.model import int8
 from cbgen.model.invariant import probe_rows
-from tests.helpers import OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
+from tests.helpers import NO_AMX, OTHER_ISAS, TWO_THREADS, property_examples, pytest_under_isa, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -230,9 +230,14 @@ def test_int8_with_adapters_or_tp_or_a_gpu_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", list(OTHER_ISAS))
-def test_the_kernel_holds_on_other_instruction_sets(isa):
-    pytest_under_isa(isa, __file__, "the_kernel_is_the_dequantized_matmul", examples=25)
+@pytest.mark.parametrize("isa", [*OTHER_ISAS, "avx512-bf16-no-amx"])
+def test_the_kernel_holds_on_other_instruction_sets(isa, monkeypatch):
+    # an AMX machine held to AVX-512 BF16 runs the bf16 path's pair layout and compares it with the bf16 tiles
+    selection = "the_kernel_is_the_dequantized_matmul or bf16_rows_on_bf16_units"
+    if isa not in OTHER_ISAS:
+        monkeypatch.setitem(OTHER_ISAS, isa, NO_AMX)
+        selection = "bf16_rows_on_bf16_units"
+    pytest_under_isa(isa, __file__, selection, examples=25)
 
 
 def _job_tokens(out) -> dict[str, list[int]]:
