@@ -86,7 +86,8 @@ def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
     if converter is None:
         return f"no llama.cpp converter ({BUILD_HINT})"
     root = llamacpp_dir() / "models" / shape
-    folder, files = root / "hf", {kind: root / f"{shape}-{kind}.gguf" for kind in (precision()[1], "q8_0")}
+    gguf = precision()[1]
+    folder, files = root / "hf", {kind: root / f"{shape}-{kind}.gguf" for kind in (gguf, "q8_0")}
     if not (folder / "config.json").is_file():
         log(f"making random weights of {shape} in {folder} (once)")
         _save_random(shape, folder)
@@ -100,7 +101,7 @@ def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
                 target.unlink(missing_ok=True)
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 return f"llama.cpp's converter failed on {shape} ({kind}): {lines[-1] if lines else done.returncode}"
-    return folder, files[precision()[1]], files["q8_0"]
+    return folder, files[gguf], files["q8_0"]
 
 
 def _parameters(config: dict[str, Any]) -> int:
@@ -203,7 +204,7 @@ def _rows(ctx: Context, t: Timings, shape: str, tokens: dict[str, float], parame
     main = shape == "llama-1b"
     shape_text = f"{shape}, fixed, {len(workload.prompts)} x ({len(workload.prompts[0])} + {workload.max_new_tokens})"
     dtype, gguf = precision()
-    ours_ = f"cbgen {dtype}"
+    float_path = f"cbgen {dtype}"
     # the higher of two readings of the matmul rate in the model's precision, the run's first and one now: a reading
     # disturbed by something else on the machine under-states the rate, and an MFU over it reads above 100 %
     first = ctx.machine.fp32_gflops if dtype == "float32" else ctx.machine.bf16_gflops
@@ -211,21 +212,21 @@ def _rows(ctx: Context, t: Timings, shape: str, tokens: dict[str, float], parame
     mfu = {name: rate * 2 * parameters / peak for name, rate in tokens.items()}
     note = "MFU: " + ", ".join(f"{name} {value:.0%}" for name, value in mfu.items())
     rows = []
-    for ours, theirs in ((ours_, f"llama.cpp {gguf}"), ("cbgen int8", "llama.cpp Q8_0")):
+    for ours, theirs in ((float_path, f"llama.cpp {gguf}"), ("cbgen int8", "llama.cpp Q8_0")):
         title = f"{ours} vs {theirs}, {shape}"
         rows.append(ratio("scale", title, t, f"{theirs}, {shape}", f"{ours}, {shape}", FASTER,
                           AHEAD if main else None, note=f"{shape_text}; {note}") if theirs in tokens
                     else skipped("scale", title, bindings()[1] or "llama.cpp did not run", AHEAD if main else None))
-    rows.append(ratio("scale", f"cbgen int8 vs {ours_}, {shape}", t, f"{ours_}, {shape}",
+    rows.append(ratio("scale", f"cbgen int8 vs {float_path}, {shape}", t, f"{float_path}, {shape}",
                       f"cbgen int8, {shape}", FASTER, INT8_SPEED if main else None, note=shape_text))
     if ctx.plan.scale_stock:
-        rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"{ours_}, {shape}",
-                          f"{ours_} stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
-    rows.append(Row("scale", f"{ours_} MFU, {shape}", round(mfu[ours_], 3), "x",
+        rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"{float_path}, {shape}",
+                          f"{float_path} stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))
+    rows.append(Row("scale", f"{float_path} MFU, {shape}", round(mfu[float_path], 3), "x",
                     f"tokens a second x 2 x parameters over the {dtype} matmul rate (the higher of two readings)",
-                    MFU if main else None, note=note, exact=mfu[ours_],
-                    paths={p: [round(s.value, 6) for s in t.samples[p]] for p in (f"{ours_}, {shape}",)},
-                    busy=any(s.busy for s in t.samples[f"{ours_}, {shape}"])))
+                    MFU if main else None, note=note, exact=mfu[float_path],
+                    paths={p: [round(s.value, 6) for s in t.samples[p]] for p in (f"{float_path}, {shape}",)},
+                    busy=any(s.busy for s in t.samples[f"{float_path}, {shape}"])))
     for row in rows:
         row.dtype = dtype
     return rows

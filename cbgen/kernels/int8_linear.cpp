@@ -170,6 +170,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
   constexpr bool vnni = std::is_same_v<T, at::BFloat16>;
   const bool amx = vnni && cpublas::could_pack(at::kBFloat16);  // ATen's packed layout, as linear_pack makes it
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const int64_t chunk = !vnni ? KC : k <= BF16_WHOLE_K ? k : KC_BF16;  // inputs dequantized at a time
   const int64_t panels = packed.size(0), block_n = packed.size(2), groups = k / GROUP;
   const int64_t row_blocks = (m + BLOCK_M - 1) / BLOCK_M;
   const T* a = x.data_ptr<T>();
@@ -183,7 +184,6 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
   const int64_t group = std::max<int64_t>(1, ROWS_CACHED / (BLOCK_M * k * static_cast<int64_t>(sizeof(T))));
   const int64_t groups_m = (row_blocks + group - 1) / group;
   at::parallel_for(0, groups_m * panels, 1, [&](int64_t begin, int64_t end) {
-    const int64_t chunk = !vnni ? KC : k <= BF16_WHOLE_K ? k : KC_BF16;
     std::vector<T> weights(chunk * block_n);
     std::vector<T> plain(amx ? chunk * block_n : 0);
     std::vector<float> scale(block_n);

@@ -39,6 +39,17 @@ def layers(draw):
                 width=draw(st.sampled_from([64, 32])), seed=draw(st.integers(0, 2**16)))  # int8.block_n's widths
 
 
+def _layer(case):
+    """A case's random layer, quantized and packed in its width: (the generator, to draw rows from next, the float
+    weight, the bias or None, int8 values, scales, packed values, packed scales)."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    weight = torch.randn(case["out_features"], case["in_features"], generator=generator) * 0.05
+    weight[0, :32] = 0  # a block of zeros: scale 0
+    bias = torch.randn(case["out_features"], generator=generator) if case["bias"] else None
+    q, scales = int8.quantize(weight)
+    return (generator, weight, bias, q, scales, *int8.pack(q, scales, case["width"]))
+
+
 @settings(max_examples=property_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers())
 @example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.float32, width=64,
@@ -46,12 +57,7 @@ def layers(draw):
 @example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.float32, width=32,
               seed=1))
 def test_the_kernel_is_the_dequantized_matmul_and_a_row_gets_its_own_bits(ops, case):
-    generator = torch.Generator().manual_seed(case["seed"])
-    weight = torch.randn(case["out_features"], case["in_features"], generator=generator) * 0.05
-    weight[0, :32] = 0  # a block of zeros: scale 0
-    bias = torch.randn(case["out_features"], generator=generator) if case["bias"] else None
-    q, scales = int8.quantize(weight)
-    packed, packed_scales = int8.pack(q, scales, case["width"])
+    generator, weight, bias, q, scales, packed, packed_scales = _layer(case)
     assert packed.shape == (-(-case["out_features"] // case["width"]), case["in_features"], case["width"])
     assert all(torch.equal(a, b) for a, b in zip(int8.unpack(packed, packed_scales, q.shape[0]), (q, scales),
                                                  strict=True))
@@ -82,12 +88,7 @@ def test_bf16_rows_on_bf16_units_compute_the_bf16_rounded_weights_and_a_row_gets
     own, in panels of either width; off AMX, bitwise the bfloat16 tiles' over those weights."""
     if not int8.bf16_arithmetic():
         pytest.skip("bfloat16 arithmetic needs a CPU with bfloat16 units (AMX or AVX-512 BF16)")
-    generator = torch.Generator().manual_seed(case["seed"])
-    weight = torch.randn(case["out_features"], case["in_features"], generator=generator) * 0.05
-    weight[0, :32] = 0
-    bias = torch.randn(case["out_features"], generator=generator) if case["bias"] else None
-    q, scales = int8.quantize(weight)
-    packed, packed_scales = int8.pack(q, scales, case["width"])
+    generator, weight, bias, q, scales, packed, packed_scales = _layer(case)
     rows = probe_rows(weight, case["count"], generator).bfloat16()
     with torch_threads(TWO_THREADS):
         together = ops.int8_linear_bf16(rows, packed, packed_scales, bias, case["out_features"])
