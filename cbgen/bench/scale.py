@@ -6,8 +6,9 @@ model folder and converted once by llama.cpp's own script (convert_hf_to_gguf.py
 benchmarks/build_llamacpp.sh) to GGUF files in the model's precision and in Q8_0, all kept in llama.cpp's models
 folder. The model's precision is what `--dtype auto` picks on this CPU kind (`precision`): float32 (f32 files) on
 AVX2, bfloat16 (bf16 files) where the CPU has bfloat16 units. The fixed workload (full: 16 x (128 + 64), --quick:
-4 x (64 + 16); each path once, as its runs take minutes at this size on a 2-core CPU) then runs through four paths,
-alternately:
+4 x (64 + 16)) then runs through four paths, alternately round after round (the full run: two rounds, so that
+one disturbed minute of the machine does not decide a goal; --quick: one, as its runs take minutes at this size on a
+2-core CPU):
 
     cbgen float32|bfloat16   the folder, as `cbgen run --model DIR` runs it (and, in the full run, with stock linear
                              layers, --no-batch-invariant: what batch invariance costs at this size)
@@ -28,7 +29,7 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from cbgen.bench.suite import Context, Goal, Plan, Row, Timings, ratio, skipped
 from cbgen.bench.workloads import BenchWorkload, warm_up
@@ -155,42 +156,42 @@ def _shape_rows(ctx: Context, shape: str, folder: Path, floats: Path, q8_0: Path
 
 def _timed(ctx: Context, t: Timings, shape: str, folder: Path, floats: Path, q8_0: Path
            ) -> tuple[dict[str, float], int, BenchWorkload]:
-    """Every path of the shape timed into `t`: (tokens a second by path, the model's parameters, the workload)."""
+    """Every path of the shape timed into `t`, the paths alternately round after round (both cbgen models loaded
+    and warmed first): (tokens a second by path at its median time, the model's parameters, the workload)."""
     from cbgen.bench.llamacpp import bindings
     from cbgen.bench.machine import parameter_count
     from cbgen.bench.paths import Bench
     from cbgen.config import ModelSection
     from cbgen.model.load import load_model
 
-    tokens: dict[str, float] = {}
     workload = None
     parameters = 0
     dtype, gguf = precision()
+    float_path = f"cbgen {dtype}"
     # cbgen int8 runs the Q8_0 file llama.cpp runs: its int8 values read as they are (cbgen.model.q8_0), the rest of
     # the model in the model's precision, as `cbgen run --model FILE` would
-    paths: tuple[tuple[str, Path, Literal["none", "auto"]], ...] = ((f"cbgen {dtype}", folder, "none"),
-                                                                    ("cbgen int8", q8_0, "auto"))
-    for name, model, quantize in paths:
+    benches: dict[str, Bench] = {}
+    for name, model, quantize in ((float_path, folder, "none"), ("cbgen int8", q8_0, "auto")):
         settings = ModelSection(model=str(model), dtype=dtype, device="cpu", quantize=quantize)  # type: ignore[arg-type]
         loaded = load_model(settings)
         parameters = parameters or parameter_count(loaded.model)
         workload = workload or _workload(loaded.tokenizer, ctx.plan)
-        bench = Bench(loaded, {}, settings)
-        bench.cbgen(warm_up(workload))
-        reference = None
-        for _ in range(ctx.plan.scale_rounds):
-            reference = t.record(f"{name}, {shape}", partial(bench.cbgen, workload))
-            if quantize == "none" and ctx.plan.scale_stock:  # batch invariance (the default) against stock layers
-                t.record(f"{name} stock, {shape}", partial(bench.cbgen, workload, invariant=False))
-        tokens[name] = reference.total_tokens_per_s if reference is not None else 0.0
-        if quantize == "none" and bindings()[1] is None:
-            for other, file in ((f"llama.cpp {gguf}", floats), ("llama.cpp Q8_0", q8_0)):
-                for _ in range(ctx.plan.scale_rounds):
-                    measured = t.record(f"{other}, {shape}", partial(bench.llamacpp, workload, file,
-                                                                     len(workload.prompts), reference, other))
-                tokens[other] = measured.total_tokens_per_s
-        del bench, loaded
+        benches[name] = Bench(loaded, {}, settings)
+        benches[name].cbgen(warm_up(workload))
     assert workload is not None
+    others = ((f"llama.cpp {gguf}", floats), ("llama.cpp Q8_0", q8_0)) if bindings()[1] is None else ()
+    last: dict[str, Any] = {}  # each path's last measurement (its tokens)
+    for _ in range(ctx.plan.scale_rounds):
+        for name, bench in benches.items():
+            last[name] = t.record(f"{name}, {shape}", partial(bench.cbgen, workload))
+            if name == float_path and ctx.plan.scale_stock:  # batch invariance (the default) against stock layers
+                t.record(f"{name} stock, {shape}", partial(bench.cbgen, workload, invariant=False))
+        for other, file in others:
+            last[other] = t.record(f"{other}, {shape}", partial(benches[float_path].llamacpp, workload, file,
+                                                                 len(workload.prompts), last[float_path], other))
+    del benches
+    # tokens a second at each path's median time (its prompt and generated tokens are the same in every round)
+    tokens = {name: m.total_tokens_per_s * m.seconds / t.median(f"{name}, {shape}") for name, m in last.items()}
     return tokens, parameters, workload
 
 

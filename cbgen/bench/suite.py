@@ -79,7 +79,7 @@ class Plan:
     sampling: tuple[int, int] | None = None
     scale_fixed: tuple[int, int, int] = (16, 128, 64)
     scale_stock: bool = True
-    scale_rounds: int = 1  # its paths take minutes each at 1B on 2 cores
+    scale_rounds: int = 2  # its paths take minutes each at 1B on 2 cores: two alternating rounds, --quick one
 
     @classmethod
     def of(cls, quick: bool, size: str) -> Plan:
@@ -87,7 +87,8 @@ class Plan:
         if quick:  # under 5 minutes on a 2-core AVX2 CPU: each section's paths once, on smaller cuts of its workloads
             return cls("quick", size, 1, 1, ("fixed",), False, (32,) if tiny else (300,), (32,) if tiny else (),
                        2_000 if tiny else 20_000, fixed=None if tiny else QUICK_FIXED,
-                       sampling=None if tiny else QUICK_SAMPLING, scale_fixed=QUICK_SCALE, scale_stock=False)
+                       sampling=None if tiny else QUICK_SAMPLING, scale_fixed=QUICK_SCALE, scale_stock=False,
+                       scale_rounds=1)
         return cls("full", size, 3, 2, ("fixed", "mixed", "shared-prefix"), True, (32,) if tiny else (300, 10_000),
                    (32,) if tiny else (300, 10_000), 2_000 if tiny else 100_000)
 

@@ -62,3 +62,49 @@ def test_the_model_precision_is_the_kinds_dtype_in_goals_and_files(monkeypatch, 
     assert made == [folder]
     assert floats.name == f"llama-1b-{gguf}.gguf" and floats.read_text() == gguf
     assert q8_0.name == "llama-1b-q8_0.gguf" and q8_0.read_text() == "q8_0"
+
+
+def test_the_paths_alternate_round_after_round_and_tokens_are_at_the_median(monkeypatch, tmp_path):
+    # the full run times every path once a round, two rounds, so one disturbed minute cannot decide a goal alone;
+    # both cbgen models are loaded and warmed before the first timed run
+    from types import SimpleNamespace
+
+    from cbgen.bench import llamacpp, machine, paths
+    from cbgen.bench.suite import Timings
+    from cbgen.bench.workloads import BenchWorkload, Measurement
+    from cbgen.model import load
+
+    monkeypatch.setenv("CBGEN_CPU_KIND", "avx512-bf16")
+    calls: list[str] = []
+    seconds = iter([10.0, 12.0, 20.0, 13.0, 14.0, 30.0, 11.0, 50.0, 20.0, 16.0])
+
+    class FakeBench:
+        def __init__(self, loaded, options, settings):
+            self.name = "int8" if settings.quantize == "auto" else settings.dtype
+
+        def cbgen(self, workload, invariant=None):
+            warm = workload is not timed
+            calls.append(f"{self.name}{' warm' if warm else ''}{' stock' if invariant is False else ''}")
+            return Measurement("fixed", "cbgen", 1.0 if warm else next(seconds), 4, 256, 64)
+
+        def llamacpp(self, workload, file, parallel, reference, path):
+            calls.append(f"{path} after {reference.seconds:g}")
+            return Measurement("fixed", path, next(seconds), 4, 256, 64)
+
+    timed = BenchWorkload("fixed", [list(range(64))] * 4, 16)
+    monkeypatch.setattr(load, "load_model", lambda settings: SimpleNamespace(model=None, tokenizer=None))
+    monkeypatch.setattr(machine, "parameter_count", lambda model: 1)
+    monkeypatch.setattr(paths, "Bench", FakeBench)
+    monkeypatch.setattr(llamacpp, "bindings", lambda: (object(), None))
+    monkeypatch.setattr(scale, "_workload", lambda tokenizer, plan: timed)
+    ctx = SimpleNamespace(plan=Plan.of(False, "small"), log=print)
+    t = Timings()
+    tokens, parameters, measured = scale._timed(ctx, t, "llama-1b", tmp_path, tmp_path / "f.gguf", tmp_path / "q.gguf")
+    assert calls == ["bfloat16 warm", "int8 warm"] + [
+        "bfloat16", "bfloat16 stock", "int8", "llama.cpp bf16 after 10", "llama.cpp Q8_0 after 10",
+        "bfloat16", "bfloat16 stock", "int8", "llama.cpp bf16 after 30", "llama.cpp Q8_0 after 30"]
+    assert [s.value for s in t.samples["cbgen bfloat16, llama-1b"]] == [10.0, 30.0]
+    assert [s.value for s in t.samples["llama.cpp Q8_0, llama-1b"]] == [14.0, 16.0]
+    assert tokens["cbgen bfloat16"] == pytest.approx(320 / 20.0) and tokens["llama.cpp Q8_0"] == pytest.approx(320 / 15)
+    assert parameters == 1 and measured is timed
+    assert Plan.of(True, "small").scale_rounds == 1
