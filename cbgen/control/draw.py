@@ -39,10 +39,11 @@ class DrawBuffers:
         return self.weights[:rows], self.cdf[:rows]
 
 
-@RUNTIME.memo("draw kernel", "the compiled draw, or why the eager draw runs")
+@RUNTIME.memo("draw kernel", "the compiled sampling kernel (draw, min_p), or why the eager draw runs")
 @functools.lru_cache(maxsize=1)
 def draw_kernel() -> tuple[Any, str]:
-    """(torch.ops.cbgen_kernels with the compiled draw loaded, "compiled") or (None, why the eager draw runs)."""
+    """(torch.ops.cbgen_kernels with the compiled sampling kernel loaded: the draw and min_p's filter, "compiled")
+    or (None, why the eager draw runs)."""
     from cbgen.kernels import kernel
 
     built = kernel("sampling")

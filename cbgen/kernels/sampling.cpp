@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace cbgen_kernels {
@@ -117,14 +118,66 @@ at::Tensor draw_rows(const at::Tensor& scores, const at::Tensor& uniforms) {
   return out;
 }
 
+// min_p's filter, in place, on the rows `rows` of `scores` (T: float, BFloat16 or Half): every token whose score
+// is below the row's best plus its floor (ln min_p; in float32, as torch adds a float32 tensor to the maximum) becomes
+// -inf. The decisions of torch's `picked < picked.amax(-1).float() + floor` (a NaN maximum masks nothing): one
+// pass for the maximum and one for the mask, a row a thread, where the torch operators make three passes and a
+// boolean mask over the whole step
+template <typename T>
+void min_p_row(T* x, int64_t vocab, float floor) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    Vec acc(top);
+    for (; i + W <= vocab; i += W) acc = at::vec::maximum(acc, Vec::loadu(x + i));
+    alignas(64) float lanes[W];
+    acc.store(lanes);
+    for (int64_t l = 0; l < W; ++l) top = std::isnan(top) || std::isnan(lanes[l]) ? NAN : std::max(top, lanes[l]);
+  }
+  for (; i < vocab; ++i) {
+    const float v = static_cast<float>(x[i]);
+    top = std::isnan(top) || std::isnan(v) ? NAN : std::max(top, v);
+  }
+  const float threshold = top + floor;
+  const T masked = static_cast<T>(-std::numeric_limits<float>::infinity());
+  for (int64_t k = 0; k < vocab; ++k) {
+    if (static_cast<float>(x[k]) < threshold) x[k] = masked;
+  }
+}
+
+void min_p_rows_(at::Tensor scores, const at::Tensor& rows, const at::Tensor& floors) {
+  TORCH_CHECK(scores.dim() == 2 && scores.stride(1) == 1, "min_p_rows_: scores [rows, vocab] with contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && floors.dim() == 1 &&
+                  floors.scalar_type() == at::kFloat && floors.size(0) == rows.size(0),
+              "min_p_rows_: int64 row indices and one float32 floor per row");
+  const at::Tensor at_rows = rows.contiguous(), at_floors = floors.contiguous();
+  const int64_t* index = at_rows.const_data_ptr<int64_t>();
+  const float* floor = at_floors.const_data_ptr<float>();
+  const int64_t n = rows.size(0), vocab = scores.size(1), stride = scores.stride(0), all = scores.size(0);
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(index[r] >= 0 && index[r] < all, "min_p_rows_: a row out of range");
+  const auto run = [&](auto* x) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) min_p_row(x + index[r] * stride, vocab, floor[r]);
+    });
+  };
+  switch (scores.scalar_type()) {
+    case at::kFloat: return run(scores.mutable_data_ptr<float>());
+    case at::kBFloat16: return run(scores.mutable_data_ptr<at::BFloat16>());
+    case at::kHalf: return run(scores.mutable_data_ptr<at::Half>());
+    default: TORCH_CHECK(false, "min_p_rows_: float32, bfloat16 or float16 scores");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cbgen_kernels, m) {
   m.def("draw_rows(Tensor scores, Tensor uniforms) -> Tensor");
+  m.def("min_p_rows_(Tensor(a!) scores, Tensor rows, Tensor floors) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cbgen_kernels, CPU, m) {
   m.impl("draw_rows", &draw_rows);
+  m.impl("min_p_rows_", &min_p_rows_);
 }
 
 }  // namespace cbgen_kernels

@@ -114,6 +114,33 @@ def test_presence_and_frequency_penalties_are_openai_formula(case, presence, fre
 
 
 @settings(max_examples=property_examples(80), deadline=None)
+@given(st.integers(0, 2**31), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6), st.integers(1, 700),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.booleans(), st.booleans())
+def test_min_p_compiled_is_the_torch_operators_bitwise(seed, min_ps, vocab, dtype, some_rows, odd_rows):
+    """The compiled filter (cbgen/kernels/sampling.cpp, on CPU) makes the torch operators' decisions: every row and
+    a subset of them, vocabularies across vector widths, rows with NaN, -inf and every token masked."""
+    from cbgen.control.draw import draw_kernel
+
+    assert draw_kernel()[0] is not None, draw_kernel()[1]  # the kernel builds wherever the tests run
+    generator = torch.Generator().manual_seed(seed)
+    total = len(min_ps) + 2
+    scores = torch.randn(total, vocab, generator=generator).mul(4).to(dtype)
+    if odd_rows:
+        scores[-1] = float("-inf")  # every token masked (a grammar that allows nothing)
+        scores[-2, vocab // 2] = float("nan")
+        scores[0, : vocab // 3] = float("-inf")
+    positions = sorted(torch.randperm(total, generator=generator)[: len(min_ps)].tolist()) if some_rows \
+        else list(range(len(min_ps)))
+    rows = list(zip(positions, min_ps, strict=True))
+    eager, compiled = scores.clone(), scores.clone()
+    apply_min_p(eager, rows, compiled=False)
+    apply_min_p(compiled, rows)
+    assert torch.equal(eager.isnan(), compiled.isnan())
+    assert torch.equal(eager.nan_to_num(0.0), compiled.nan_to_num(0.0))
+    assert torch.equal(torch.isinf(eager), torch.isinf(compiled))
+
+
+@settings(max_examples=property_examples(80), deadline=None)
 @given(st.integers(0, 2**31), st.floats(0.0, 1.0), st.integers(1, 5), DTYPES)
 def test_min_p_is_transformers(seed, min_p, rows, dtype):
     """transformers' MinPLogitsWarper's decisions (a softmax, then probability < min_p times the best's), but for
