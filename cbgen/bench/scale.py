@@ -17,9 +17,9 @@ one disturbed minute of the machine does not decide a goal; --quick: one, as its
     llama.cpp f32|bf16       the file in the model's precision
     llama.cpp Q8_0           the Q8_0 file
 
-Each path's MFU is its tokens (prompt and generated) a second times 2 x the parameters, over the matmul rate in the
-model's precision: the higher of the run's first reading (the machine's `fp32_gflops` or `bf16_gflops`) and one taken
-as the section starts.
+Each path's MFU is its tokens (prompt and generated) a second at its median time times 2 x the parameters, over
+the matmul rate in the model's precision: the higher of the run's first reading (the machine's `fp32_gflops` or
+`bf16_gflops`) and one taken as the section starts.
 """
 
 from __future__ import annotations
