@@ -32,6 +32,7 @@ QUICK_FIXED, QUICK_SAMPLING = (16, 32), (16, 64)
 QUICK_SCALE = (4, 64, 16)
 NOT_MEASURED = "not measured"
 STANDINGS = ("met", "missed", "void", NOT_MEASURED)  # a goal's, on a machine where it applies
+UNHELD_PATHS = ("llama.cpp",)  # timed paths that --hold does not hold (their own builds' instructions)
 
 
 class MachineBusy(CbgenError):
@@ -162,6 +163,12 @@ class Row:
     machine: str = ""
     dtype: str | None = None  # the model's, where a model ran ("" where none did; None: the generator's)
     exact: float | None = None  # the figure before rounding: what its goal is checked against
+
+    @property
+    def against_unheld(self) -> bool:
+        """Whether a path of the figure is one a hold (--hold) does not reach: llama.cpp runs its own build's
+        instructions, the machine's own, whatever kind cbgen is held to."""
+        return any(path.startswith(UNHELD_PATHS) for path in self.paths)
 
     @property
     def met(self) -> bool | None:

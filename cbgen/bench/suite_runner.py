@@ -45,6 +45,8 @@ def run(plan: Plan, model: str | None, embed_model: str | None, allow_busy: bool
             row.why_not = f"n/a on {machine.runs_as}"
         elif plan.size != "small":
             row.why_not = f"n/a at size {plan.size}"  # goals are set for the workloads' standard sizes
+        elif machine.held and row.against_unheld:
+            row.why_not = f"n/a held to {machine.runs_as} (llama.cpp is not held)"
         row.applies = not row.why_not
     meta = {"suite": {"mode": plan.mode, "size": plan.size, "rounds": plan.rounds,
                       "generation_rounds": plan.generation_rounds, "seconds": round(time.perf_counter() - started),

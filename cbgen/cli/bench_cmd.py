@@ -86,8 +86,9 @@ def bench(
         "invariance, sampling, embedding, dedup, start.", rich_help_panel="Suite")] = None,
     hold: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="KIND", help="With --suite: run it held to a smaller CPU kind's instructions (avx512-bf16, avx512, "
-        "avx2: torch, oneDNN, MKL and cbgen's own choices; llama.cpp is not held), to time that kind's paths on "
-        "this machine. The figures say they were held.", rich_help_panel="Suite")] = None,
+        "avx2: torch, oneDNN, MKL and cbgen's own choices), to time that kind's paths on this machine. The "
+        "figures say they were held; llama.cpp is not held, so no goal is read from its rows.",
+        rich_help_panel="Suite")] = None,
     embed_model: Annotated[Optional[str], typer.Option(  # noqa: UP045
         metavar="MODEL", help="With --suite: the embedding model (default: the embedded all-MiniLM-L6-v2).",
         rich_help_panel="Suite")] = None,

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import pytest
 
 from cbgen.bench.load import Load, Watch
-from cbgen.bench.suite import Goal, Row, Timings, ratio, summary
+from cbgen.bench.suite import Goal, Plan, Row, Timings, ratio, summary
 from cbgen.cli import run_cli
 
 MACHINE_FIELDS = {"cpu", "kind", "runs_as", "held", "cores", "threads", "torch", "transformers", "bf16_gflops",
@@ -268,3 +268,35 @@ def test_hold_takes_only_its_own_argument_off_the_command_line():
     assert without_hold(["bench", "--suite", "--hold", "avx2", "-o", "avx2"]) == ["bench", "--suite", "-o", "avx2"]
     assert without_hold(["bench", "--suite", "--hold=avx2", "--sections", "avx2"]) == \
         ["bench", "--suite", "--sections", "avx2"]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_held_run_reads_no_goal_against_llamacpp_which_it_does_not_hold(monkeypatch, held):
+    # --hold reaches torch, oneDNN and cbgen's kernels; llama.cpp runs its own build at the machine's own
+    # instructions, so a held run's rows against it are not the held kind's figures: their goals do not apply
+    from cbgen.bench import sections, suite_runner
+    from cbgen.bench.machine import Machine
+
+    machine = Machine("AMD EPYC", "avx512-bf16", "avx2" if held else "avx512-bf16", held, 2, 2, True, "t", "tr",
+                      "c", None, 400.0, 190.0)
+    goal = Goal(">=", 1.2)
+
+    def measured(ctx):
+        against = Row("scale", "cbgen float32 vs llama.cpp f32, llama-1b", 1.03, "x", "", goal,
+                      paths={"llama.cpp f32, llama-1b": [2.0], "cbgen float32, llama-1b": [1.9]}, exact=1.03)
+        own = Row("scale", "cbgen int8 vs cbgen float32, llama-1b", 1.08, "x", "", Goal(">=", 1.0),
+                  paths={"cbgen float32, llama-1b": [1.9], "cbgen int8, llama-1b": [1.76]}, exact=1.08)
+        return [against, own]
+
+    monkeypatch.setattr(suite_runner, "check_quiet", lambda allow_busy, log: {})
+    monkeypatch.setattr(suite_runner, "measure", lambda: machine)
+    monkeypatch.setattr(sections, "SECTIONS", {"scale": measured})
+    monkeypatch.setattr(sections, "section_goals", lambda name, plan: ())
+    rows, meta = suite_runner.run(Plan.of(True, "small"), None, None, True, print)
+    against, own = rows
+    assert own.applies and own.standing == "met"
+    if held:
+        assert not against.applies and against.why_not == "n/a held to avx2 (llama.cpp is not held)"
+        assert against.standing is None and meta["goals"]["missed"] == 0
+    else:
+        assert against.applies and against.standing == "missed"
