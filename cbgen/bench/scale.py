@@ -41,7 +41,9 @@ INVARIANCE_COST = Goal("<=", 1.05)  # batch invariance free at 1B too
 FASTER = "how many times as fast cbgen is (the other path's median time over cbgen's)"
 COST = "the first path's median time over the second's"
 SHAPES = {"quick": ("llama-1b",), "full": ("llama-1b", "qwen3-4b")}
-MEMORY_PER_PARAMETER = 10  # bytes of RAM a shape needs a parameter: float32 weights in cbgen and in llama.cpp's map
+# bytes of RAM a shape needs a parameter: cbgen's float32 model (4) and its int8 one (about 1.1), loaded side by
+# side for the alternating rounds, llama.cpp's mapped f32 file (4) and Q8_0 file (about 1.1), and some slack
+MEMORY_PER_PARAMETER = 12
 
 
 def precision() -> tuple[str, str]:
@@ -81,8 +83,8 @@ def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
     parameters = _parameters(config)
     if parameters * MEMORY_PER_PARAMETER > _memory_bytes():
         needed, have = parameters * MEMORY_PER_PARAMETER / 2**30, _memory_bytes() / 2**30
-        return (f"{shape} ({parameters / 1e9:.1f}B parameters) needs about {needed:.0f} GiB of memory in float32 "
-                f"beside llama.cpp's; this machine has {have:.0f} GiB")
+        return (f"{shape} ({parameters / 1e9:.1f}B parameters) needs about {needed:.0f} GiB of memory (cbgen in "
+                f"float32 and int8 beside llama.cpp's files); this machine has {have:.0f} GiB")
     converter = _converter()
     if converter is None:
         return f"no llama.cpp converter ({BUILD_HINT})"
