@@ -140,11 +140,24 @@ class Timings:
         runs, void where any was under load."""
         quiet = {p: [s.value for s in self.samples[p] if not s.busy] for p in paths}
         loud = {p: [i + 1 for i, s in enumerate(self.samples[p]) if s.busy] for p in paths}
-        if any(loud.values()) and not all(quiet.values()):
-            return {p: self.median(p) for p in paths}, True, ""
+        if any(loud.values()) and not all(quiet.values()):  # void: each loud run named with what its watch read
+            named = "; ".join(f"{p} run {i + 1} ({_load_text(s.watch)})" for p in paths
+                              for i, s in enumerate(self.samples[p]) if s.busy)
+            return {p: self.median(p) for p in paths}, True, f"timed under load: {named}"
         left = "; ".join(f"{p} run {', '.join(map(str, runs))}" for p, runs in loud.items() if runs)
         return ({p: statistics.median(values) for p, values in quiet.items()}, False,
                 f"left out, timed under load: {left}" if left else "")
+
+
+def _load_text(watch: dict[str, Any]) -> str:
+    """What a run's load watch read, in a few words: the other processes' share of the cores (and the hypervisor's
+    steal) before and during the run."""
+    parts = [f"{when}: others {load['other_share']:.0%} of the cores" +
+             (f", stolen {load['steal_share']:.0%}" if load["steal_share"] else "")
+             for when in ("before", "during") if (load := watch.get(when))]
+    if not watch.get("measured", True):
+        parts.append("the load could not be read during it")
+    return ", ".join(parts) or "no reading"
 
 
 @dataclass
