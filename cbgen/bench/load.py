@@ -126,6 +126,12 @@ class Watch:
         nothing says the figure is clean: it counts as taken under load)."""
         return self.during is None or any(load is not None and load.busy for load in (self.before, self.during))
 
+    def describe(self) -> str:
+        """What the watch read before and during the block, in Load.describe's words."""
+        parts = [f"{when}, {load.describe()}" for when, load in (("before", self.before), ("during", self.during))
+                 if load is not None]
+        return "; ".join(parts + ([] if self.during is not None else ["the load could not be read during it"]))
+
     def to_dict(self) -> dict[str, Any]:
         return {"before": self.before.to_dict() if self.before else None,
                 "during": self.during.to_dict() if self.during else None, "busy": self.busy,

@@ -105,6 +105,7 @@ class Sample:
     value: float  # seconds, or seconds per generated token
     watch: dict[str, Any]
     busy: bool
+    load: str = ""  # what the watch read, in words (a void figure's note names its loud runs with it)
 
 
 class Timings:
@@ -126,7 +127,7 @@ class Timings:
             wall = time.perf_counter() - started
         seconds = getattr(result, "seconds", result if isinstance(result, float) else wall)
         value = seconds / max(result.generated_tokens, 1) if per_token else seconds
-        self.samples[path].append(Sample(value, watch.to_dict(), watch.busy))
+        self.samples[path].append(Sample(value, watch.to_dict(), watch.busy, watch.describe()))
         self.show(f"{path:<44} {seconds:8.2f} s{'  (busy: void)' if watch.busy else ''}")
         return result
 
@@ -141,23 +142,12 @@ class Timings:
         quiet = {p: [s.value for s in self.samples[p] if not s.busy] for p in paths}
         loud = {p: [i + 1 for i, s in enumerate(self.samples[p]) if s.busy] for p in paths}
         if any(loud.values()) and not all(quiet.values()):  # void: each loud run named with what its watch read
-            named = "; ".join(f"{p} run {i + 1} ({_load_text(s.watch)})" for p in paths
+            named = "; ".join(f"{p} run {i + 1} ({s.load})" for p in paths
                               for i, s in enumerate(self.samples[p]) if s.busy)
             return {p: self.median(p) for p in paths}, True, f"timed under load: {named}"
         left = "; ".join(f"{p} run {', '.join(map(str, runs))}" for p, runs in loud.items() if runs)
         return ({p: statistics.median(values) for p, values in quiet.items()}, False,
                 f"left out, timed under load: {left}" if left else "")
-
-
-def _load_text(watch: dict[str, Any]) -> str:
-    """What a run's load watch read, in a few words: the other processes' share of the cores (and the hypervisor's
-    steal) before and during the run."""
-    parts = [f"{when}: others {load['other_share']:.0%} of the cores" +
-             (f", stolen {load['steal_share']:.0%}" if load["steal_share"] else "")
-             for when in ("before", "during") if (load := watch.get(when))]
-    if not watch.get("measured", True):
-        parts.append("the load could not be read during it")
-    return ", ".join(parts) or "no reading"
 
 
 @dataclass

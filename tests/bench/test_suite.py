@@ -64,7 +64,8 @@ def test_goals_and_ratios_read_as_they_say():
     assert lost.figure == 1.5 and lost.busy and lost.standing == "void"
     # a void figure names its loud runs with what their watch read, so a reader can tell a neighbour's job from
     # work left over from before the run
-    assert lost.note == "timed under load: cbgen run 1 (during: others 60% of the cores)"
+    assert lost.note == ("timed under load: cbgen run 1 (during, busy: other processes kept 60% of the 2 cores busy "
+                         "and the hypervisor stole 0% of their time over 1.0 s)")
     missed = Row("s", "m", 1.2, "x", "", Goal("<=", 1.05), applies=True)
     busy = Row("s", "b", 1.0, "x", "", Goal("<=", 1.05), applies=True, busy=True)
     elsewhere = Row("s", "e", 0.5, "x", "", Goal(">=", 1.3), applies=False)
