@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.bench.suite import Context, Goal, Plan, Row, Timings, ratio, skipped
-from cbgen.bench.workloads import BenchWorkload, warm_up
+from cbgen.bench.workloads import BenchWorkload, Measurement, warm_up
 
 AHEAD = Goal(">=", 1.2)  # cbgen against llama.cpp at 1B, in the model's precision and in Q8_0
 MFU = Goal(">=", 0.75)
@@ -182,7 +182,7 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, floats: Path, q8_
         benches[name].cbgen(warm_up(workload))
     assert workload is not None
     others = ((f"llama.cpp {gguf}", floats), ("llama.cpp Q8_0", q8_0)) if bindings()[1] is None else ()
-    last: dict[str, Any] = {}  # each path's last measurement (its tokens)
+    last: dict[str, Measurement] = {}  # each path's last measurement (its tokens)
     for _ in range(ctx.plan.scale_rounds):
         for name, bench in benches.items():
             last[name] = t.record(f"{name}, {shape}", partial(bench.cbgen, workload))
@@ -191,9 +191,8 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, floats: Path, q8_
         for other, file in others:
             last[other] = t.record(f"{other}, {shape}", partial(benches[float_path].llamacpp, workload, file,
                                                                  len(workload.prompts), last[float_path], other))
-    del benches
     # tokens a second at each path's median time (its prompt and generated tokens are the same in every round)
-    tokens = {name: m.total_tokens_per_s * m.seconds / t.median(f"{name}, {shape}") for name, m in last.items()}
+    tokens = {name: (m.prompt_tokens + m.generated_tokens) / t.median(f"{name}, {shape}") for name, m in last.items()}
     return tokens, parameters, workload
 
 
