@@ -55,9 +55,8 @@ inline int64_t block_weights(const float* x, int64_t begin, int64_t end, float t
   return sum;
 }
 
-int64_t draw_row(const float* x, int64_t vocab, double u, std::vector<int64_t>& sums) {
-  // the maximum (-inf tokens, masked ones, have weight 0); where it is not finite (NaN or +inf scores, or every
-  // token masked) nothing can be drawn by weight, and the first best token is taken
+// The row's maximum, NaN where any score is NaN (-inf for a row of -inf scores)
+inline float row_max(const float* x, int64_t vocab) {
   Vec acc(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + W <= vocab; i += W) acc = at::vec::maximum(acc, Vec::loadu(x + i));
@@ -66,6 +65,13 @@ int64_t draw_row(const float* x, int64_t vocab, double u, std::vector<int64_t>& 
   float top = lanes[0];
   for (int64_t l = 1; l < W; ++l) top = std::isnan(top) || std::isnan(lanes[l]) ? NAN : std::max(top, lanes[l]);
   for (; i < vocab; ++i) top = std::isnan(top) || std::isnan(x[i]) ? NAN : std::max(top, x[i]);
+  return top;
+}
+
+int64_t draw_row(const float* x, int64_t vocab, double u, std::vector<int64_t>& sums) {
+  // the maximum (-inf tokens, masked ones, have weight 0); where it is not finite (NaN or +inf scores, or every
+  // token masked) nothing can be drawn by weight, and the first best token is taken
+  const float top = row_max(x, vocab);
   if (!std::isfinite(top)) {
     int64_t best = 0;
     float seen = -std::numeric_limits<float>::infinity();
@@ -126,17 +132,13 @@ at::Tensor draw_rows(const at::Tensor& scores, const at::Tensor& uniforms) {
 template <typename T>
 void min_p_row(T* x, int64_t vocab, float floor) {
   float top = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
   if constexpr (std::is_same_v<T, float>) {
-    Vec acc(top);
-    for (; i + W <= vocab; i += W) acc = at::vec::maximum(acc, Vec::loadu(x + i));
-    alignas(64) float lanes[W];
-    acc.store(lanes);
-    for (int64_t l = 0; l < W; ++l) top = std::isnan(top) || std::isnan(lanes[l]) ? NAN : std::max(top, lanes[l]);
-  }
-  for (; i < vocab; ++i) {
-    const float v = static_cast<float>(x[i]);
-    top = std::isnan(top) || std::isnan(v) ? NAN : std::max(top, v);
+    top = row_max(x, vocab);
+  } else {
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float v = static_cast<float>(x[i]);
+      top = std::isnan(top) || std::isnan(v) ? NAN : std::max(top, v);
+    }
   }
   const float threshold = top + floor;
   const T masked = static_cast<T>(-std::numeric_limits<float>::infinity());
