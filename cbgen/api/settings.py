@@ -44,11 +44,13 @@ class ModelSettings(TypedDict, total=False):
     # weights; results can differ from the stock path in the last bit, so a greedy token can differ at a near-tie.
     onednn_linear: bool
     # model.quantize: Weights of the decoder layers' linear layers. int8: held as 8-bit integers with a scale per 32
-    # inputs (GGUF's Q8_0 scheme), a quarter of float32's memory, computed by cbgen's compiled kernel in float32 on the
-    # CPU (batch-invariant); the model then loads in float32. auto: int8 for a Q8_0 GGUF file (its own 8-bit values,
-    # read from the file as they are, embeddings included: about the file's size in memory), none otherwise. Not with
-    # adapters or --tp.
-    quantize: Literal['auto', 'none', 'int8']
+    # inputs (GGUF's Q8_0 scheme), a quarter of float32's memory, computed by cbgen's compiled kernel on the CPU (batch-
+    # invariant), answering as the dequantized model. w8a8: the same weights, and each layer's input rows quantized to 8
+    # bits too, as llama.cpp's Q8_0 path does: integer products (AVX-512 VNNI), faster than int8 and than bfloat16 where
+    # the CPU has VNNI, but answers that differ from the dequantized model's about as much as bfloat16's do (elsewhere a
+    # plain loop, slow). auto: int8 for a Q8_0 GGUF file (its own 8-bit values, read from the file as they are,
+    # embeddings included: about the file's size in memory), none otherwise. Not with adapters or --tp.
+    quantize: Literal['auto', 'none', 'int8', 'w8a8']
     # model.linear_row_buckets: On CPU in bfloat16 or float16, run each linear layer at one of a few row counts
     # (multiples of 8 up to 64, then four per doubling), the extra rows zero. oneDNN keeps a compiled kernel (about 0.7
     # MB) for every row count it meets, so a long job of varied batches would hold hundreds: this keeps about 100, some

@@ -69,10 +69,13 @@ class ModelSection:
         "decode-sized matmul 1.3-2.2x as fast, whole jobs within noise (0.81-1.04x). Costs a second copy of the "
         "weights; results can differ from the stock path in the last bit, so a greedy token can differ at a "
         "near-tie.")
-    quantize: Literal["auto", "none", "int8"] = setting(
+    quantize: Literal["auto", "none", "int8", "w8a8"] = setting(
         "auto", "Weights of the decoder layers' linear layers. int8: held as 8-bit integers with a scale per 32 inputs "
-        "(GGUF's Q8_0 scheme), a quarter of float32's memory, computed by cbgen's compiled kernel in float32 on the "
-        "CPU (batch-invariant); the model then loads in float32. auto: int8 for a Q8_0 GGUF file (its own 8-bit "
+        "(GGUF's Q8_0 scheme), a quarter of float32's memory, computed by cbgen's compiled kernel on the CPU "
+        "(batch-invariant), answering as the dequantized model. w8a8: the same weights, and each layer's input rows "
+        "quantized to 8 bits too, as llama.cpp's Q8_0 path does: integer products (AVX-512 VNNI), faster than int8 "
+        "and than bfloat16 where the CPU has VNNI, but answers that differ from the dequantized model's about as "
+        "much as bfloat16's do (elsewhere a plain loop, slow). auto: int8 for a Q8_0 GGUF file (its own 8-bit "
         "values, read from the file as they are, embeddings included: about the file's size in memory), none "
         "otherwise. Not with adapters or --tp.")
     linear_row_buckets: bool | None = setting(

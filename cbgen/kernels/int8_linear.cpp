@@ -21,7 +21,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__F16C__)
@@ -228,8 +230,264 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
   });
 }
 
+// ---- int8 weights times int8 rows (`int8_linear_w8a8`, `--quantize w8a8`) ----
+// Each row is quantized at the call as Q8_0 quantizes weights, which is what llama.cpp's Q8_0 path does to its
+// activations: every 32 inputs scaled by d = max |x| / 127 (kept in float32: a float16 one overflows past 8.3e6),
+// q = x * (1 / d) rounded to nearest even and clamped to +-127 (a group of zeros is all 0). Then for each output, group after group
+// in order: S = the group's 32 products q_x * q_w summed exactly in int32, and sum = fma(float(S), d_w * d_x, sum),
+// d_w * d_x rounded to float32 first. A row's bits are its own (its quantization, the groups' order and each fma are
+// fixed by K alone), on every CPU kind: with AVX-512 VNNI the 64-column panels are read four inputs at a time
+// (VPDPBUSD: 64 products an instruction, twice VDPBF16PS's), elsewhere a plain loop computes the same bits slowly.
+constexpr int64_t W8A8_KC = 512;  // inputs of a panel rearranged for VPDPBUSD at a time (32 KiB)
+constexpr int64_t W8A8_ROWS = 6;  // rows a micro-kernel call: 6 x 2 int32 and 6 x 2 float32 vectors in registers
+
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [m, k]
+  std::vector<float> d;      // [m, k / 32]: each group's scale
+  std::vector<int32_t> low;  // [m, k / 32]: -128 x the group's sum of q (the weights are read as q_w + 128)
+};
+
+template <typename T>
+void quantize_rows_portable(const T* x, int64_t first, int64_t last, int64_t k, QuantizedRows& rows) {
+  for (int64_t r = first; r < last; ++r) {
+    for (int64_t g = 0; g < k / GROUP; ++g) {
+      const T* in = x + r * k + g * GROUP;
+      float top = 0.f;
+      for (int64_t i = 0; i < GROUP; ++i) top = std::max(top, std::abs(static_cast<float>(in[i])));
+      const float d = top / 127.f;
+      const float inverse = d > 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < GROUP; ++i) {
+        const float v = std::nearbyint(static_cast<float>(in[i]) * inverse);
+        const int32_t q = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+        rows.q[r * k + g * GROUP + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      rows.d[r * (k / GROUP) + g] = d;
+      rows.low[r * (k / GROUP) + g] = -128 * sum;
+    }
+  }
+}
+
+#ifdef CBGEN_DEQUANTIZE_BF16
+inline __m512 load_16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load_16(const at::BFloat16* x) {  // exact: a bfloat16 is a float32's upper half
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+inline __m512i quantize_16(__m512 v, __m512 inverse) {
+  const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+}
+
+// quantize_rows_portable's arithmetic, 32 inputs at a time
+template <typename T>
+void quantize_rows_512(const T* x, int64_t first, int64_t last, int64_t k, QuantizedRows& rows) {
+  for (int64_t r = first; r < last; ++r) {
+    for (int64_t g = 0; g < k / GROUP; ++g) {
+      const T* in = x + r * k + g * GROUP;
+      const __m512 a = load_16(in), b = load_16(in + 16);
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = top / 127.f;
+      const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m512i qa = quantize_16(a, inverse), qb = quantize_16(b, inverse);
+      int8_t* out = rows.q.data() + r * k + g * GROUP;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(qb));
+      rows.d[r * (k / GROUP) + g] = d;
+      rows.low[r * (k / GROUP) + g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+  }
+}
+
+// Inputs [k0, k0 + kc) of a 64-column panel, four at a time, as VPDPBUSD reads them: for each four inputs, four
+// vectors of 16 columns x 4 inputs, each value q_w + 128 as an unsigned byte (q_w ^ 0x80); vector v's dword j holds
+// column 16 (j / 4) + 4 v + j % 4 (the order two rounds of unpacking give). The scales of each group of 32 inputs
+// follow in the same column order, as float32.
+void rearrange_64(const int8_t* __restrict__ panel, const at::Half* __restrict__ scales, int64_t k0, int64_t kc,
+                  uint8_t* __restrict__ out, float* __restrict__ out_scales) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t t = k0; t < k0 + kc; t += 4) {
+    const int8_t* r = panel + t * 64;
+    const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + 64);
+    const __m512i r2 = _mm512_loadu_si512(r + 128), r3 = _mm512_loadu_si512(r + 192);
+    const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+    uint8_t* o = out + (t - k0) * 64;
+    _mm512_storeu_si512(o, _mm512_xor_si512(_mm512_unpacklo_epi16(a, c), flip));
+    _mm512_storeu_si512(o + 64, _mm512_xor_si512(_mm512_unpackhi_epi16(a, c), flip));
+    _mm512_storeu_si512(o + 128, _mm512_xor_si512(_mm512_unpacklo_epi16(b, d), flip));
+    _mm512_storeu_si512(o + 192, _mm512_xor_si512(_mm512_unpackhi_epi16(b, d), flip));
+  }
+  // vector v's 128-bit lane L holds columns 16 L + 4 v .. + 3: lane v of the L-th 16 scales (a 4 x 4 lane transpose)
+  for (int64_t g = k0 / GROUP; g < (k0 + kc) / GROUP; ++g) {
+    const __m256i* half = reinterpret_cast<const __m256i*>(scales + g * 64);
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(half)), s1 = _mm512_cvtph_ps(_mm256_loadu_si256(half + 1));
+    const __m512 s2 = _mm512_cvtph_ps(_mm256_loadu_si256(half + 2)), s3 = _mm512_cvtph_ps(_mm256_loadu_si256(half + 3));
+    const __m512 t0 = _mm512_shuffle_f32x4(s0, s1, 0x44), t1 = _mm512_shuffle_f32x4(s0, s1, 0xEE);
+    const __m512 t2 = _mm512_shuffle_f32x4(s2, s3, 0x44), t3 = _mm512_shuffle_f32x4(s2, s3, 0xEE);
+    float* o = out_scales + (g - k0 / GROUP) * 64;
+    _mm512_storeu_ps(o, _mm512_shuffle_f32x4(t0, t2, 0x88));
+    _mm512_storeu_ps(o + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+    _mm512_storeu_ps(o + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+    _mm512_storeu_ps(o + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+  }
+}
+
+// R rows x 32 columns (vectors 2 half and 2 half + 1 of the rearranged chunk) over the chunk's groups, into `sums`
+// (R rows of 64, in the rearranged column order)
+template <int R>
+__attribute__((target("avx512vnni"))) void w8a8_rows(const uint8_t* __restrict__ chunk,
+                                                      const float* __restrict__ chunk_scales, int64_t groups,
+                                                      const int8_t* __restrict__ xq, int64_t k,
+                                                      const float* __restrict__ xd, const int32_t* __restrict__ xlow,
+                                                      int64_t row_groups, int half, bool first,
+                                                      float* __restrict__ sums) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * 64 + (2 * half + h) * 16);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_set1_epi32(xlow[r * row_groups + g]);
+    for (int64_t t = 0; t < GROUP / 4; ++t) {
+      const uint8_t* b = chunk + (g * (GROUP / 4) + t) * 256 + half * 128;
+      const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * k + g * GROUP + t * 4, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+        s[r][0] = _mm512_dpbusd_epi32(s[r][0], b0, a);
+        s[r][1] = _mm512_dpbusd_epi32(s[r][1], b1, a);
+      }
+    }
+    const __m512 w0 = _mm512_loadu_ps(chunk_scales + g * 64 + half * 32);
+    const __m512 w1 = _mm512_loadu_ps(chunk_scales + g * 64 + half * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(xd[r * row_groups + g]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(w0, dx), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(w1, dx), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(sums + r * 64 + (2 * half + h) * 16, acc[r][h]);
+  }
+}
+
+const bool VNNI_UNITS = __builtin_cpu_supports("avx512vnni");
+#endif
+
+// rows [first, last) of one panel over inputs [0, k), the plain loop: the same operations as w8a8_rows, column by
+// column (sums in the panel's own column order)
+void w8a8_portable(const int8_t* __restrict__ panel, const at::Half* __restrict__ scales, int64_t k,
+                   int64_t block_n, const QuantizedRows& rows, int64_t first, int64_t last,
+                   float* __restrict__ sums) {
+  const int64_t groups = k / GROUP;
+  for (int64_t r = first; r < last; ++r) {
+    for (int64_t c = 0; c < block_n; ++c) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t s = rows.low[r * groups + g];
+        for (int64_t i = 0; i < GROUP; ++i) {
+          s += static_cast<int32_t>(rows.q[r * k + g * GROUP + i]) *
+               (static_cast<int32_t>(panel[(g * GROUP + i) * block_n + c]) + 128);
+        }
+        const float w = static_cast<float>(scales[g * block_n + c]) * rows.d[r * groups + g];
+        acc = std::fma(static_cast<float>(s), w, acc);
+      }
+      sums[(r - first) * block_n + c] = acc;
+    }
+  }
+}
+
+// whether this build and CPU run the VPDPBUSD loop for panels of `block_n` columns (else the plain loop)
+bool w8a8_vnni(int64_t block_n) {
+#ifdef CBGEN_DEQUANTIZE_BF16
+  return VNNI_UNITS && block_n == 64;
+#else
+  (void)block_n;
+  return false;
+#endif
+}
+
+template <typename T>
+void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales, const float* bias_ptr,
+              at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const int64_t panels = packed.size(0), block_n = packed.size(2), groups = k / GROUP;
+  const bool vnni = w8a8_vnni(block_n);
+  const T* a = x.data_ptr<T>();
+  QuantizedRows rows{std::vector<int8_t>(m * k), std::vector<float>(m * groups), std::vector<int32_t>(m * groups)};
+  at::parallel_for(0, m, 1, [&](int64_t first, int64_t last) {
+#ifdef CBGEN_DEQUANTIZE_BF16
+    if (vnni) return quantize_rows_512(a, first, last, k, rows);
+#endif
+    quantize_rows_portable(a, first, last, k, rows);
+  });
+  const int8_t* b = packed.data_ptr<int8_t>();
+  const at::Half* s = packed_scales.data_ptr<at::Half>();
+  T* o = out.data_ptr<T>();
+  // tasks as in run(): one panel and a group of rows, group by group (a group's quantized rows stay in cache)
+  const int64_t group = std::max<int64_t>(BLOCK_M, ROWS_CACHED / k / BLOCK_M * BLOCK_M);
+  const int64_t groups_m = (m + group - 1) / group;
+  at::parallel_for(0, groups_m * panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> chunk(vnni ? W8A8_KC * 64 : 0);
+    std::vector<float> chunk_scales(vnni ? W8A8_KC / GROUP * 64 : 0);
+    std::vector<float> sums(std::min(group, m) * block_n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task % panels, first_row = (task / panels) * group;
+      const int64_t last_row = std::min(m, first_row + group);
+      const int8_t* panel = b + p * k * block_n;
+      const at::Half* panel_scales = s + p * groups * block_n;
+      if (!vnni) {
+        w8a8_portable(panel, panel_scales, k, block_n, rows, first_row, last_row, sums.data());
+      }
+#ifdef CBGEN_DEQUANTIZE_BF16
+      for (int64_t k0 = 0; vnni && k0 < k; k0 += W8A8_KC) {
+        const int64_t kc = std::min(W8A8_KC, k - k0), g0 = k0 / GROUP;
+        rearrange_64(panel, panel_scales, k0, kc, chunk.data(), chunk_scales.data());
+        for (int64_t r0 = first_row; r0 < last_row; r0 += W8A8_ROWS) {
+          const int64_t count = std::min(W8A8_ROWS, last_row - r0);
+          const int8_t* xq = rows.q.data() + r0 * k + k0;
+          const float* xd = rows.d.data() + r0 * groups + g0;
+          const int32_t* xlow = rows.low.data() + r0 * groups + g0;
+          float* target = sums.data() + (r0 - first_row) * 64;
+          for (int half = 0; half < 2; ++half) {
+            switch (count) {
+              case 1: w8a8_rows<1>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 2: w8a8_rows<2>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 3: w8a8_rows<3>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 4: w8a8_rows<4>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 5: w8a8_rows<5>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              default: w8a8_rows<6>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+            }
+          }
+        }
+      }
+#endif
+      const int64_t width = std::min(block_n, n - p * block_n);
+      const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * block_n;
+      for (int64_t row = first_row; row < last_row; ++row) {
+        const float* src = sums.data() + (row - first_row) * block_n;
+        T* dst = o + row * n + p * block_n;
+        for (int64_t i = 0; i < block_n; ++i) {
+          // the sums' order: the rearranged one (vector i / 16, dword i % 16) after VPDPBUSD, the panel's otherwise
+          const int64_t c = vnni ? 16 * ((i % 16) / 4) + 4 * (i / 16) + i % 4 : i;
+          if (c < width) dst[c] = static_cast<T>(panel_bias == nullptr ? src[i] : src[i] + panel_bias[c]);
+        }
+      }
+    }
+  });
+}
+
+enum class Arithmetic { float32, bf16, w8a8 };
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& packed_scales,
-                  const std::optional<at::Tensor>& bias, int64_t out_features, bool bf16) {
+                  const std::optional<at::Tensor>& bias, int64_t out_features, Arithmetic arithmetic) {
+  const bool bf16 = arithmetic == Arithmetic::bf16;
   TORCH_CHECK(x_in.dim() == 2, "int8_linear: rows of features");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(1) == x_in.size(1),
               "int8_linear: the weight packed by cbgen.model.int8.pack for these rows");
@@ -238,8 +496,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
               "int8_linear: the scales packed with the weight");
   TORCH_CHECK(packed.size(0) * packed.size(2) >= out_features, "int8_linear: more output features than packed");
   TORCH_CHECK(!bf16 || x_in.scalar_type() == at::kBFloat16, "int8_linear_bf16: bfloat16 rows");
-  const at::ScalarType type = bf16 ? at::kBFloat16 : at::kFloat;
-  const at::Tensor x = x_in.to(type).contiguous();  // float32 rows: the caller's, or converted once a call
+  // float32 rows: the caller's, or converted once a call; w8a8 quantizes bfloat16 rows as they are
+  const bool keep_bf16 = bf16 || (arithmetic == Arithmetic::w8a8 && x_in.scalar_type() == at::kBFloat16);
+  const at::Tensor x = x_in.to(keep_bf16 ? at::kBFloat16 : at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) {
     return out.to(x_in.scalar_type());
@@ -250,7 +509,14 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (bf16) {
+  if (arithmetic == Arithmetic::w8a8) {
+    TORCH_CHECK(x.size(1) % GROUP == 0, "int8_linear_w8a8: inputs in whole groups of 32");
+    if (keep_bf16) {
+      run_w8a8<at::BFloat16>(x, packed, packed_scales, bias_ptr, out);
+    } else {
+      run_w8a8<float>(x, packed, packed_scales, bias_ptr, out);
+    }
+  } else if (bf16) {
     run<at::BFloat16>(x, packed, packed_scales, bias_ptr, out);
   } else {
     run<float>(x, packed, packed_scales, bias_ptr, out);
@@ -260,24 +526,34 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
                        const std::optional<at::Tensor>& bias, int64_t out_features) {
-  return linear(x, packed, packed_scales, bias, out_features, false);
+  return linear(x, packed, packed_scales, bias, out_features, Arithmetic::float32);
 }
 
 at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
                             const std::optional<at::Tensor>& bias, int64_t out_features) {
-  return linear(x, packed, packed_scales, bias, out_features, true);
+  return linear(x, packed, packed_scales, bias, out_features, Arithmetic::bf16);
 }
+
+at::Tensor int8_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+                            const std::optional<at::Tensor>& bias, int64_t out_features) {
+  return linear(x, packed, packed_scales, bias, out_features, Arithmetic::w8a8);
+}
+
+bool int8_w8a8_vnni(int64_t block_n) { return w8a8_vnni(block_n); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cbgen_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int8_linear_bf16(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear_w8a8(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_w8a8_vnni(int block_n) -> bool", &int8_w8a8_vnni);  // no tensor: one kernel for every device
 }
 
 TORCH_LIBRARY_IMPL(cbgen_kernels, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_linear_bf16", &int8_linear_bf16);
+  m.impl("int8_linear_w8a8", &int8_linear_w8a8);
 }
 
 }  // namespace cbgen_kernels

@@ -63,6 +63,17 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(q.shape[0], -1, GROUP) * scales.unsqueeze(-1)).reshape(q.shape)
 
 
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows as `--quantize w8a8` computes with them (float32): each row's every 32 inputs quantized as Q8_0 quantizes
+    weights (d = max |x| / 127, kept in float32; x * (1 / d) rounded to nearest even, clamped to +-127), times d. The
+    kernel's products of these with the int8 weights are exact integers; only its sums' order differs from a float
+    matmul's."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return ((blocks * inverse).round().clamp(-127, 127) * d).reshape(x.shape)
+
+
 def pack(q: torch.Tensor, scales: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Panels of `width` outputs (this machine's `block_n()` where None), the kernel's layout: int8 [P, K, width] and
     float16 scales [P, K/32, width] (Q8_0's scales are float16: exact), the columns past N zero with zero scales."""
@@ -83,7 +94,10 @@ def unpack(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int)
 class Int8Linear(torch.nn.Module):
     """A linear layer over int8 weights held in the kernel's panels (see the module); `ops` is torch.ops.cbgen_kernels
     with the kernel loaded, or None (each call dequantizes the weight). `of` makes one from int8 values and scales;
-    `merged` computes several side by side (cbgen.model.fused merges a decoder layer's projections with it)."""
+    `merged` computes several side by side (cbgen.model.fused merges a decoder layer's projections with it). With
+    `w8a8` set (`use_w8a8`) its input rows are quantized too (`quantize_rows`) and the products are integers."""
+
+    w8a8 = False
 
     def __init__(self, packed: torch.Tensor, packed_scales: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int, ops: Any) -> None:
@@ -103,7 +117,13 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         bf16 = x.dtype == torch.bfloat16 and bf16_arithmetic()
-        if self.ops is not None and x.device.type == "cpu":
+        if self.w8a8:
+            if self.ops is not None and x.device.type == "cpu":
+                out = self.ops.int8_linear_w8a8(rows, self.packed, self.packed_scales, self.bias, self.out_features)
+            else:
+                weight = dequantize(*unpack(self.packed, self.packed_scales, self.out_features))
+                out = torch.nn.functional.linear(quantize_rows(rows), weight, self.bias).to(x.dtype)
+        elif self.ops is not None and x.device.type == "cpu":
             op = self.ops.int8_linear_bf16 if bf16 else self.ops.int8_linear
             out = op(rows, self.packed, self.packed_scales, self.bias, self.out_features)
         else:
@@ -114,7 +134,8 @@ class Int8Linear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (32-input scales)"
+        rows = ", int8 rows" if self.w8a8 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (32-input scales){rows}"
 
     def bytes(self) -> int:
         """The bytes its weights hold: int8 values and float16 scales."""
@@ -130,6 +151,7 @@ class Int8Linear(torch.nn.Module):
         """Whether `parts` can compute side by side as one: int8 layers of one input size and one panel width whose
         panels hold no padding but in the last."""
         return all(isinstance(p, Int8Linear) for p in parts) and len({p.in_features for p in parts}) == 1 and \
+            len({p.w8a8 for p in parts}) == 1 and \
             len({p.width for p in parts}) == 1 and all(p.out_features % p.width == 0 for p in parts[:-1])
 
     @classmethod
@@ -141,6 +163,7 @@ class Int8Linear(torch.nn.Module):
                 if any(b is not None for b in biases) else None
             merged = cls(_side_by_side([p.packed for p in parts]), _side_by_side([p.packed_scales for p in parts]),
                          bias, sum(p.out_features for p in parts), parts[0].ops)
+            merged.w8a8 = parts[0].w8a8
             panel = column = 0
             for p in parts:
                 panels = p.packed.shape[0]
@@ -254,6 +277,21 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
     return done
 
 
+def use_w8a8(model: torch.nn.Module) -> dict[str, str]:
+    """Every int8 layer of the model computing with int8 rows too (`--quantize w8a8`); what run.json says of it."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    for layer in layers:
+        layer.w8a8 = True
+    ops = layers[0].ops if layers else None
+    if ops is None:
+        how = "eager: the rows quantized, then a float32 matmul of the dequantized weights (the kernel did not build)"
+    elif ops.int8_w8a8_vnni(layers[0].width):
+        how = "compiled: integer products (AVX-512 VNNI)"
+    else:
+        how = "compiled, plain loop: this CPU has no AVX-512 VNNI (slower than --quantize int8 here)"
+    return {"arithmetic": "w8a8", "w8a8": how}
+
+
 def gguf_is_q8_0(path: Path, memo: Path | None) -> bool:
     """Whether a GGUF file's decoder-layer matrices are all Q8_0, read from its tensor table once per file (the
     answer kept in `memo` by the file's size and mtime, beside its digest: parsing a file's metadata takes seconds)."""
@@ -275,14 +313,14 @@ def gguf_is_q8_0(path: Path, memo: Path | None) -> bool:
 
 
 def refusal(quantize: str, adapters: bool, tp_size: int, device: str) -> str | None:
-    """Why `--quantize int8` cannot run with these settings, in one line, or None."""
-    if quantize != "int8":
+    """Why `--quantize int8` (or w8a8) cannot run with these settings, in one line, or None."""
+    if quantize not in ("int8", "w8a8"):
         return None
     if adapters:
-        return ("--quantize int8 with --adapter: LoRA adapters are merged into float weights, and int8 ones have "
-                "none; run the adapters on the float model (--quantize none)")
+        return (f"--quantize {quantize} with --adapter: LoRA adapters are merged into float weights, and int8 ones "
+                "have none; run the adapters on the float model (--quantize none)")
     if tp_size > 1:
-        return "--quantize int8 with --tp: int8 weights are not sharded; run one process, or --quantize none"
+        return f"--quantize {quantize} with --tp: int8 weights are not sharded; run one process, or --quantize none"
     if device == "cuda":
-        return "--quantize int8 runs on the CPU (cbgen's compiled kernel); on a GPU use --quantize none"
+        return f"--quantize {quantize} runs on the CPU (cbgen's compiled kernel); on a GPU use --quantize none"
     return None

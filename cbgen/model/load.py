@@ -292,6 +292,10 @@ def load_model(settings: ModelSection, tp=None, *, weights: bool = True) -> Load
             else:
                 model, tokenizer, cache = _load(source, settings, tp, weights, cache_root, device, dtype, attn, kwargs)
                 quantized = _quantized(model, quantize, read)
+            if quantized is not None and settings.quantize == "w8a8":
+                from cbgen.model.int8 import use_w8a8
+
+                quantized |= use_w8a8(model)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only models already in the local cache can load)" if offline else ""
@@ -319,7 +323,8 @@ def _quantize_choice(settings: ModelSection, source: ModelSource, weights: bool,
 
     if not weights or settings.quantize == "none":
         return None
-    reason = int8.refusal("int8", settings.adapter is not None, settings.tp_size, device)
+    reason = int8.refusal(settings.quantize if settings.quantize != "auto" else "int8", settings.adapter is not None,
+                          settings.tp_size, device)
     if settings.quantize == "auto" and (not source.gguf_file or reason is not None):
         return None  # a Q8_0 file with adapters or --tp runs dequantized, as before
     if reason is not None:
@@ -329,7 +334,7 @@ def _quantize_choice(settings: ModelSection, source: ModelSource, weights: bool,
     memo = default_cache_dir(settings) / "digests.json" if settings.use_cache else None
     if int8.gguf_is_q8_0(source.gguf_path, memo):
         return Q8_0_FILE
-    return INT8 if settings.quantize == "int8" else None
+    return INT8 if settings.quantize in ("int8", "w8a8") else None
 
 
 def _read_q8_0(source: ModelSource, settings: ModelSection, cache_root: Path | None, attn: str | None):

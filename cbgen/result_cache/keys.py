@@ -70,10 +70,12 @@ class Numerics:
 def weights_identity(loaded: LoadedModel, memo: Path) -> dict[str, Any] | None:
     """What names the model's weights, by content: the digest of the GGUF file or of a folder's weight files (each
     hashed once and remembered by size and modification time in `memo`), or a random-weight shape (seeded, so the
-    same weights); with "int8" where they run as 8 bits (cbgen.model.int8); None when they cannot be told (a hub id
-    whose files are not on disk)."""
+    same weights); with "int8" where they run as 8 bits (cbgen.model.int8), "w8a8" where their input rows do too;
+    None when they cannot be told (a hub id whose files are not on disk)."""
     named = _weights(loaded, memo)
-    return named if named is None or loaded.quantized is None else named | {"quantized": "int8"}
+    if named is None or loaded.quantized is None:
+        return named
+    return named | {"quantized": "w8a8" if loaded.quantized.get("arithmetic") == "w8a8" else "int8"}
 
 
 def _weights(loaded: LoadedModel, memo: Path) -> dict[str, Any] | None:

@@ -224,6 +224,7 @@ def test_a_models_layers_become_int8_and_compute_the_dequantized_model(ops, tiny
 
 
 def test_int8_with_adapters_or_tp_or_a_gpu_is_refused_in_one_line():
+    assert "--quantize w8a8 with --adapter" in int8.refusal("w8a8", True, 1, "cpu")
     assert "--adapter" in int8.refusal("int8", True, 1, "cpu")
     assert "--tp" in int8.refusal("int8", False, 2, "cpu")
     assert "GPU" in int8.refusal("int8", False, 1, "cuda")
@@ -234,7 +235,7 @@ def test_int8_with_adapters_or_tp_or_a_gpu_is_refused_in_one_line():
 @pytest.mark.parametrize("isa", [*OTHER_ISAS, "avx512-bf16-no-amx"])
 def test_the_kernel_holds_on_other_instruction_sets(isa, monkeypatch):
     # an AMX machine held to AVX-512 BF16 runs the bf16 path's pair layout and compares it with the bf16 tiles
-    selection = "the_kernel_is_the_dequantized_matmul or bf16_rows_on_bf16_units"
+    selection = "the_kernel_is_the_dequantized_matmul or bf16_rows_on_bf16_units or w8a8_is_the_matmul"
     if isa not in OTHER_ISAS:
         monkeypatch.setitem(OTHER_ISAS, isa, NO_AMX)
         selection = "bf16_rows_on_bf16_units"
@@ -378,3 +379,93 @@ def test_panels_side_by_side_in_one_storage_merge_as_a_view_and_others_as_a_copy
     assert apart.data_ptr() != whole.data_ptr() and torch.equal(apart, torch.cat([whole[:2], whole[3:]]))
     swapped = int8._side_by_side([second, first])
     assert swapped.data_ptr() != whole.data_ptr() and torch.equal(swapped, torch.cat([second, first]))
+
+
+@settings(max_examples=property_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers())
+@example(dict(in_features=8192, count=300, place=200, out_features=130, bias=True, dtype=torch.bfloat16, width=64,
+              seed=1))
+def test_w8a8_is_the_matmul_of_the_quantized_rows_and_a_row_gets_its_own_bits(ops, case):
+    """int8_linear_w8a8 (`--quantize w8a8`): the rows quantized as int8.quantize_rows says, times the int8 weights,
+    to float32's rounding of each group's scale product and sum; a row's bits its own; and the same bits from the
+    VPDPBUSD loop (64-column panels, where the CPU has AVX-512 VNNI) and the plain loop (32-column panels)."""
+    generator, weight, bias, q, scales, packed, packed_scales = _layer(case)
+    rows = probe_rows(weight, case["count"], generator).to(case["dtype"])
+    rows[0, :32] = 0  # a group of zeros, one of tiny values and one past float16's range
+    rows[-1, -32:] = 1e-30
+    rows[-1, :32] = 1e7
+    with torch_threads(TWO_THREADS):
+        together = ops.int8_linear_w8a8(rows, packed, packed_scales, bias, case["out_features"])
+    place = case["place"]
+    alone = ops.int8_linear_w8a8(rows[place : place + 1], packed, packed_scales, bias, case["out_features"])[0]
+    assert together.dtype == case["dtype"] and torch.equal(together[place], alone)
+    other = int8.pack(q, scales, {64: 32, 32: 64}[case["width"]])
+    assert torch.equal(together, ops.int8_linear_w8a8(rows, *other, bias, case["out_features"]))
+    quantized, dequantized = int8.quantize_rows(rows).double(), int8.dequantize(q, scales).double()
+    exact = torch.nn.functional.linear(quantized, dequantized, None if bias is None else bias.double())
+    sizes = quantized.abs() @ dequantized.abs().t() + (0 if bias is None else bias.double().abs())
+    rounding = 2**-8 if case["dtype"] == torch.bfloat16 else 2**-24  # the output's own
+    error = (together.double() - exact).abs()
+    assert (error <= exact.abs() * rounding + sizes * (case["in_features"] // 32 + 2) * 2**-23).all()
+
+
+def test_quantized_rows_are_q8_0s_arithmetic():
+    """Each 32 inputs over their largest magnitude / 127, rounded to nearest even, within +-127."""
+    x = torch.tensor([[127.0, 2.5, -3.5, 0.5, 1.5] + [0.0] * 27 + [0.0] * 32])
+    assert int8.quantize_rows(x)[0, :5].tolist() == [127.0, 2.0, -4.0, 0.0, 2.0]
+    assert int8.quantize_rows(x)[0, 32:].abs().sum() == 0
+    sizes = torch.tensor([1e-3, 1.0, 1e4]).repeat_interleave(32)  # one group of each
+    y = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * sizes
+    scales = y.reshape(5, 3, 32).abs().amax(-1, keepdim=True) / 127
+    error = (int8.quantize_rows(y) - y).reshape(5, 3, 32).abs()
+    assert (error <= scales * (0.5 + 1e-5)).all()
+
+
+def test_a_w8a8_job_answers_as_the_dequantized_model_on_quantized_rows_and_is_batch_invariant(tiny_model_dir,
+                                                                                               tmp_path):
+    """`--quantize w8a8`: greedy tokens against stock transformers running the dequantized weights with each
+    quantized layer's input rows put through int8.quantize_rows (the first 32 tokens of at least 95 % of rows equal;
+    the rest is the sums' order), batch-invariant (the rows shuffled, under other batch limits: bitwise the same
+    tokens), and its arithmetic in run.json."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cbgen.cli import run_cli
+    from tests.helpers import write_jsonl
+
+    rows = [{"id": str(i), "prompt": f"Tell me about the number {i} and the colour {c}."}
+            for i, c in zip(range(24), ["red", "green", "blue", "amber"] * 6, strict=True)]
+    source = write_jsonl(tmp_path / "p.jsonl", rows)
+    common = ["--max-new-tokens", "32", "--dtype", "float32", "-q", "--model", str(tiny_model_dir), "--quantize",
+              "w8a8"]
+    assert run_cli(["run", str(source), "-o", str(tmp_path / "q"), *common]) == 0
+    quantized = _job_tokens(tmp_path / "q")
+    manifest = json.loads((tmp_path / "q" / "run.json").read_text())
+    assert manifest["model"]["quantized"]["arithmetic"] == "w8a8"
+    assert manifest["model"]["quantized"]["w8a8"].startswith("compiled")
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        _dequantized_in_place(model)
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if type(module) is torch.nn.Linear:
+                module.register_forward_pre_hook(lambda _, args: (int8.quantize_rows(args[0]),))
+    same = 0
+    for row in rows:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+        reference = out[0, ids.shape[1]:].tolist()
+        same += quantized[row["id"]][:32] == reference[:32]
+    assert same >= 0.95 * len(rows), f"{same} of {len(rows)} rows"
+
+    random.Random(1).shuffle(rows)
+    shuffled = write_jsonl(tmp_path / "shuffled.jsonl", rows)
+    assert run_cli(["run", str(shuffled), "-o", str(tmp_path / "q2"), *common, "--max-requests-per-batch", "3",
+                    "--max-batch-tokens", "40"]) == 0
+    assert _job_tokens(tmp_path / "q2") == quantized

@@ -146,3 +146,21 @@ def test_a_held_invariant_entry_is_not_written_over_by_a_loose_run(tmp_path):
     computed(loose, request(), [5, 9, 9], "stop")
     assert loose.counts.stored == 0
     assert [c.token_ids for c in cache_of(tmp_path).answer(request()).answered] == [[5, 6, 7]]
+
+
+def test_the_weights_identity_says_how_the_weights_compute():
+    """int8 weights answer as the dequantized model and w8a8 ones otherwise: each names the weights apart from the
+    float model's, and from each other's."""
+    from types import SimpleNamespace
+
+    from cbgen.model.source import resolve_source
+    from cbgen.result_cache.keys import weights_identity
+
+    source = resolve_source("random-weights:llama-1b")
+    assert source.random_weights
+
+    def identity(quantized):
+        return weights_identity(SimpleNamespace(source=source, quantized=quantized), None)  # type: ignore[arg-type]
+
+    names = [identity(None), identity({"quantized": "int8"}), identity({"quantized": "int8", "arithmetic": "w8a8"})]
+    assert len({repr(n) for n in names}) == 3 and names[1] == names[0] | {"quantized": "int8"}
