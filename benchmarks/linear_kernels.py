@@ -3,7 +3,8 @@
 tiles_kernel.block_n picks one per machine; at 32 columns a decode step's 12-24 rows run the kernel's own
 decode loop where it is built with AVX2, timed against brgemm alone), and its int8 kernel (cbgen/kernels/
 int8_linear.cpp, `--quantize int8`), on Llama-3.2-1B's projection shapes at a decode step's row counts and a prefill's.
-On a CPU with bfloat16 units the bfloat16 tiles and the int8 kernel's bfloat16 path (int8_linear_bf16) too.
+On a CPU with bfloat16 units the bfloat16 tiles and the int8 kernel's bfloat16 path (int8_linear_bf16) too; and
+`--quantize w8a8` (int8_linear_w8a8: int8 rows, integer products) against the machine's float tiles.
 
     python benchmarks/linear_kernels.py
     python benchmarks/linear_kernels.py --shapes 2048x8192 --rows 64
@@ -53,6 +54,8 @@ def main() -> None:
             if bf16:
                 calls |= {"tiles bf16": partial(ops.linear_tiles, x.bfloat16(), tiles_bf16, None, n),
                           "int8 bf16": partial(ops.int8_linear_bf16, x.bfloat16(), packed, packed_scales, None, n)}
+            # --quantize w8a8 (int8 rows too), on the rows the float path of this machine has
+            calls["w8a8"] = partial(ops.int8_linear_w8a8, x.bfloat16() if bf16 else x, packed, packed_scales, None, n)
             reps = max(3, int(2e9 / (2 * m * n * k + 4 * n * k)))
             times: dict[str, list[float]] = {label: [] for label in calls}
             for _ in range(3):  # rounds in turn, so that a slower spell of the machine falls on every kernel
@@ -67,7 +70,8 @@ def main() -> None:
                   f"; 32 / 64 columns {took['tiles f32 32'] / took['tiles f32']:.2f}"
                   f", int8 / tiles {took['int8'] / took['tiles f32']:.2f}"
                   f", 32 columns / brgemm alone {took['tiles f32 32'] / took['brgemm 32']:.2f}" +
-                  (f", int8 bf16 / tiles bf16 {took['int8 bf16'] / took['tiles bf16']:.2f}" if bf16 else ""))
+                  (f", int8 bf16 / tiles bf16 {took['int8 bf16'] / took['tiles bf16']:.2f}" if bf16 else "") +
+                  f", w8a8 / tiles {took['w8a8'] / took['tiles bf16' if bf16 else 'tiles f32']:.2f}")
 
 
 if __name__ == "__main__":
