@@ -301,25 +301,28 @@ void quantize_rows_512(const T* x, int64_t first, int64_t last, int64_t k, Quant
   }
 }
 
-// Inputs [k0, k0 + kc) of a 64-column panel, four at a time, as VPDPBUSD reads them: for each four inputs, four
-// vectors of 16 columns x 4 inputs, each value q_w + 128 as an unsigned byte (q_w ^ 0x80); vector v's dword j holds
-// column 16 (j / 4) + 4 v + j % 4 (the order two rounds of unpacking give). The scales of each group of 32 inputs
-// follow in the same column order, as float32.
-void rearrange_64(const int8_t* __restrict__ panel, const at::Half* __restrict__ scales, int64_t k0, int64_t kc,
-                  uint8_t* __restrict__ out, float* __restrict__ out_scales) {
+// `quads` x 4 inputs of a 64-column panel as VPDPBUSD reads them: for each four inputs, four vectors of 16 columns x
+// 4 inputs, each value q_w + 128 as an unsigned byte (q_w ^ 0x80); vector v's dword j holds column 16 (j / 4) + 4 v +
+// j % 4 (the order two rounds of unpacking give). Each 256 bytes become the same 256 bytes' places, so `in` may be
+// `out` (int8_w8a8_arrange_ does it once at load; otherwise each call does it a chunk at a time).
+void arrange_quads_64(const int8_t* in, int64_t quads, uint8_t* out) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t t = k0; t < k0 + kc; t += 4) {
-    const int8_t* r = panel + t * 64;
+  for (int64_t t = 0; t < quads; ++t) {
+    const int8_t* r = in + t * 256;
     const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + 64);
     const __m512i r2 = _mm512_loadu_si512(r + 128), r3 = _mm512_loadu_si512(r + 192);
     const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
     const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
-    uint8_t* o = out + (t - k0) * 64;
+    uint8_t* o = out + t * 256;
     _mm512_storeu_si512(o, _mm512_xor_si512(_mm512_unpacklo_epi16(a, c), flip));
     _mm512_storeu_si512(o + 64, _mm512_xor_si512(_mm512_unpackhi_epi16(a, c), flip));
     _mm512_storeu_si512(o + 128, _mm512_xor_si512(_mm512_unpacklo_epi16(b, d), flip));
     _mm512_storeu_si512(o + 192, _mm512_xor_si512(_mm512_unpackhi_epi16(b, d), flip));
   }
+}
+
+// the scales of groups [k0 / 32, (k0 + kc) / 32) of a 64-column panel as float32, in arrange_quads_64's column order
+void arrange_scales_64(const at::Half* __restrict__ scales, int64_t k0, int64_t kc, float* __restrict__ out_scales) {
   // vector v's 128-bit lane L holds columns 16 L + 4 v .. + 3: lane v of the L-th 16 scales (a 4 x 4 lane transpose)
   for (int64_t g = k0 / GROUP; g < (k0 + kc) / GROUP; ++g) {
     const __m256i* half = reinterpret_cast<const __m256i*>(scales + g * 64);
@@ -415,10 +418,11 @@ bool w8a8_vnni(int64_t block_n) {
 
 template <typename T>
 void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales, const float* bias_ptr,
-              at::Tensor& out) {
+              bool arranged, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   const int64_t panels = packed.size(0), block_n = packed.size(2), groups = k / GROUP;
   const bool vnni = w8a8_vnni(block_n);
+  TORCH_CHECK(vnni || !arranged, "int8_linear_w8a8: panels arranged for VPDPBUSD on a CPU or build without it");
   const T* a = x.data_ptr<T>();
   QuantizedRows rows{std::vector<int8_t>(m * k), std::vector<float>(m * groups), std::vector<int32_t>(m * groups)};
   at::parallel_for(0, m, 1, [&](int64_t first, int64_t last) {
@@ -434,7 +438,7 @@ void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
   const int64_t group = std::max<int64_t>(BLOCK_M, ROWS_CACHED / k / BLOCK_M * BLOCK_M);
   const int64_t groups_m = (m + group - 1) / group;
   at::parallel_for(0, groups_m * panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> chunk(vnni ? W8A8_KC * 64 : 0);
+    std::vector<uint8_t> chunk(vnni && !arranged ? W8A8_KC * 64 : 0);
     std::vector<float> chunk_scales(vnni ? W8A8_KC / GROUP * 64 : 0);
     std::vector<float> sums(std::min(group, m) * block_n);
     for (int64_t task = begin; task < end; ++task) {
@@ -448,7 +452,12 @@ void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
 #ifdef CBGEN_DEQUANTIZE_BF16
       for (int64_t k0 = 0; vnni && k0 < k; k0 += W8A8_KC) {
         const int64_t kc = std::min(W8A8_KC, k - k0), g0 = k0 / GROUP;
-        rearrange_64(panel, panel_scales, k0, kc, chunk.data(), chunk_scales.data());
+        const uint8_t* quads = reinterpret_cast<const uint8_t*>(panel + k0 * 64);  // arranged at load
+        if (!arranged) {
+          arrange_quads_64(panel + k0 * 64, kc / 4, chunk.data());
+          quads = chunk.data();
+        }
+        arrange_scales_64(panel_scales, k0, kc, chunk_scales.data());
         for (int64_t r0 = first_row; r0 < last_row; r0 += W8A8_ROWS) {
           const int64_t count = std::min(W8A8_ROWS, last_row - r0);
           const int8_t* xq = rows.q.data() + r0 * k + k0;
@@ -457,12 +466,12 @@ void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
           float* target = sums.data() + (r0 - first_row) * 64;
           for (int half = 0; half < 2; ++half) {
             switch (count) {
-              case 1: w8a8_rows<1>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 2: w8a8_rows<2>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 3: w8a8_rows<3>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 4: w8a8_rows<4>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 5: w8a8_rows<5>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              default: w8a8_rows<6>(chunk.data(), chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 1: w8a8_rows<1>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 2: w8a8_rows<2>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 3: w8a8_rows<3>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 4: w8a8_rows<4>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              case 5: w8a8_rows<5>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
+              default: w8a8_rows<6>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
             }
           }
         }
@@ -486,7 +495,8 @@ void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
 enum class Arithmetic { float32, bf16, w8a8 };
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& packed_scales,
-                  const std::optional<at::Tensor>& bias, int64_t out_features, Arithmetic arithmetic) {
+                  const std::optional<at::Tensor>& bias, int64_t out_features, Arithmetic arithmetic,
+                  bool arranged = false) {
   const bool bf16 = arithmetic == Arithmetic::bf16;
   TORCH_CHECK(x_in.dim() == 2, "int8_linear: rows of features");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(1) == x_in.size(1),
@@ -512,9 +522,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   if (arithmetic == Arithmetic::w8a8) {
     TORCH_CHECK(x.size(1) % GROUP == 0, "int8_linear_w8a8: inputs in whole groups of 32");
     if (keep_bf16) {
-      run_w8a8<at::BFloat16>(x, packed, packed_scales, bias_ptr, out);
+      run_w8a8<at::BFloat16>(x, packed, packed_scales, bias_ptr, arranged, out);
     } else {
-      run_w8a8<float>(x, packed, packed_scales, bias_ptr, out);
+      run_w8a8<float>(x, packed, packed_scales, bias_ptr, arranged, out);
     }
   } else if (bf16) {
     run<at::BFloat16>(x, packed, packed_scales, bias_ptr, out);
@@ -535,8 +545,25 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
 }
 
 at::Tensor int8_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
-                            const std::optional<at::Tensor>& bias, int64_t out_features) {
-  return linear(x, packed, packed_scales, bias, out_features, Arithmetic::w8a8);
+                            const std::optional<at::Tensor>& bias, int64_t out_features, bool arranged) {
+  return linear(x, packed, packed_scales, bias, out_features, Arithmetic::w8a8, arranged);
+}
+
+// a layer's 64-column panels arranged for VPDPBUSD in place, once (they then serve int8_linear_w8a8 alone)
+void int8_w8a8_arrange_(at::Tensor packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+              packed.size(1) % 4 == 0 && w8a8_vnni(packed.size(2)),
+              "int8_w8a8_arrange_: contiguous 64-column panels, on a CPU with AVX-512 VNNI");
+#ifdef CBGEN_DEQUANTIZE_BF16
+  int8_t* b = packed.data_ptr<int8_t>();
+  const int64_t quads = packed.size(1) / 4;
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int8_t* panel = b + p * packed.size(1) * 64;
+      arrange_quads_64(panel, quads, reinterpret_cast<uint8_t*>(panel));
+    }
+  });
+#endif
 }
 
 bool int8_w8a8_vnni(int64_t block_n) { return w8a8_vnni(block_n); }
@@ -546,7 +573,9 @@ bool int8_w8a8_vnni(int64_t block_n) { return w8a8_vnni(block_n); }
 TORCH_LIBRARY_FRAGMENT(cbgen_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int8_linear_bf16(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
-  m.def("int8_linear_w8a8(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear_w8a8(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int out_features, "
+        "bool arranged=False) -> Tensor");
+  m.def("int8_w8a8_arrange_(Tensor(a!) packed) -> ()");
   m.def("int8_w8a8_vnni(int block_n) -> bool", &int8_w8a8_vnni);  // no tensor: one kernel for every device
 }
 
@@ -554,6 +583,7 @@ TORCH_LIBRARY_IMPL(cbgen_kernels, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_linear_bf16", &int8_linear_bf16);
   m.impl("int8_linear_w8a8", &int8_linear_w8a8);
+  m.impl("int8_w8a8_arrange_", &int8_w8a8_arrange_);
 }
 
 }  // namespace cbgen_kernels

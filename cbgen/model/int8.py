@@ -95,9 +95,11 @@ class Int8Linear(torch.nn.Module):
     """A linear layer over int8 weights held in the kernel's panels (see the module); `ops` is torch.ops.cbgen_kernels
     with the kernel loaded, or None (each call dequantizes the weight). `of` makes one from int8 values and scales;
     `merged` computes several side by side (cbgen.model.fused merges a decoder layer's projections with it). With
-    `w8a8` set (`use_w8a8`) its input rows are quantized too (`quantize_rows`) and the products are integers."""
+    `w8a8` set (`use_w8a8`) its input rows are quantized too (`quantize_rows`) and the products are integers; with
+    `arranged` its panels were arranged in place for VPDPBUSD at load and serve that kernel alone."""
 
     w8a8 = False
+    arranged = False
 
     def __init__(self, packed: torch.Tensor, packed_scales: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int, ops: Any) -> None:
@@ -119,7 +121,8 @@ class Int8Linear(torch.nn.Module):
         bf16 = x.dtype == torch.bfloat16 and bf16_arithmetic()
         if self.w8a8:
             if self.ops is not None and x.device.type == "cpu":
-                out = self.ops.int8_linear_w8a8(rows, self.packed, self.packed_scales, self.bias, self.out_features)
+                out = self.ops.int8_linear_w8a8(rows, self.packed, self.packed_scales, self.bias, self.out_features,
+                                                self.arranged)
             else:
                 weight = dequantize(*unpack(self.packed, self.packed_scales, self.out_features))
                 out = torch.nn.functional.linear(quantize_rows(rows), weight, self.bias).to(x.dtype)
@@ -151,7 +154,7 @@ class Int8Linear(torch.nn.Module):
         """Whether `parts` can compute side by side as one: int8 layers of one input size and one panel width whose
         panels hold no padding but in the last."""
         return all(isinstance(p, Int8Linear) for p in parts) and len({p.in_features for p in parts}) == 1 and \
-            len({p.w8a8 for p in parts}) == 1 and \
+            len({(p.w8a8, p.arranged) for p in parts}) == 1 and \
             len({p.width for p in parts}) == 1 and all(p.out_features % p.width == 0 for p in parts[:-1])
 
     @classmethod
@@ -163,7 +166,7 @@ class Int8Linear(torch.nn.Module):
                 if any(b is not None for b in biases) else None
             merged = cls(_side_by_side([p.packed for p in parts]), _side_by_side([p.packed_scales for p in parts]),
                          bias, sum(p.out_features for p in parts), parts[0].ops)
-            merged.w8a8 = parts[0].w8a8
+            merged.w8a8, merged.arranged = parts[0].w8a8, parts[0].arranged
             panel = column = 0
             for p in parts:
                 panels = p.packed.shape[0]
@@ -278,15 +281,24 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> Quantized:
 
 
 def use_w8a8(model: torch.nn.Module) -> dict[str, str]:
-    """Every int8 layer of the model computing with int8 rows too (`--quantize w8a8`); what run.json says of it."""
+    """Every int8 layer of the model computing with int8 rows too (`--quantize w8a8`), its panels arranged in place
+    for VPDPBUSD where the kernel runs it (not those an int8 embedding table looks rows up in: a tied output layer's);
+    what run.json says of it."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    looked_up = {m.table.packed.data_ptr() for m in model.modules() if hasattr(m, "table")
+                 and isinstance(m.table, Int8Linear)}  # cbgen.model.q8_0.Int8Embedding's
+    ops = layers[0].ops if layers else None
+    vnni = ops is not None and bool(ops.int8_w8a8_vnni(layers[0].width))
     for layer in layers:
         layer.w8a8 = True
-    ops = layers[0].ops if layers else None
+        if vnni and layer.packed.data_ptr() not in looked_up and layer.packed.is_contiguous():
+            ops.int8_w8a8_arrange_(layer.packed)
+            layer.arranged = True
     if ops is None:
         how = "eager: the rows quantized, then a float32 matmul of the dequantized weights (the kernel did not build)"
-    elif ops.int8_w8a8_vnni(layers[0].width):
-        how = "compiled: integer products (AVX-512 VNNI)"
+    elif vnni:
+        arranged = sum(layer.arranged for layer in layers)
+        how = f"compiled: integer products (AVX-512 VNNI), {arranged} of {len(layers)} layers arranged for them at load"
     else:
         how = "compiled, plain loop: this CPU has no AVX-512 VNNI (slower than --quantize int8 here)"
     return {"arithmetic": "w8a8", "w8a8": how}

@@ -401,6 +401,13 @@ def test_w8a8_is_the_matmul_of_the_quantized_rows_and_a_row_gets_its_own_bits(op
     assert together.dtype == case["dtype"] and torch.equal(together[place], alone)
     other = int8.pack(q, scales, {64: 32, 32: 64}[case["width"]])
     assert torch.equal(together, ops.int8_linear_w8a8(rows, *other, bias, case["out_features"]))
+    for width_64 in (packed, other[0]):  # panels arranged once for VPDPBUSD: the same bits
+        if width_64.shape[2] == 64 and ops.int8_w8a8_vnni(64):
+            arranged = width_64.clone()
+            ops.int8_w8a8_arrange_(arranged)
+            scales_64 = packed_scales if width_64 is packed else other[1]
+            assert torch.equal(together, ops.int8_linear_w8a8(rows, arranged, scales_64, bias, case["out_features"],
+                                                               True))
     quantized, dequantized = int8.quantize_rows(rows).double(), int8.dequantize(q, scales).double()
     exact = torch.nn.functional.linear(quantized, dequantized, None if bias is None else bias.double())
     sizes = quantized.abs() @ dequantized.abs().t() + (0 if bias is None else bias.double().abs())
@@ -443,7 +450,10 @@ def test_a_w8a8_job_answers_as_the_dequantized_model_on_quantized_rows_and_is_ba
     quantized = _job_tokens(tmp_path / "q")
     manifest = json.loads((tmp_path / "q" / "run.json").read_text())
     assert manifest["model"]["quantized"]["arithmetic"] == "w8a8"
-    assert manifest["model"]["quantized"]["w8a8"].startswith("compiled")
+    how = manifest["model"]["quantized"]["w8a8"]
+    assert how.startswith("compiled")
+    if torch.ops.cbgen_kernels.int8_w8a8_vnni(int8.block_n()):
+        assert "14 of 14 layers arranged" in how
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
