@@ -6,7 +6,7 @@ model folder and converted once by llama.cpp's own script (convert_hf_to_gguf.py
 benchmarks/build_llamacpp.sh) to GGUF files in the model's precision and in Q8_0, all kept in llama.cpp's models
 folder. The model's precision is what `--dtype auto` picks on this CPU kind (`precision`): float32 (f32 files) on
 AVX2, bfloat16 (bf16 files) where the CPU has bfloat16 units. The fixed workload (full: 16 x (128 + 64), --quick:
-4 x (64 + 16)) then runs through four paths, alternately round after round (the full run: two rounds, so that
+4 x (64 + 16)) then runs through its paths, alternately round after round (the full run: two rounds, so that
 one disturbed minute of the machine does not decide a goal; --quick: one, as its runs take minutes at this size on a
 2-core CPU):
 
@@ -14,6 +14,8 @@ one disturbed minute of the machine does not decide a goal; --quick: one, as its
                              layers, --no-batch-invariant: what batch invariance costs at this size)
     cbgen int8               the Q8_0 file, as `cbgen run --model FILE` runs it: its int8 values read as they are
                              (embeddings and output layer too), through cbgen's compiled int8 kernel
+    cbgen w8a8               the Q8_0 file with `--quantize w8a8` (int8 rows too, integer products: other answers),
+                             where the CPU has AVX-512 VNNI; its rows carry no goal (the issue's int8 is the one above)
     llama.cpp f32|bf16       the file in the model's precision
     llama.cpp Q8_0           the Q8_0 file
 
@@ -41,9 +43,9 @@ INVARIANCE_COST = Goal("<=", 1.05)  # batch invariance free at 1B too
 FASTER = "how many times as fast cbgen is (the other path's median time over cbgen's)"
 COST = "the first path's median time over the second's"
 SHAPES = {"quick": ("llama-1b",), "full": ("llama-1b", "qwen3-4b")}
-# bytes of RAM a shape needs a parameter: cbgen's float32 model (4) and its int8 one (about 1.1), loaded side by
-# side for the alternating rounds, llama.cpp's mapped f32 file (4) and Q8_0 file (about 1.1), and some slack
-MEMORY_PER_PARAMETER = 12
+# bytes of RAM a shape needs a parameter: cbgen's float32 model (4) and its int8 and w8a8 ones (about 1.1 each),
+# loaded side by side for the alternating rounds, llama.cpp's mapped f32 file (4) and Q8_0 file (about 1.1), slack
+MEMORY_PER_PARAMETER = 13
 
 
 def precision() -> tuple[str, str]:
@@ -61,6 +63,12 @@ def goals(plan: Plan) -> tuple[tuple[str, Goal], ...]:
     stock = (("invariant / stock linear layers, llama-1b", INVARIANCE_COST),) if plan.scale_stock else ()
     return ((f"cbgen {dtype} vs llama.cpp {gguf}, llama-1b", AHEAD), ("cbgen int8 vs llama.cpp Q8_0, llama-1b", AHEAD),
             (f"cbgen {dtype} MFU, llama-1b", MFU), (f"cbgen int8 vs cbgen {dtype}, llama-1b", INT8_SPEED)) + stock
+
+
+def _w8a8_unfit() -> str | None:
+    from cbgen.model.int8 import w8a8_unfit
+
+    return w8a8_unfit()
 
 
 def _converter() -> Path | None:
@@ -84,7 +92,7 @@ def prepared(shape: str, log: Any) -> tuple[Path, Path, Path] | str:
     if parameters * MEMORY_PER_PARAMETER > _memory_bytes():
         needed, have = parameters * MEMORY_PER_PARAMETER / 2**30, _memory_bytes() / 2**30
         return (f"{shape} ({parameters / 1e9:.1f}B parameters) needs about {needed:.0f} GiB of memory (cbgen in "
-                f"float32 and int8 beside llama.cpp's files); this machine has {have:.0f} GiB")
+                f"float32, int8 and w8a8 beside llama.cpp's files); this machine has {have:.0f} GiB")
     converter = _converter()
     if converter is None:
         return f"no llama.cpp converter ({BUILD_HINT})"
@@ -173,7 +181,9 @@ def _timed(ctx: Context, t: Timings, shape: str, folder: Path, floats: Path, q8_
     # cbgen int8 runs the Q8_0 file llama.cpp runs: its int8 values read as they are (cbgen.model.q8_0), the rest of
     # the model in the model's precision, as `cbgen run --model FILE` would
     benches: dict[str, Bench] = {}
-    for name, model, quantize in ((float_path, folder, "none"), ("cbgen int8", q8_0, "auto")):
+    paths = [(float_path, folder, "none"), ("cbgen int8", q8_0, "auto")]
+    paths += [("cbgen w8a8", q8_0, "w8a8")] if _w8a8_unfit() is None else []
+    for name, model, quantize in paths:
         settings = ModelSection(model=str(model), dtype=dtype, device="cpu", quantize=quantize)  # type: ignore[arg-type]
         loaded = load_model(settings)
         parameters = parameters or parameter_count(loaded.model)
@@ -221,6 +231,13 @@ def _rows(ctx: Context, t: Timings, shape: str, tokens: dict[str, float], parame
                     else skipped("scale", title, bindings()[1] or "llama.cpp did not run", AHEAD if main else None))
     rows.append(ratio("scale", f"cbgen int8 vs {float_path}, {shape}", t, f"{float_path}, {shape}",
                       f"cbgen int8, {shape}", FASTER, INT8_SPEED if main else None, note=shape_text))
+    unfit = _w8a8_unfit()
+    w8a8_note = f"{shape_text}; w8a8: int8 rows too, answers other than the dequantized model's (no goal)"
+    for theirs in (float_path, "llama.cpp Q8_0"):
+        title = f"cbgen w8a8 vs {theirs}, {shape}"
+        rows.append(ratio("scale", title, t, f"{theirs}, {shape}", f"cbgen w8a8, {shape}", FASTER, None,
+                          note=w8a8_note) if "cbgen w8a8" in tokens and theirs in tokens
+                    else skipped("scale", title, unfit or bindings()[1] or "llama.cpp did not run"))
     if ctx.plan.scale_stock:
         rows.append(ratio("scale", f"invariant / stock linear layers, {shape}", t, f"{float_path}, {shape}",
                           f"{float_path} stock, {shape}", COST, INVARIANCE_COST if main else None, note=shape_text))

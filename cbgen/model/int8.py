@@ -291,7 +291,7 @@ def use_w8a8(model: torch.nn.Module) -> dict[str, str]:
     vnni = ops is not None and bool(ops.int8_w8a8_vnni(layers[0].width))
     for layer in layers:
         layer.w8a8 = True
-        if vnni and layer.packed.data_ptr() not in looked_up and layer.packed.is_contiguous():
+        if ops is not None and vnni and layer.packed.data_ptr() not in looked_up and layer.packed.is_contiguous():
             ops.int8_w8a8_arrange_(layer.packed)
             layer.arranged = True
     if ops is None:
@@ -302,6 +302,15 @@ def use_w8a8(model: torch.nn.Module) -> dict[str, str]:
     else:
         how = "compiled, plain loop: this CPU has no AVX-512 VNNI (slower than --quantize int8 here)"
     return {"arithmetic": "w8a8", "w8a8": how}
+
+
+def w8a8_unfit() -> str | None:
+    """Why `--quantize w8a8` would run its plain loop here (correct, slow), or None where the kernel has integer
+    products (AVX-512 VNNI) at this machine's panel width."""
+    ops, why = kernel_ops()
+    if ops is None:
+        return why
+    return None if ops.int8_w8a8_vnni(block_n()) else "no AVX-512 VNNI here (w8a8 would run its plain loop)"
 
 
 def gguf_is_q8_0(path: Path, memo: Path | None) -> bool:

@@ -64,9 +64,10 @@ def test_the_model_precision_is_the_kinds_dtype_in_goals_and_files(monkeypatch, 
     assert q8_0.name == "llama-1b-q8_0.gguf" and q8_0.read_text() == "q8_0"
 
 
-def test_the_paths_alternate_round_after_round_and_tokens_are_at_the_median(monkeypatch, tmp_path):
+@pytest.mark.parametrize("vnni", [False, True])
+def test_the_paths_alternate_round_after_round_and_tokens_are_at_the_median(monkeypatch, tmp_path, vnni):
     # the full run times every path once a round, two rounds, so one disturbed minute cannot decide a goal alone;
-    # both cbgen models are loaded and warmed before the first timed run
+    # every cbgen model is loaded and warmed before the first timed run; w8a8 runs where its kernel has VNNI
     from types import SimpleNamespace
 
     from cbgen.bench import llamacpp, machine, paths
@@ -76,11 +77,13 @@ def test_the_paths_alternate_round_after_round_and_tokens_are_at_the_median(monk
 
     monkeypatch.setenv("CBGEN_CPU_KIND", "avx512-bf16")
     calls: list[str] = []
-    seconds = iter([10.0, 12.0, 20.0, 13.0, 14.0, 30.0, 11.0, 50.0, 20.0, 16.0])
+    w8a8 = [9.0, 8.0] if vnni else []
+    seconds = iter([10.0, 12.0, 20.0, *w8a8[:1], 13.0, 14.0, 30.0, 11.0, 50.0, *w8a8[1:], 20.0, 16.0])
+    monkeypatch.setattr(scale, "_w8a8_unfit", lambda: None if vnni else "no AVX-512 VNNI here")
 
     class FakeBench:
         def __init__(self, loaded, options, settings):
-            self.name = "int8" if settings.quantize == "auto" else settings.dtype
+            self.name = {"auto": "int8", "w8a8": "w8a8"}.get(settings.quantize, settings.dtype)
 
         def cbgen(self, workload, invariant=None):
             warm = workload is not timed
@@ -100,11 +103,47 @@ def test_the_paths_alternate_round_after_round_and_tokens_are_at_the_median(monk
     ctx = SimpleNamespace(plan=Plan.of(False, "small"), log=print)
     t = Timings()
     tokens, parameters, measured = scale._timed(ctx, t, "llama-1b", tmp_path, tmp_path / "f.gguf", tmp_path / "q.gguf")
-    assert calls == ["bfloat16 warm", "int8 warm"] + [
-        "bfloat16", "bfloat16 stock", "int8", "llama.cpp bf16 after 10", "llama.cpp Q8_0 after 10",
-        "bfloat16", "bfloat16 stock", "int8", "llama.cpp bf16 after 30", "llama.cpp Q8_0 after 30"]
+    also = ["w8a8"] if vnni else []
+    assert calls == ["bfloat16 warm", "int8 warm", *[f"{a} warm" for a in also]] + [
+        "bfloat16", "bfloat16 stock", "int8", *also, "llama.cpp bf16 after 10", "llama.cpp Q8_0 after 10",
+        "bfloat16", "bfloat16 stock", "int8", *also, "llama.cpp bf16 after 30", "llama.cpp Q8_0 after 30"]
+    if vnni:
+        assert [s.value for s in t.samples["cbgen w8a8, llama-1b"]] == [9.0, 8.0]
     assert [s.value for s in t.samples["cbgen bfloat16, llama-1b"]] == [10.0, 30.0]
     assert [s.value for s in t.samples["llama.cpp Q8_0, llama-1b"]] == [14.0, 16.0]
     assert tokens["cbgen bfloat16"] == pytest.approx(320 / 20.0) and tokens["llama.cpp Q8_0"] == pytest.approx(320 / 15)
     assert parameters == 1 and measured is timed
     assert Plan.of(True, "small").scale_rounds == 1
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_w8a8_rows_carry_no_goal_and_say_why_where_they_did_not_run(monkeypatch, vnni):
+    """The issue's int8 is `--quantize int8` (the dequantized model's answers): w8a8 (other answers) gets figures
+    beside it, against the float path and llama.cpp's Q8_0 (which quantizes its rows too), and no goal."""
+    from types import SimpleNamespace
+
+    from cbgen.bench import llamacpp, machine
+    from cbgen.bench.suite import Timings
+    from cbgen.bench.workloads import BenchWorkload, Measurement
+
+    monkeypatch.setenv("CBGEN_CPU_KIND", "avx512-bf16")
+    monkeypatch.setattr(scale, "_w8a8_unfit", lambda: None if vnni else "no AVX-512 VNNI here")
+    monkeypatch.setattr(machine, "matmul_flops", lambda dtype: 1e9)
+    monkeypatch.setattr(llamacpp, "bindings", lambda: (object(), None))
+    t = Timings()
+    took = {"cbgen bfloat16": 20.0, "cbgen bfloat16 stock": 22.0, "cbgen int8": 25.0, "llama.cpp bf16": 26.0,
+            "llama.cpp Q8_0": 36.0} | ({"cbgen w8a8": 16.0} if vnni else {})
+    for name, seconds in took.items():
+        t.record(f"{name}, llama-1b", lambda s=seconds: Measurement("fixed", "x", s, 4, 256, 64))
+    tokens = {name: 320 / s for name, s in took.items() if "stock" not in name}
+    ctx = SimpleNamespace(plan=Plan.of(False, "small"), machine=SimpleNamespace(bf16_gflops=1.0))
+    rows = {row.name: row for row in scale._rows(ctx, t, "llama-1b", tokens, 1, BenchWorkload("fixed", [[1] * 128] * 16,
+                                                                                               64))}
+    against_float, against_q8_0 = rows["cbgen w8a8 vs cbgen bfloat16, llama-1b"], rows[
+        "cbgen w8a8 vs llama.cpp Q8_0, llama-1b"]
+    assert against_float.goal is None and against_q8_0.goal is None
+    if vnni:
+        assert against_float.figure == pytest.approx(1.25) and against_q8_0.figure == pytest.approx(2.25)
+    else:
+        assert against_float.figure is None and "no AVX-512 VNNI" in against_float.note
+    assert rows["cbgen int8 vs cbgen bfloat16, llama-1b"].goal is not None  # the issue's int8 keeps its goal

@@ -181,3 +181,33 @@ def test_a_q8_0_job_answers_as_the_dequantized_model(q8_0_file, tmp_path, dtype)
     assert same >= 0.95 * len(rows), f"{same} of {len(rows)} rows"
     manifest = json.loads((tmp_path / "q" / "run.json").read_text())
     assert manifest["model"]["quantized"]["loader"] == "read as int8 from the file"
+
+
+@pytest.mark.embedded
+def test_a_q8_0_file_in_w8a8_arranges_its_layers_but_not_the_table_the_embedding_reads(q8_0_file):
+    """`--quantize w8a8` on a Q8_0 file: the decoder layers' panels are arranged for VPDPBUSD in place at load (where
+    the kernel has it), the tied output layer's are not (the int8 embedding table looks rows up in them, and its
+    lookups stay the file's rows), and the logits are near those of the same model computing its layers on rows
+    quantized by int8.quantize_rows (not to rounding: a last-bit difference can move a value across a rounding step
+    of the next layer's quantization: the reference's own logits move by 1 % on average for inputs 1e-6 apart)."""
+    from cbgen.config import ModelSection
+    from cbgen.model.load import load_model
+
+    w8a8 = load_model(ModelSection(model=str(q8_0_file), dtype="float32", quantize="w8a8", use_cache=False))
+    plain = load_model(ModelSection(model=str(q8_0_file), dtype="float32", use_cache=False))
+    assert w8a8.quantized is not None and w8a8.quantized["arithmetic"] == "w8a8"
+    model = w8a8.model
+    head = model.get_output_embeddings()
+    layers = [m for m in model.modules() if isinstance(m, int8.Int8Linear)]
+    assert all(m.w8a8 for m in layers) and not head.arranged
+    vnni = torch.ops.cbgen_kernels.int8_w8a8_vnni(int8.block_n())
+    assert all(m.arranged == vnni for m in layers if m is not head)
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.get_input_embeddings()(ids), plain.model.get_input_embeddings()(ids))
+    for m in plain.model.modules():
+        if isinstance(m, int8.Int8Linear):
+            m.register_forward_pre_hook(lambda _, args: (int8.quantize_rows(args[0]),))
+    with torch.no_grad():
+        ours, reference = model(ids).logits, plain.model(ids).logits
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+    assert (ours - reference).abs().mean() <= 0.02 * reference.abs().mean()
