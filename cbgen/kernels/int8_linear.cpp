@@ -237,7 +237,8 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed
 // in order: S = the group's 32 products q_x * q_w summed exactly in int32, and sum = fma(float(S), d_w * d_x, sum),
 // d_w * d_x rounded to float32 first. A row's bits are its own (its quantization, the groups' order and each fma are
 // fixed by K alone), on every CPU kind: with AVX-512 VNNI the 64-column panels are read four inputs at a time
-// (VPDPBUSD: 64 products an instruction, twice VDPBF16PS's), elsewhere a plain loop computes the same bits slowly.
+// (VPDPBUSD: 64 products an instruction, twice VDPBF16PS's), arranged for it once at load (int8_w8a8_arrange_) or a
+// chunk at a time in the call; elsewhere a plain loop computes the same bits slowly.
 constexpr int64_t W8A8_KC = 512;  // inputs of a panel rearranged for VPDPBUSD at a time (32 KiB)
 constexpr int64_t W8A8_ROWS = 6;  // rows a micro-kernel call: 6 x 2 int32 and 6 x 2 float32 vectors in registers
 

@@ -10,6 +10,11 @@ file's own int8 values and scales (tests/model/test_int8.py checks it against th
 layer whose input count is not a multiple of 32 stays float, and the summary says how many were kept so. Where the
 compiled kernel is unavailable a layer dequantizes its whole weight each call (slow, right; run.json says why).
 
+`--quantize w8a8` keeps the same weights and quantizes each layer's input rows too (`quantize_rows`, as llama.cpp's
+Q8_0 path quantizes its activations): the kernel's products are then exact integers (AVX-512 VNNI, the panels arranged
+for it once at load: `use_w8a8`), faster than bfloat16 where the CPU has VNNI, but the answers are those of the
+dequantized model on quantized rows, which differ from the dequantized model's about as much as bfloat16's do.
+
 Rows in float32 are computed in float32. Rows in bfloat16 are too, except on a CPU with bfloat16 units
 (`bf16_arithmetic`), where the kernel dequantizes into bfloat16 and runs the bfloat16 micro-kernel (float32 sums): the
 weights it computes with are then those of a bfloat16 model of the dequantized weights, and prefill runs at the
