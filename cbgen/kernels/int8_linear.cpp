@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -381,7 +382,13 @@ __attribute__((target("avx512vnni"))) void w8a8_rows(const uint8_t* __restrict__
   }
 }
 
-const bool VNNI_UNITS = __builtin_cpu_supports("avx512vnni");
+// a machine held to AVX-512 without VNNI (cbgen.config.cpu.HOLDS: oneDNN's AVX512_CORE) runs the plain loop, as
+// that machine would
+bool held_below_vnni() {
+  const char* isa = std::getenv("ONEDNN_MAX_CPU_ISA");
+  return isa != nullptr && std::strcmp(isa, "AVX512_CORE") == 0;
+}
+const bool VNNI_UNITS = __builtin_cpu_supports("avx512vnni") && !held_below_vnni();
 #endif
 
 // rows [first, last) of one panel over inputs [0, k), the plain loop: the same operations as w8a8_rows, column by

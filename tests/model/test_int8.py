@@ -479,3 +479,22 @@ def test_a_w8a8_job_answers_as_the_dequantized_model_on_quantized_rows_and_is_ba
     assert run_cli(["run", str(shuffled), "-o", str(tmp_path / "q2"), *common, "--max-requests-per-batch", "3",
                     "--max-batch-tokens", "40"]) == 0
     assert _job_tokens(tmp_path / "q2") == quantized
+
+
+def test_w8a8_runs_integer_products_where_the_cpu_has_vnni_and_not_when_held_below_it(ops):
+    """VPDPBUSD runs where the CPU has AVX-512 VNNI and the build is AVX-512 (64-column panels); a machine held to
+    AVX-512 without VNNI (cbgen.config.cpu.HOLDS["avx512"], as a Skylake-X) runs the plain loop, as that one would."""
+    import subprocess
+    import sys
+
+    from cbgen.config.cpu import HOLDS, cpu_flags
+
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX512_CORE"
+    own = "avx512_vnni" in cpu_flags() and int8.block_n() == 64 and not held
+    assert bool(ops.int8_w8a8_vnni(64)) == own and not ops.int8_w8a8_vnni(32)
+    if "avx512f" in cpu_flags():
+        code = ("import torch; from cbgen.kernels import kernel; kernel('int8_linear'); "
+                "print(torch.ops.cbgen_kernels.int8_w8a8_vnni(64))")
+        done = subprocess.run([sys.executable, "-c", code], env=os.environ | HOLDS["avx512"], capture_output=True,
+                              text=True, timeout=300)
+        assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
