@@ -382,6 +382,10 @@ __attribute__((target("avx512vnni"))) void w8a8_rows(const uint8_t* __restrict__
   }
 }
 
+// w8a8_rows for 1 .. W8A8_ROWS rows
+constexpr decltype(&w8a8_rows<1>) W8A8_ROWS_OF[W8A8_ROWS] = {w8a8_rows<1>, w8a8_rows<2>, w8a8_rows<3>,
+                                                             w8a8_rows<4>, w8a8_rows<5>, w8a8_rows<6>};
+
 // a machine held to AVX-512 without VNNI (cbgen.config.cpu.HOLDS: oneDNN's AVX512_CORE) runs the plain loop, as
 // that machine would
 bool held_below_vnni() {
@@ -473,14 +477,8 @@ void run_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
           const int32_t* xlow = rows.low.data() + r0 * groups + g0;
           float* target = sums.data() + (r0 - first_row) * 64;
           for (int half = 0; half < 2; ++half) {
-            switch (count) {
-              case 1: w8a8_rows<1>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 2: w8a8_rows<2>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 3: w8a8_rows<3>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 4: w8a8_rows<4>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              case 5: w8a8_rows<5>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-              default: w8a8_rows<6>(quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0, target); break;
-            }
+            W8A8_ROWS_OF[count - 1](quads, chunk_scales.data(), kc / GROUP, xq, k, xd, xlow, groups, half, k0 == 0,
+                                    target);
           }
         }
       }

@@ -124,21 +124,19 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         bf16 = x.dtype == torch.bfloat16 and bf16_arithmetic()
-        if self.w8a8:
-            if self.ops is not None and x.device.type == "cpu":
+        if self.ops is not None and x.device.type == "cpu":
+            if self.w8a8:
                 out = self.ops.int8_linear_w8a8(rows, self.packed, self.packed_scales, self.bias, self.out_features,
                                                 self.arranged)
             else:
-                weight = dequantize(*unpack(self.packed, self.packed_scales, self.out_features))
-                out = torch.nn.functional.linear(quantize_rows(rows), weight, self.bias).to(x.dtype)
-        elif self.ops is not None and x.device.type == "cpu":
-            op = self.ops.int8_linear_bf16 if bf16 else self.ops.int8_linear
-            out = op(rows, self.packed, self.packed_scales, self.bias, self.out_features)
+                op = self.ops.int8_linear_bf16 if bf16 else self.ops.int8_linear
+                out = op(rows, self.packed, self.packed_scales, self.bias, self.out_features)
         else:
             weight = dequantize(*unpack(self.packed, self.packed_scales, self.out_features))
-            if bf16:  # the kernel's weights: rounded to bfloat16
+            if bf16 and not self.w8a8:  # the kernel's weights: rounded to bfloat16
                 weight = weight.bfloat16().float()
-            out = torch.nn.functional.linear(rows.float(), weight, self.bias).to(x.dtype)
+            inputs = quantize_rows(rows) if self.w8a8 else rows.float()
+            out = torch.nn.functional.linear(inputs, weight, self.bias).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

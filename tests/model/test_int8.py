@@ -498,3 +498,19 @@ def test_w8a8_runs_integer_products_where_the_cpu_has_vnni_and_not_when_held_bel
         done = subprocess.run([sys.executable, "-c", code], env=os.environ | HOLDS["avx512"], capture_output=True,
                               text=True, timeout=300)
         assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_w8a8_layer_without_the_kernel_computes_the_quantized_rows_eagerly(ops, dtype):
+    """Where the kernel did not build, a w8a8 layer's rows are quantized by quantize_rows and multiplied by the
+    dequantized weights in float32 (never rounded to bfloat16 first, as int8's bf16 path is): the kernel's values to
+    its sums' order."""
+    generator = torch.Generator().manual_seed(3)
+    q, scales = int8.quantize(torch.randn(100, 96, generator=generator) * 0.05)
+    bias = torch.randn(100, generator=generator)
+    eager, compiled = int8.Int8Linear.of(q, scales, bias, None), int8.Int8Linear.of(q, scales, bias, ops)
+    eager.w8a8 = compiled.w8a8 = True
+    x = torch.randn(2, 5, 96, generator=generator).to(dtype)
+    expected = torch.nn.functional.linear(int8.quantize_rows(x), int8.dequantize(q, scales), bias).to(dtype)
+    assert torch.equal(eager(x), expected)
+    torch.testing.assert_close(eager(x), compiled(x), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
